@@ -1,0 +1,1 @@
+"""specserve: a PyTorch-native LLM inference engine built around EAGLE-3 speculative decoding."""
