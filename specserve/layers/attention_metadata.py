@@ -10,8 +10,12 @@ Index diagram for a batch of two requests (page_size 4):
 
 Masking: the new tokens of request r are the LAST q_len_r entries of its KV. With
 `custom_mask is None` they are causal (query i sees KV [0, seq_len - q_len + i]). With a custom
-mask (tree verify), query i sees the whole prefix [0, seq_len - q_len) plus new token j iff
-custom_mask[r, i, j].
+mask of width W = custom_mask.shape[-1] (W >= max_query_len), the LAST W KV entries of each
+request are governed by the mask and everything before them is visible: query i sees
+[0, seq_len - W) plus KV entry seq_len - W + j iff custom_mask[r, i, j]. Tree verify uses
+W = q_len (the draft tokens themselves); a draft tree step uses W = all scratch tokens written
+so far in the cycle (its ancestors sit among them). Rows of requests with fewer than
+max_query_len queries are padding and must be ignored.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ class AttentionMetadata:
     page_table: torch.Tensor  # [bs, max_pages] int32
     max_query_len: int  # host ints, known when the batch is planned
     max_seq_len: int
-    custom_mask: torch.Tensor | None = None  # [bs, max_query_len, max_query_len] bool
+    custom_mask: torch.Tensor | None = None  # [bs, max_query_len, W] bool, see above
     # host copies (lists) for backends that loop on the CPU; filled by the planner
     query_lens_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None

@@ -1,0 +1,183 @@
+"""Engine: scheduler + model runner (+ drafter) + detokenization, driven one step at a time.
+
+    step = schedule -> forward (plain, or draft -> verify -> accept) -> update -> postprocess
+
+Not thread-safe: one thread owns an Engine (the server runs it in its own thread).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+from specserve.config import EngineConfig, ModelConfig
+from specserve.engine.model_runner import ModelRunner
+from specserve.engine.request import Request
+from specserve.engine.scheduler import Scheduler, SchedulerOutput
+from specserve.kv_cache.allocator import PageAllocator
+from specserve.models.loader import resolve_model_path
+from specserve.sampling_params import SamplingParams
+from specserve.tokenizer import IncrementalDetokenizer, StopStringMatcher, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str  # UTF-8-safe delta; stop strings already applied
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+class _TextState:
+    """Per-request detokenization and stop-string matching."""
+
+    def __init__(self, engine: Engine, req: Request) -> None:
+        self.detok = IncrementalDetokenizer(engine.tokenizer, req.prompt_token_ids)
+        self.stops = StopStringMatcher(req.params.stop, req.params.include_stop_str_in_output)
+        self.emitted = 0  # output tokens already reported
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        if not config.model:
+            raise ValueError("no model given: pass --model PATH (a directory or cached repo id)")
+        self.model_path = resolve_model_path(config.model)
+        self.model_name = config.model
+        self.model_config = ModelConfig.from_hf(self.model_path)
+        self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
+        max_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
+        self.max_model_len = min(max_len, self.model_config.max_position_embeddings)
+        self.config = config.replace(scheduler={"max_model_len": self.max_model_len})
+        self.drafter = None
+        extra_layers = 0
+        if config.spec.enabled:
+            from specserve.speculative.eagle3 import load_draft_config
+
+            extra_layers = load_draft_config(config.spec, self.model_config).num_layers
+        t0 = time.perf_counter()
+        self.runner = ModelRunner(self.config, self.model_config, self.model_path, extra_layers)
+        if config.spec.enabled:
+            from specserve.speculative.eagle3 import Eagle3Drafter
+
+            self.drafter = Eagle3Drafter(self.config.spec, self.runner)
+        self.startup_seconds = time.perf_counter() - t0
+        self.allocator = PageAllocator(self.runner.num_pages)
+        eos = tuple(self.model_config.eos_token_ids) or tuple(self.tokenizer.eos_token_ids)
+        self.scheduler = Scheduler(self.config.scheduler, self.allocator, config.cache.page_size,
+                                   self.max_model_len, eos)
+        if self.drafter is not None:
+            self.scheduler.lookahead = self.drafter.lookahead
+        self._rng = random.Random(config.seed)
+        self._ids = itertools.count()
+        self._text: dict[str, _TextState] = {}
+        self._requests: dict[str, Request] = {}
+        log.info("model %s: %d KV pages x %d tokens = %d tokens of context capacity",
+                 self.model_name, self.runner.num_pages, config.cache.page_size,
+                 self.runner.num_pages * config.cache.page_size)
+
+    # -- requests ----------------------------------------------------------------------------
+    def add_request(self, request_id: str | None, prompt: str | list[int],
+                    params: SamplingParams | None = None) -> str:
+        params = params or SamplingParams()
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self._prompt_ids(prompt)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        req = Request(request_id, ids, params, seed=seed)
+        self.scheduler.add(req)  # validates lengths; may raise ValueError / QueueFullError
+        self._requests[request_id] = req
+        self._text[request_id] = _TextState(self, req)
+        return request_id
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty: give at least one character or token")
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, list) or not prompt:
+            raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
+        vocab = self.model_config.vocab_size
+        for t in prompt:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {t!r}")
+        return list(prompt)
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.scheduler.abort(request_id)
+        if req is not None and self.drafter is not None:
+            self.drafter.release(req)
+        self._requests.pop(request_id, None)
+        self._text.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # -- the step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        if self.drafter is not None:
+            token_ids, num_computed = self.drafter.step(out)
+        else:
+            token_ids, num_computed = self.runner.execute(out.scheduled), None
+        self.scheduler.update(out, token_ids, num_computed)
+        return self._postprocess(out)
+
+    def _postprocess(self, out: SchedulerOutput) -> list[RequestOutput]:
+        results = []
+        for s in out.scheduled:
+            req = s.request
+            state = self._text.get(req.request_id)
+            if state is None:
+                continue
+            new_ids = req.output_token_ids[state.emitted:]
+            if not new_ids and not req.is_finished:
+                continue
+            state.emitted = len(req.output_token_ids)
+            text, stopped = state.stops.feed(state.detok.add(new_ids))
+            if stopped and not req.is_finished:
+                self.scheduler.finish(req, "stop", stop_reason="stop string")
+            if req.is_finished and not stopped:
+                text += state.stops.feed(state.detok.flush())[0] + state.stops.flush()
+            results.append(RequestOutput(
+                req.request_id, new_ids, text, req.is_finished, req.finish_reason,
+                req.num_prompt_tokens, req.num_output_tokens))
+            if req.is_finished:
+                if self.drafter is not None:
+                    self.drafter.release(req)
+                del self._text[req.request_id]
+                del self._requests[req.request_id]
+        return results
+
+    # -- introspection -----------------------------------------------------------------------
+    def stats(self) -> dict:
+        total = self.allocator.num_total
+        free = self.allocator.num_free
+        stats = {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "kv_free_pages": free,
+            "kv_total_pages": total,
+            "kv_usage": 1.0 - free / total,
+            "kv_token_capacity": total * self.config.cache.page_size,
+            "startup_seconds": self.startup_seconds,
+            "cuda_graphs": getattr(self.runner, "num_graphs", 0),
+        }
+        if self.drafter is not None:
+            stats.update(dataclasses.asdict(self.drafter.counters))
+        return stats
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)

@@ -1,0 +1,200 @@
+"""ModelRunner: owns the target model, its KV pool and attention backend; runs one forward.
+
+The runner turns a scheduled batch into device tensors (input ids, positions, attention
+metadata), runs the model under a forward context, and samples. The only device-to-host copy of
+a plain step is the final `tolist()` of the sampled ids.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from specserve.config import EngineConfig, ModelConfig
+from specserve.engine.forward_batch import build_attention_metadata
+from specserve.engine.scheduler import ScheduledRequest
+from specserve.kv_cache.pool import KVPool
+from specserve.layers.attention import Attention
+from specserve.layers.attention_metadata import (
+    AttentionMetadata,
+    ForwardContext,
+    set_forward_context,
+)
+from specserve.layers.sampler import Sampler, SamplingTensors
+from specserve.models.loader import load_model
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but no CUDA GPU is visible; use --device cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
+    """'auto': float32 on the CPU; on a GPU the checkpoint's half dtype (bf16 for fp32 ones)."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    return torch.float16 if model_config.torch_dtype == "float16" else torch.bfloat16
+
+
+def select_backend(device: torch.device) -> object:
+    """The fastest attention backend usable here; the torch reference otherwise (reason logged)."""
+    from specserve.layers.backends.torch_ref import TorchRefBackend
+
+    if device.type == "cuda":
+        try:
+            from specserve.layers.backends.triton_backend import TritonBackend, available
+
+            ok, reason = available()
+        except ImportError as exc:  # pragma: no cover - depends on the install
+            ok, reason = False, f"triton backend not importable: {exc}"
+        if ok:
+            return TritonBackend()
+        log.warning("GPU attention kernels unavailable (%s); using the torch reference", reason)
+    return TorchRefBackend()
+
+
+@dataclass
+class BatchInputs:
+    """Device tensors for one forward over a set of scheduled requests."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    md: AttentionMetadata
+    sample_rows: torch.Tensor  # [n_sample] rows of the hidden states to turn into logits
+    sample_index: list[int]  # which scheduled entries sample, in sample_rows order
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: str,
+                 extra_kv_layers: int = 0) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, model_config, self.device)
+        self.page_size = config.cache.page_size
+        self.model: nn.Module = load_model(model_config, model_path, self.dtype, self.device)
+        self.backend = select_backend(self.device)
+        self.sampler = Sampler()
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.extra_kv_layers = extra_kv_layers
+        self.kv_pool = self._allocate_kv_pool()
+        self.kv_pool.bind(self.attn_layers)
+
+    # -- KV memory ---------------------------------------------------------------------------
+    def _allocate_kv_pool(self) -> KVPool:
+        mc, cc = self.model_config, self.config.cache
+        num_layers = len(self.attn_layers) + self.extra_kv_layers
+        per_page = KVPool.bytes_per_page(num_layers, cc.page_size, mc.num_kv_heads // self.tp_size,
+                                         mc.head_dim, self.dtype)
+        if cc.num_pages > 0:
+            num_pages = cc.num_pages
+        elif self.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.device)
+            # leave room for activations, logits and graph pools
+            budget = int(free * cc.gpu_memory_utilization) - (2 << 30)
+            num_pages = budget // per_page
+        else:
+            num_pages = cc.kv_cache_bytes // per_page
+        if num_pages < 2:
+            raise ValueError(
+                f"the KV-cache budget holds {num_pages} pages of {cc.page_size} tokens "
+                f"({per_page} bytes each); raise --kv-cache-bytes / --gpu-memory-utilization or "
+                "lower --page-size")
+        return KVPool(num_layers, num_pages, cc.page_size, mc.num_kv_heads // self.tp_size,
+                      mc.head_dim, self.dtype, self.device)
+
+    @property
+    def tp_size(self) -> int:
+        from specserve.distributed.parallel_state import get_tp_size
+
+        return get_tp_size()
+
+    @property
+    def num_pages(self) -> int:
+        return self.kv_pool.num_pages
+
+    # -- one forward -------------------------------------------------------------------------
+    def prepare(self, scheduled: list[ScheduledRequest]) -> BatchInputs:
+        ids: list[int] = []
+        positions: list[int] = []
+        query_lens, seq_lens, page_tables = [], [], []
+        sample_rows: list[int] = []
+        sample_index: list[int] = []
+        for i, s in enumerate(scheduled):
+            req = s.request
+            end = s.start + s.num_new_tokens
+            ids.extend(req.all_token_ids[s.start:end])
+            positions.extend(range(s.start, end))
+            query_lens.append(s.num_new_tokens)
+            seq_lens.append(end)
+            page_tables.append(req.page_ids)
+            if s.samples:
+                sample_rows.append(len(ids) - 1)
+                sample_index.append(i)
+        md = build_attention_metadata(query_lens, seq_lens, page_tables, self.page_size,
+                                      self.device)
+        return BatchInputs(
+            input_ids=self._to_device(ids),
+            positions=self._to_device(positions),
+            md=md,
+            sample_rows=self._to_device(sample_rows),
+            sample_index=sample_index,
+        )
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        t = torch.tensor(values, dtype=torch.long)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                md: AttentionMetadata) -> torch.Tensor:
+        """Run the target over the batch; returns the final hidden states [T, H]."""
+        set_forward_context(ForwardContext(md, self.backend))
+        try:
+            return self.model(input_ids, positions)
+        finally:
+            set_forward_context(None)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)
+
+    def sampling_tensors(self, scheduled: list[ScheduledRequest], index: list[int],
+                         extra_offset: int = 0) -> SamplingTensors:
+        """Sampling parameters of the entries that sample; the noise counter is the position
+        of the token being sampled, so a seeded request samples the same token whatever the
+        batch around it."""
+        reqs = [scheduled[i].request for i in index]
+        return SamplingTensors.build(
+            [r.params for r in reqs], [r.seed for r in reqs],
+            [r.num_tokens + extra_offset for r in reqs], self.model_config.vocab_size,
+            self.device)
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledRequest]) -> list[list[int]]:
+        """Plain step: forward, sample the entries that reached their last token."""
+        batch = self.prepare(scheduled)
+        hidden = self.forward(batch.input_ids, batch.positions, batch.md)
+        out: list[list[int]] = [[] for _ in scheduled]
+        if not batch.sample_index:
+            return out
+        logits = self.compute_logits(hidden[batch.sample_rows])
+        st = self.sampling_tensors(scheduled, batch.sample_index)
+        tokens = self.sampler.sample(logits, st).tolist()  # the one device-to-host copy
+        for i, tok in zip(batch.sample_index, tokens):
+            out[i] = [tok]
+        return out

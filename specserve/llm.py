@@ -1,0 +1,72 @@
+"""Offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm import tqdm
+
+from specserve.config import EngineConfig, SpecConfig
+from specserve.engine.engine import Engine
+from specserve.sampling_params import SamplingParams
+
+
+@dataclass
+class GenerationOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    # speculation statistics of this request (zeros without speculation)
+    spec_cycles: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
+
+    @property
+    def accept_length(self) -> float:
+        """Tokens emitted per draft-verify cycle, bonus included."""
+        return (self.spec_accepted_tokens + self.spec_cycles) / max(self.spec_cycles, 1)
+
+
+class LLM:
+    """Keyword arguments are EngineConfig fields; `speculative=dict(...)` sets SpecConfig and
+    nested configs accept dicts (`cache=dict(page_size=32)`)."""
+
+    def __init__(self, model: str, speculative: dict[str, Any] | SpecConfig | None = None,
+                 **kwargs: Any) -> None:
+        config = EngineConfig(model=model)
+        if isinstance(speculative, dict):
+            kwargs["spec"] = SpecConfig(**speculative)
+        elif speculative is not None:
+            kwargs["spec"] = speculative
+        self.engine = Engine(config.replace(**kwargs))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: str | list[str] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[GenerationOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(
+            prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+        ids = [self.engine.add_request(None, p, sp) for p, sp in zip(prompts, params_list)]
+        texts = {i: [] for i in ids}
+        results: dict[str, GenerationOutput] = {}
+        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
+        reqs = {i: self.engine.get_request(i) for i in ids}
+        while len(results) < len(ids):
+            for out in self.engine.step():
+                texts[out.request_id].append(out.new_text)
+                if out.finished:
+                    req = reqs[out.request_id]
+                    results[out.request_id] = GenerationOutput(
+                        out.request_id, req.prompt_token_ids, list(req.output_token_ids),
+                        "".join(texts[out.request_id]), out.finish_reason, req.spec_cycles,
+                        req.spec_accepted_tokens, list(req.spec_accepted_per_pos))
+                    bar.update(1)
+        bar.close()
+        return [results[i] for i in ids]
