@@ -72,12 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _register(module: str, subparsers: argparse._SubParsersAction) -> None:
     import importlib
 
-    try:
-        mod = importlib.import_module(module)
-    except ImportError as exc:  # a missing optional dependency: the command says why
-        logging.getLogger(__name__).debug("%s unavailable: %s", module, exc)
-        return
-    mod.register(subparsers)
+    importlib.import_module(module).register(subparsers)
 
 
 def main(argv: list[str] | None = None) -> int:

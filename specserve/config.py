@@ -148,7 +148,7 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class SpecConfig:
     algorithm: str = _f("none", "speculative decoding: none | eagle3", choices=("none", "eagle3"))
-    draft_model: str = _f("", "path of the EAGLE-3 draft head (directory)")
+    draft_model: str = _f("", "EAGLE-3 draft head directory ('dummy': a random head)")
     num_steps: int = _f(3, "draft forwards per cycle (tree depth)")
     topk: int = _f(1, "branching factor: 1 = chain, >1 = EAGLE-2 dynamic tree")
     num_draft_tokens: int = _f(0, "tokens verified per cycle incl. the root (0 = num_steps+1)")
@@ -172,10 +172,14 @@ class SpecConfig:
 class EngineConfig:
     model: str = _f("", "model directory or Hugging Face repo id (local cache only)")
     tokenizer: str = _f("", "tokenizer directory (default: the model's)")
+    load_format: str = _f(
+        "auto", "auto: read the checkpoint; dummy: random weights (cost benchmarks; --model may "
+        "then name a preset such as llama-3.1-8b)", choices=("auto", "dummy"))
     dtype: str = _f("auto", "weight/activation dtype", choices=DTYPES)
     device: str = _f("auto", "auto | cpu | cuda")
     seed: int = _f(0, "engine seed for requests without their own")
     enforce_eager: bool = _f(False, "disable CUDA graphs")
+    cuda_graph_max_bs: int = _f(128, "largest decode batch captured in a CUDA graph")
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -44,13 +44,27 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, 500) for _ in range(rng.randint(2, 40))] for _ in range(n)]
 
 
+DEVICE = "cpu"
+
+
+@pytest.fixture(scope="module", autouse=True,
+                params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request: pytest.FixtureRequest) -> str:
+    """Every test runs on the CPU and (marked gpu) on CUDA, in fp32 on both."""
+    global DEVICE
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    DEVICE = request.param
+    return request.param
+
+
 def _llm(target: str, spec: dict | None = None, **kw) -> LLM:
-    kw.setdefault("cache", CacheConfig(page_size=4, kv_cache_bytes=16 << 20))
-    return LLM(target, device="cpu", dtype="float32", speculative=spec, **kw)
+    kw.setdefault("cache", CacheConfig(page_size=4, kv_cache_bytes=16 << 20, num_pages=1024))
+    return LLM(target, device=DEVICE, dtype="float32", speculative=spec, **kw)
 
 
 @pytest.fixture(scope="module")
-def reference(pair: tuple[str, str]) -> dict[tuple[int, ...], list[int]]:
+def reference(pair: tuple[str, str], device: str) -> dict[tuple[int, ...], list[int]]:
     """Plain greedy outputs for every prompt the tests use."""
     llm = _llm(pair[0])
     prompts = _prompts(16, seed=1)

@@ -20,8 +20,15 @@ from specserve.engine.request import Request
 from specserve.engine.scheduler import Scheduler, SchedulerOutput
 from specserve.kv_cache.allocator import PageAllocator
 from specserve.models.loader import resolve_model_path
+from specserve.models.presets import PRESETS
 from specserve.sampling_params import SamplingParams
-from specserve.tokenizer import IncrementalDetokenizer, StopStringMatcher, load_tokenizer
+from specserve.tokenizer import (
+    IncrementalDetokenizer,
+    StopStringMatcher,
+    Tokenizer,
+    has_tokenizer,
+    load_tokenizer,
+)
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +48,8 @@ class _TextState:
     """Per-request detokenization and stop-string matching."""
 
     def __init__(self, engine: Engine, req: Request) -> None:
-        self.detok = IncrementalDetokenizer(engine.tokenizer, req.prompt_token_ids)
+        self.detok = (IncrementalDetokenizer(engine.tokenizer, req.prompt_token_ids)
+                      if engine.tokenizer is not None else None)
         self.stops = StopStringMatcher(req.params.stop, req.params.include_stop_str_in_output)
         self.emitted = 0  # output tokens already reported
 
@@ -50,10 +58,14 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         if not config.model:
             raise ValueError("no model given: pass --model PATH (a directory or cached repo id)")
-        self.model_path = resolve_model_path(config.model)
         self.model_name = config.model
-        self.model_config = ModelConfig.from_hf(self.model_path)
-        self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
+        if config.load_format == "dummy" and config.model in PRESETS:
+            self.model_path = None
+            self.model_config = ModelConfig.from_hf(PRESETS[config.model])
+        else:
+            self.model_path = resolve_model_path(config.model)
+            self.model_config = ModelConfig.from_hf(self.model_path)
+        self.tokenizer = self._load_tokenizer(config)
         max_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
         self.max_model_len = min(max_len, self.model_config.max_position_embeddings)
         self.config = config.replace(scheduler={"max_model_len": self.max_model_len})
@@ -71,11 +83,14 @@ class Engine:
             self.drafter = Eagle3Drafter(self.config.spec, self.runner)
         self.startup_seconds = time.perf_counter() - t0
         self.allocator = PageAllocator(self.runner.num_pages)
-        eos = tuple(self.model_config.eos_token_ids) or tuple(self.tokenizer.eos_token_ids)
+        eos = tuple(self.model_config.eos_token_ids)
+        if not eos and self.tokenizer is not None:
+            eos = tuple(self.tokenizer.eos_token_ids)
         self.scheduler = Scheduler(self.config.scheduler, self.allocator, config.cache.page_size,
                                    self.max_model_len, eos)
         if self.drafter is not None:
             self.scheduler.lookahead = self.drafter.lookahead
+        self._drafter = self.drafter
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._text: dict[str, _TextState] = {}
@@ -83,6 +98,24 @@ class Engine:
         log.info("model %s: %d KV pages x %d tokens = %d tokens of context capacity",
                  self.model_name, self.runner.num_pages, config.cache.page_size,
                  self.runner.num_pages * config.cache.page_size)
+
+    def _load_tokenizer(self, config: EngineConfig) -> Tokenizer | None:
+        """The model's tokenizer; random-weight benchmark models may have none (then prompts
+        must be token ids)."""
+        path = config.tokenizer or self.model_path
+        if config.load_format == "dummy" and (path is None or not has_tokenizer(path)):
+            return None
+        return load_tokenizer(path)
+
+    def set_speculation(self, enabled: bool) -> None:
+        """Switch speculation off or on between runs (no request in flight): a plain step
+        runs no draft forward, so the draft KV would go stale under running requests."""
+        if self.has_unfinished():
+            raise ValueError("speculation can only be switched while no request is in flight")
+        if enabled and self._drafter is None:
+            raise ValueError("this engine was built without a draft model")
+        self.drafter = self._drafter if enabled else None
+        self.scheduler.lookahead = self._drafter.lookahead if enabled else 0
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | list[int],
@@ -102,6 +135,8 @@ class Engine:
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: give the prompt as token ids")
             if not prompt:
                 raise ValueError("prompt is empty: give at least one character or token")
             return self.tokenizer.encode(prompt)
@@ -146,11 +181,7 @@ class Engine:
             if not new_ids and not req.is_finished:
                 continue
             state.emitted = len(req.output_token_ids)
-            text, stopped = state.stops.feed(state.detok.add(new_ids))
-            if stopped and not req.is_finished:
-                self.scheduler.finish(req, "stop", stop_reason="stop string")
-            if req.is_finished and not stopped:
-                text += state.stops.feed(state.detok.flush())[0] + state.stops.flush()
+            text = self._detokenize(req, state, new_ids)
             results.append(RequestOutput(
                 req.request_id, new_ids, text, req.is_finished, req.finish_reason,
                 req.num_prompt_tokens, req.num_output_tokens))
@@ -160,6 +191,20 @@ class Engine:
                 del self._text[req.request_id]
                 del self._requests[req.request_id]
         return results
+
+    def _detokenize(self, req: Request, state: _TextState, new_ids: list[int]) -> str:
+        """New text of the request; finishes it when a stop string matched."""
+        if state.detok is None:
+            return ""
+        text, stopped = state.stops.feed(state.detok.add(new_ids))
+        if stopped:
+            if not req.is_finished:
+                self.scheduler.finish(req, "stop", stop_reason=state.stops.matched)
+            return text
+        if req.is_finished:  # release what was held back for a possible stop string
+            tail, stopped = state.stops.feed(state.detok.flush())
+            text += tail if stopped else tail + state.stops.flush()
+        return text
 
     # -- introspection -----------------------------------------------------------------------
     def stats(self) -> dict:

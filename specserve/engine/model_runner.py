@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from specserve.config import EngineConfig, ModelConfig
+from specserve.engine.cuda_graph import GraphRunner
 from specserve.engine.forward_batch import build_attention_metadata
 from specserve.engine.scheduler import ScheduledRequest
 from specserve.kv_cache.pool import KVPool
@@ -23,8 +24,10 @@ from specserve.layers.attention_metadata import (
     ForwardContext,
     set_forward_context,
 )
+from specserve.layers.rotary import ensure_rope_capacity
 from specserve.layers.sampler import Sampler, SamplingTensors
-from specserve.models.loader import load_model
+from specserve.models.loader import build_model, load_model
+from specserve.models.presets import random_init
 
 log = logging.getLogger(__name__)
 
@@ -77,20 +80,46 @@ class BatchInputs:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: str,
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: str | None,
                  extra_kv_layers: int = 0) -> None:
         self.config = config
         self.model_config = model_config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, model_config, self.device)
         self.page_size = config.cache.page_size
-        self.model: nn.Module = load_model(model_config, model_path, self.dtype, self.device)
+        if config.load_format == "dummy" or model_path is None:
+            self.model: nn.Module = build_model(model_config, self.dtype, self.device)
+            random_init(self.model, config.seed)
+        else:
+            self.model = load_model(model_config, model_path, self.dtype, self.device)
         self.backend = select_backend(self.device)
         self.sampler = Sampler()
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.extra_kv_layers = extra_kv_layers
         self.kv_pool = self._allocate_kv_pool()
         self.kv_pool.bind(self.attn_layers)
+        # RoPE tables must cover every position before graphs are captured (replays run no
+        # Python); speculation writes up to a few dozen positions past the context
+        self.max_positions = config.scheduler.max_model_len + 256
+        ensure_rope_capacity(self.model, self.max_positions)
+        self.decode_graphs = self._capture_decode_graphs()
+
+    def _capture_decode_graphs(self) -> GraphRunner | None:
+        cfg = self.config
+        if self.device.type != "cuda" or cfg.enforce_eager:
+            return None
+        if getattr(self.backend, "name", "") != "triton":
+            log.warning("CUDA graphs off: the %s attention backend is not graph-safe",
+                        getattr(self.backend, "name", "?"))
+            return None
+        max_bs = min(cfg.cuda_graph_max_bs, cfg.scheduler.max_num_seqs)
+        max_pages = -(-self.max_positions // self.page_size)
+        return GraphRunner(self.forward_eager, self.backend, self.device, max_bs, 1, max_pages,
+                           self.model_config.hidden_size, self.dtype, self.max_positions)
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self.decode_graphs.graphs) if self.decode_graphs else 0
 
     # -- KV memory ---------------------------------------------------------------------------
     def _allocate_kv_pool(self) -> KVPool:
@@ -165,9 +194,14 @@ class ModelRunner:
         """Run the target over the batch; returns the final hidden states [T, H]."""
         set_forward_context(ForwardContext(md, self.backend))
         try:
-            return self.model(input_ids, positions)
+            return self.forward_eager(input_ids, positions, md)
         finally:
             set_forward_context(None)
+
+    def forward_eager(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      md: AttentionMetadata) -> torch.Tensor:
+        """The model call itself (the forward context is set by the caller)."""
+        return self.model(input_ids, positions)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -184,17 +218,41 @@ class ModelRunner:
             [r.num_tokens + extra_offset for r in reqs], self.model_config.vocab_size,
             self.device)
 
+    def _graph_decode(self, scheduled: list[ScheduledRequest]) -> torch.Tensor | None:
+        """Hidden states of an all-decode batch through a CUDA graph, or None."""
+        graphs = self.decode_graphs
+        if graphs is None or len(scheduled) > graphs.max_bs:
+            return None
+        if not all(s.num_new_tokens == 1 and s.samples for s in scheduled):
+            return None
+        ps = self.page_size
+        ids, positions, slots, seq_lens, tables = [], [], [], [], []
+        for s in scheduled:
+            req, pos = s.request, s.start
+            ids.append(req.all_token_ids[pos])
+            positions.append(pos)
+            slots.append(req.page_ids[pos // ps] * ps + pos % ps)
+            seq_lens.append(pos + 1)
+            tables.append(req.page_ids)
+        return graphs.replay(ids, positions, slots, seq_lens, tables)
+
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> list[list[int]]:
         """Plain step: forward, sample the entries that reached their last token."""
-        batch = self.prepare(scheduled)
-        hidden = self.forward(batch.input_ids, batch.positions, batch.md)
+        hidden = self._graph_decode(scheduled)
+        if hidden is not None:
+            index = list(range(len(scheduled)))
+            logits = self.compute_logits(hidden)
+        else:
+            batch = self.prepare(scheduled)
+            hidden = self.forward(batch.input_ids, batch.positions, batch.md)
+            index = batch.sample_index
+            if not index:
+                return [[] for _ in scheduled]
+            logits = self.compute_logits(hidden[batch.sample_rows])
         out: list[list[int]] = [[] for _ in scheduled]
-        if not batch.sample_index:
-            return out
-        logits = self.compute_logits(hidden[batch.sample_rows])
-        st = self.sampling_tensors(scheduled, batch.sample_index)
+        st = self.sampling_tensors(scheduled, index)
         tokens = self.sampler.sample(logits, st).tolist()  # the one device-to-host copy
-        for i, tok in zip(batch.sample_index, tokens):
+        for i, tok in zip(index, tokens):
             out[i] = [tok]
         return out

@@ -24,13 +24,18 @@ from specserve.config import ModelConfig, SpecConfig
 from specserve.engine.forward_batch import build_attention_metadata
 from specserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from specserve.layers.attention_metadata import ForwardContext, set_forward_context
-from specserve.layers.sampler import SamplingTensors, probs_from_logits, uniform_noise
+from specserve.layers.sampler import (
+    ACCEPT_SALT,
+    SamplingTensors,
+    probs_from_logits,
+    uniform_noise,
+)
 from specserve.models.capture import AuxHiddenCapture, default_aux_layer_ids
 from specserve.models.eagle3 import Eagle3Head, load_eagle3_head
 from specserve.speculative.tree import DraftTree, TreeAccumulator
 from specserve.speculative.verify import VerifyResult, synthetic_accept, verify, walk_tree
 
-ACCEPT_SALT = 0x5EC  # keeps acceptance draws independent of the sampler's
+DUMMY = "dummy"  # --spec-draft-model dummy: a random head (cost benchmarks)
 
 
 def load_draft_config(spec: SpecConfig, target_cfg: ModelConfig) -> ModelConfig:
@@ -38,7 +43,10 @@ def load_draft_config(spec: SpecConfig, target_cfg: ModelConfig) -> ModelConfig:
         raise ValueError("speculative algorithm eagle3 needs --spec-draft-model PATH")
     from specserve.models.loader import resolve_model_path
 
-    cfg = ModelConfig.from_hf(resolve_model_path(spec.draft_model))
+    if spec.draft_model == DUMMY:  # the target's shape, a 32k draft vocabulary
+        cfg = dataclasses.replace(target_cfg, draft_vocab_size=min(32000, target_cfg.vocab_size))
+    else:
+        cfg = ModelConfig.from_hf(resolve_model_path(spec.draft_model))
     if spec.topk < 1 or spec.num_steps < 1:
         raise ValueError("--spec-topk and --spec-num-steps must be >= 1")
     max_nodes = 1 + spec.topk + (spec.num_steps - 1) * spec.topk**2
@@ -67,11 +75,7 @@ class Eagle3Drafter:
         self.n = spec.verify_tokens
         target = runner.model
         tcfg = runner.model_config
-        from specserve.models.loader import resolve_model_path
-
-        self.head: Eagle3Head = load_eagle3_head(
-            resolve_model_path(spec.draft_model), target, tcfg, len(runner.attn_layers),
-            runner.dtype, runner.device)
+        self.head = self._load_head(spec, runner)
         runner.kv_pool.bind([self.head.midlayer.attn], first_layer=len(runner.attn_layers))
         layer_ids = self.head.config.aux_layer_ids or default_aux_layer_ids(tcfg.num_layers)
         self.capture = AuxHiddenCapture(target, list(layer_ids))
@@ -81,6 +85,28 @@ class Eagle3Drafter:
         self.counters = SpecCounters(accepted_per_pos=[0] * self.num_steps)
         self.last_out: dict[str, torch.Tensor] = {}  # request id -> [H] draft output at P-1
         self.draft_len: dict[str, int] = {}  # request id -> positions the draft KV covers
+
+    @staticmethod
+    def _load_head(spec: SpecConfig, runner) -> Eagle3Head:
+        from specserve.models.loader import resolve_model_path
+
+        target, tcfg, layer = runner.model, runner.model_config, len(runner.attn_layers)
+        if spec.draft_model != DUMMY:
+            return load_eagle3_head(resolve_model_path(spec.draft_model), target, tcfg, layer,
+                                    runner.dtype, runner.device)
+        from specserve.models.presets import random_init
+
+        cfg = load_draft_config(spec, tcfg)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(runner.dtype)
+        try:
+            with torch.device(runner.device):
+                head = Eagle3Head(cfg, tcfg.hidden_size, layer, target.get_input_embeddings(),
+                                  target.lm_head)
+        finally:
+            torch.set_default_dtype(previous)
+        random_init(head, seed=1)
+        return head.eval()
 
     def release(self, req) -> None:
         self.last_out.pop(req.request_id, None)

@@ -1,0 +1,116 @@
+"""One generation request and its bookkeeping (torch-free).
+
+Token layout of a request (P prompt tokens, O output tokens):
+
+    all_token_ids  p0 p1 ... p[P-1] o0 o1 ... o[O-1]      num_tokens = P + O
+    KV computed    [0, num_computed_tokens)                 page_ids hold these slots
+
+While running, `num_computed_tokens <= num_tokens - 1`: the newest token's KV is produced by
+the next forward, which runs it and samples the token after it.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from specserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        seed: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.params = params if params is not None else SamplingParams()
+        # the request's own seed wins; otherwise the engine's (given here at construction)
+        self.seed: int = self.params.seed if self.params.seed is not None else seed
+        self.prompt_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []  # append through append_token only
+        self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.page_ids: list[int] = []  # the block table
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None  # "stop" | "length" | "abort"
+        self.stop_reason: int | str | None = None  # stop token id or stop string that fired
+        # monotonic clock (time.monotonic), for latency metrics
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.num_preemptions = 0
+        # effective max_tokens: params.max_tokens clamped to the context (set by the scheduler)
+        self.max_tokens: int = self.params.max_tokens
+        # speculation statistics
+        self.spec_cycles = 0
+        self.spec_draft_tokens = 0  # draft tokens proposed
+        self.spec_accepted_tokens = 0  # draft tokens accepted (the bonus token excluded)
+        self.spec_accepted_per_pos: list[int] = []  # [i]: cycles whose depth-(i+1) draft held
+
+    # -- token views ---------------------------------------------------------------------------
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt + output as one list (shared, not a copy: do not mutate)."""
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def last_token_id(self) -> int:
+        return self._all_token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+
+    # -- speculation statistics ----------------------------------------------------------------
+
+    def record_spec_cycle(self, num_draft: int, num_accepted: int) -> None:
+        """One verify cycle: `num_draft` draft tokens proposed, the first `num_accepted` held."""
+        assert 0 <= num_accepted <= num_draft, (num_accepted, num_draft)
+        self.spec_cycles += 1
+        self.spec_draft_tokens += num_draft
+        self.spec_accepted_tokens += num_accepted
+        if len(self.spec_accepted_per_pos) < num_draft:
+            self.spec_accepted_per_pos.extend([0] * (num_draft - len(self.spec_accepted_per_pos)))
+        for depth in range(num_accepted):
+            self.spec_accepted_per_pos[depth] += 1
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens (0 when nothing was drafted)."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"output={self.num_output_tokens}, computed={self.num_computed_tokens}, "
+            f"pages={len(self.page_ids)})"
+        )

@@ -1,0 +1,332 @@
+"""Continuous-batching scheduler with chunked prefill and preemption by recompute (torch-free).
+
+One step's plan, in priority order (a running request's priority is its admission order):
+  1. decodes: running requests whose only uncomputed token is their newest output token; each
+     runs 1 token and owns `lookahead` extra KV slots past it for speculative drafts, costing
+     1 + lookahead tokens of the budget;
+  2. running requests still mid-prefill, chunked to the remaining token budget and free pages;
+  3. waiting requests, FIFO, while budget, seats and free pages allow (never by preempting).
+When a running request cannot get its pages, the lowest-priority running request (admitted
+last) is preempted: its pages are freed and it returns to the FRONT of the waiting queue with
+its output tokens kept, to be re-prefilled later. The highest-priority running request always
+progresses, so every request that fits the pool alone eventually completes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from specserve.config import SchedulerConfig
+from specserve.engine.request import Request, RequestStatus
+from specserve.kv_cache.allocator import PageAllocator, pages_for
+
+
+class QueueFullError(Exception):
+    """The waiting queue is at config.max_waiting; retry later (the server answers 429)."""
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # run tokens all_token_ids[start : start + num_new_tokens]
+    start: int  # = request.num_computed_tokens when scheduled
+    lookahead: int = 0  # KV slots owned past start + num_new_tokens (decode entries only)
+    is_decode: bool = False
+    _num_tokens: int = field(init=False, repr=False)  # request.num_tokens when scheduled
+
+    def __post_init__(self) -> None:
+        self._num_tokens = self.request.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """The runner samples a token: the chunk reaches the request's newest token."""
+        return self.start + self.num_new_tokens == self._num_tokens
+
+    @property
+    def cost(self) -> int:
+        """Tokens of the step's budget this entry uses."""
+        return self.num_new_tokens + self.lookahead
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]  # decodes first, then prefill chunks
+    preempted: list[Request]
+
+    @property
+    def num_tokens(self) -> int:
+        """Budgeted tokens: new tokens plus decode lookahead slots."""
+        return sum(e.cost for e in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class _StepPlan:
+    entries: dict[str, ScheduledRequest] = field(default_factory=dict)  # by request_id
+    preempted: list[Request] = field(default_factory=list)
+    used: int = 0  # budget spent
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        allocator: PageAllocator,
+        page_size: int,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
+        if page_size < 1 or max_model_len < 2:
+            raise ValueError(
+                f"need page_size >= 1 and max_model_len >= 2, got {page_size}, {max_model_len}"
+            )
+        if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.config = config
+        self.allocator = allocator
+        self.page_size = page_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order = priority order
+        self._requests: dict[str, Request] = {}  # unfinished requests by id
+        self._lookahead = 0
+
+    # -- state ---------------------------------------------------------------------------------
+
+    @property
+    def lookahead(self) -> int:
+        return self._lookahead
+
+    @lookahead.setter
+    def lookahead(self, value: int) -> None:
+        if not 0 <= value < self.config.max_num_batched_tokens:
+            raise ValueError(f"lookahead must be in [0, max_num_batched_tokens), got {value}")
+        self._lookahead = value
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def get(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    # -- admission -----------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        """Queue a request; ValueError for one that can never run, QueueFullError when full."""
+        ids = request.prompt_token_ids
+        n = len(ids)
+        if n == 0:
+            raise ValueError("the prompt is empty; send at least one token")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {n} tokens but the context length is {self.max_model_len}; shorten it"
+            )
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            bad = next(t for t in ids if not isinstance(t, int) or isinstance(t, bool) or t < 0)
+            raise ValueError(f"prompt token ids must be non-negative integers, got {bad!r}")
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        max_tokens = min(request.params.max_tokens, self.max_model_len - n)
+        need = pages_for(n + max_tokens + self._lookahead, self.page_size)
+        if need > self.allocator.num_total:
+            fit = self.allocator.num_total * self.page_size - n - self._lookahead
+            fix = f"lower max_tokens to at most {fit}" if fit >= 1 else "shorten the prompt"
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs {need} KV "
+                f"pages but the cache holds {self.allocator.num_total}; {fix}"
+            )
+        if len(self.waiting) >= self.config.max_waiting:
+            raise QueueFullError(f"{len(self.waiting)} requests are waiting; retry later")
+        request.max_tokens = max_tokens  # prompt + output <= max_model_len: ends with "length"
+        request.status = RequestStatus.WAITING
+        self._requests[request.request_id] = request
+        self.waiting.append(request)
+
+    # -- planning ------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        plan = _StepPlan()
+        decodes = [r for r in self.running if self._is_decode(r)]
+        prefills = [r for r in self.running if not self._is_decode(r)]
+        for req in decodes + prefills:
+            if req.status == RequestStatus.RUNNING:  # not preempted earlier in this step
+                self._schedule_running(req, plan)
+        if not plan.preempted:
+            self._admit_waiting(plan)
+        entries = list(plan.entries.values())
+        ordered = [e for e in entries if e.is_decode] + [e for e in entries if not e.is_decode]
+        return SchedulerOutput(scheduled=ordered, preempted=plan.preempted)
+
+    @staticmethod
+    def _is_decode(req: Request) -> bool:
+        return req.num_output_tokens > 0 and req.num_tokens - req.num_computed_tokens == 1
+
+    def _schedule_running(self, req: Request, plan: _StepPlan) -> None:
+        budget = self.config.max_num_batched_tokens - plan.used
+        start = req.num_computed_tokens
+        if self._is_decode(req):
+            la = self._lookahead
+            if pages_for(start + 1 + la, self.page_size) > self.allocator.num_total:
+                la = 0  # lookahead raised after admission past what the pool holds: plain decode
+            if 1 + la > budget or not self._reserve(req, start + 1 + la, plan):
+                return
+            self._add_entry(plan, ScheduledRequest(req, 1, start, la, is_decode=True))
+            return
+        n = min(req.num_tokens - start, budget)
+        if n == 0 or not self._reserve(req, start + 1, plan):
+            return
+        # shrink the chunk to the slots the request can own now rather than preempt for more
+        capacity = (len(req.page_ids) + self.allocator.num_free) * self.page_size - start
+        n = min(n, capacity)
+        self._grow(req, start + n)
+        self._add_entry(plan, ScheduledRequest(req, n, start))
+
+    def _reserve(self, req: Request, num_slots: int, plan: _StepPlan) -> bool:
+        """Preempt from the back until `req` can own `num_slots` slots; False if it was itself
+        the victim."""
+        while pages_for(num_slots, self.page_size) - len(req.page_ids) > self.allocator.num_free:
+            victim = self.running[-1]
+            self._preempt(victim, plan)
+            if victim is req:
+                return False
+        self._grow(req, num_slots)
+        return True
+
+    def _grow(self, req: Request, num_slots: int) -> None:
+        extra = pages_for(num_slots, self.page_size) - len(req.page_ids)
+        if extra > 0:
+            req.page_ids.extend(self.allocator.allocate(extra))
+
+    def _add_entry(self, plan: _StepPlan, entry: ScheduledRequest) -> None:
+        assert entry.num_new_tokens >= 1
+        plan.entries[entry.request.request_id] = entry
+        plan.used += entry.cost
+        assert plan.used <= self.config.max_num_batched_tokens
+
+    def _preempt(self, victim: Request, plan: _StepPlan) -> None:
+        """Recompute-preemption: drop the KV, keep the tokens, requeue at the front."""
+        entry = plan.entries.pop(victim.request_id, None)
+        if entry is not None:
+            plan.used -= entry.cost
+        self.running.remove(victim)
+        self._release_pages(victim)
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        victim.status = RequestStatus.WAITING
+        self.waiting.appendleft(victim)
+        plan.preempted.append(victim)
+
+    def _admit_waiting(self, plan: _StepPlan) -> None:
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            budget = self.config.max_num_batched_tokens - plan.used
+            req = self.waiting[0]
+            n = min(req.num_tokens, budget)
+            # keep one free page per running request so their next decode rarely preempts
+            headroom = len(self.running)
+            if n == 0 or pages_for(n, self.page_size) + headroom > self.allocator.num_free:
+                return
+            self.waiting.popleft()
+            assert req.num_computed_tokens == 0 and not req.page_ids
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._grow(req, n)
+            self._add_entry(plan, ScheduledRequest(req, n, 0))
+
+    # -- results -------------------------------------------------------------------------------
+
+    def update(
+        self,
+        out: SchedulerOutput,
+        token_ids: list[list[int]],
+        num_computed: list[int] | None = None,
+    ) -> list[Request]:
+        """Apply one step's results; return the requests that finished in it.
+
+        token_ids[i]: tokens emitted for out.scheduled[i] ([] for a mid-prefill chunk).
+        num_computed[i]: KV entries that became valid (default num_new_tokens; a verify step
+        keeps the root plus the accepted drafts).
+        """
+        assert len(token_ids) == len(out.scheduled)
+        assert num_computed is None or len(num_computed) == len(out.scheduled)
+        finished: list[Request] = []
+        for i, entry in enumerate(out.scheduled):
+            req = entry.request
+            if req.status != RequestStatus.RUNNING:  # aborted or finished since schedule()
+                continue
+            assert req.num_computed_tokens == entry.start, (req, entry)
+            n = entry.num_new_tokens if num_computed is None else num_computed[i]
+            assert 1 <= n <= entry.num_new_tokens + entry.lookahead, (n, entry)
+            req.num_computed_tokens += n
+            new = token_ids[i]
+            assert entry.samples or not new, "a mid-prefill chunk emits no token"
+            assert len(new) <= 1 + entry.lookahead, (len(new), entry)
+            if self._append(req, new):
+                finished.append(req)
+                continue
+            assert req.num_computed_tokens <= req.num_tokens - 1, req
+            # drop pages reserved beyond the valid KV (speculative lookahead)
+            self._trim(req, req.num_computed_tokens)
+        return finished
+
+    def _append(self, req: Request, new: list[int]) -> bool:
+        """Append tokens one by one until a stop condition; True if the request finished."""
+        params = req.params
+        for t in new:
+            req.append_token(t)
+            if t in params.stop_token_ids:
+                self.finish(req, "stop", t)
+            elif t in self.eos_token_ids and not params.ignore_eos:
+                self.finish(req, "stop")
+            elif req.num_output_tokens >= req.max_tokens:
+                self.finish(req, "length")
+            else:
+                continue
+            return True  # tokens after the stop are dropped
+        return False
+
+    def finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
+        """End a request (stop condition, stop string or abort) and free its pages."""
+        if request.is_finished:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._release_pages(request)
+        self._requests.pop(request.request_id, None)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.stop_reason = stop_reason
+        request.finish_time = time.monotonic()
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self._requests.get(request_id)
+        if req is None:
+            return None
+        self.finish(req, "abort")
+        return req
+
+    def _trim(self, req: Request, num_slots: int) -> None:
+        keep = pages_for(num_slots, self.page_size)
+        if len(req.page_ids) > keep:
+            self.allocator.free(req.page_ids[keep:])
+            del req.page_ids[keep:]
+
+    def _release_pages(self, req: Request) -> None:
+        self.allocator.free(req.page_ids)
+        req.page_ids = []

@@ -1,0 +1,389 @@
+"""Triton kernels for attention over the paged KV cache, with their torch references.
+
+Cache layout: k_cache / v_cache [num_pages, page_size, num_kv_heads, head_dim]; logical position
+n of request r lives in page page_table[r, n // page_size] at offset n % page_size
+(slot = page * page_size + offset).
+
+One attention kernel serves decode (one query per request), extend/prefill (causal) and tree
+verify (custom mask). A program owns (request, block of BLOCK_M queries, kv head, KV split). Its
+tile rows are the BLOCK_M queries x the GROUP query heads sharing that kv head (GQA), so a K/V
+tile is loaded once for the whole group. The KV range is cut into `num_splits` chunks
+(flash-decoding): each split writes a partial output with its log-sum-exp and a second kernel
+combines them. Launch grids depend only on (batch size, heads, max_query_len, num_splits), never
+on sequence lengths, which the kernels read from device memory: decode and verify launches are
+CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    jit = triton.jit
+except ImportError:  # CPU-only install: the references below still work
+    triton = tl = None
+
+    def jit(fn):  # type: ignore[no-redef]
+        return fn
+
+
+MAX_SPLITS = 16  # upper bound on KV splits per (request, query block, kv head)
+TARGET_ROWS = 64  # tile rows (queries x grouped heads) per extend program
+MIN_DOT = 16  # smallest tl.dot dimension on GPUs
+LOG2E = 1.4426950408889634
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+# --------------------------------------------------------------------------------------------
+# store_kv
+
+
+@jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch,
+    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    # one program per (token, kv head); slot -1 means "do not write"
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    page = slot // PAGE_SIZE
+    offset = slot % PAGE_SIZE
+    d = tl.arange(0, BLOCK_D)
+    d_end = tl.where(slot >= 0, HEAD_DIM, 0)  # nothing is written for slot -1
+    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=d < HEAD_DIM)
+    dst = k_cache_ptr + page * stride_kcp + offset * stride_kcs + h * stride_kch + d
+    tl.store(dst, k, mask=d < d_end)
+    dv = tl.arange(0, BLOCK_DV)
+    dv_end = tl.where(slot >= 0, HEAD_DIM_V, 0)
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + dv, mask=dv < HEAD_DIM_V)
+    dst = v_cache_ptr + page * stride_vcp + offset * stride_vcs + h * stride_vch + dv
+    tl.store(dst, v, mask=dv < dv_end)
+
+
+def store_kv(
+    k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [T, num_kv_heads, head_dim_v]
+    k_cache: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim_v]
+    slot_mapping: torch.Tensor,  # [T] int; -1 = skip
+) -> None:
+    """Write the new tokens' K/V into their cache slots."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    assert k.stride(-1) == 1 and v.stride(-1) == 1
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert k_cache.dtype == k.dtype and v_cache.dtype == v.dtype
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens, num_kv_heads)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        *k_cache.stride()[:3], *v_cache.stride()[:3],
+        PAGE_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, HEAD_DIM_V=v.shape[2],
+        BLOCK_D=next_power_of_2(head_dim), BLOCK_DV=next_power_of_2(v.shape[2]),
+    )  # fmt: skip
+
+
+def store_kv_ref(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Reference for `store_kv`: scatter through a [num_slots, heads, dim] view of the cache."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
+
+
+# --------------------------------------------------------------------------------------------
+# attention
+
+
+@jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+    query_start_loc_ptr, seq_lens_ptr, page_table_ptr, mask_ptr,
+    scale_log2, num_m_blocks, mask_width,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    stride_pt, stride_mr, stride_mi, stride_mj,
+    stride_mot, stride_moh, stride_mos, stride_mlt, stride_mlh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    IS_DECODE: tl.constexpr, HAS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    req = tl.program_id(0) // num_m_blocks
+    m_block = tl.program_id(0) % num_m_blocks
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    if IS_DECODE:
+        q_start = req
+        q_len = 1
+    else:
+        q_start = tl.load(query_start_loc_ptr + req)
+        q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + req)
+    prefix_len = seq_len - q_len  # KV positions every new token sees
+
+    # tile row i <-> (query qi, head g of the group): i = (qi - m_block * BLOCK_M) * BLOCK_G + g
+    rows = tl.arange(0, BLOCK_M * BLOCK_G)
+    qi = m_block * BLOCK_M + rows // BLOCK_G  # [ROWS] query index within the request
+    head = kv_head * GROUP + rows % BLOCK_G  # [ROWS]
+    row_ok = (qi < q_len) & (rows % BLOCK_G < GROUP)
+    token = (q_start + qi).to(tl.int64)  # [ROWS] row of q / out
+    d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & (d[None, :] < HEAD_DIM),
+        other=0.0,
+    )  # [ROWS, BLOCK_D]
+
+    # KV positions this query block can see: causal stops at its last query; a custom mask of
+    # width W governs the last W positions and everything before them is visible
+    if HAS_MASK:
+        kv_end = seq_len
+        mask_start = seq_len - mask_width
+    else:
+        kv_end = tl.minimum(seq_len, prefix_len + (m_block + 1) * BLOCK_M)
+        mask_start = prefix_len
+    kv_end = tl.where(m_block * BLOCK_M < q_len, kv_end, 0)
+    split_len = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, kv_end)
+
+    m_i = tl.full([BLOCK_M * BLOCK_G], float("-inf"), tl.float32)  # running max (log2 units)
+    l_i = tl.zeros([BLOCK_M * BLOCK_G], tl.float32)  # running softmax denominator
+    acc = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_DV], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] logical KV positions
+        n_ok = n < hi
+        page = tl.load(page_table_ptr + req * stride_pt + n // PAGE_SIZE, mask=n_ok, other=0)
+        base = page.to(tl.int64) * stride_kp + (n % PAGE_SIZE) * stride_ks + kv_head * stride_kh
+        k = tl.load(
+            k_cache_ptr + base[:, None] + d[None, :],
+            mask=n_ok[:, None] & (d[None, :] < HEAD_DIM),
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_D]
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [ROWS, BLOCK_N]
+        j = n[None, :] - mask_start  # column in the mask (< 0: always visible)
+        if HAS_MASK:
+            tree = tl.load(
+                mask_ptr + req * stride_mr + qi[:, None] * stride_mi + j * stride_mj,
+                mask=row_ok[:, None] & n_ok[None, :] & (j >= 0),
+                other=0,
+            )
+            seen = n_ok[None, :] & ((j < 0) | (tree != 0))
+        else:
+            seen = n_ok[None, :] & (j <= qi[:, None])
+        qk = tl.where(seen, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(qk - m_ref[:, None])  # [ROWS, BLOCK_N]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        base = page.to(tl.int64) * stride_vp + (n % PAGE_SIZE) * stride_vs + kv_head * stride_vh
+        v = tl.load(
+            v_cache_ptr + base[:, None] + dv[None, :],
+            mask=n_ok[:, None] & (dv[None, :] < HEAD_DIM_V),
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_DV]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)  # a row that saw nothing outputs 0
+    o = acc / l_safe[:, None]
+    o_mask = row_ok[:, None] & (dv[None, :] < HEAD_DIM_V)
+    if NUM_SPLITS == 1:
+        dst = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :]
+        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))  # [ROWS], log2 units
+        mid = token * stride_mot + head * stride_moh + split * stride_mos
+        tl.store(mid_o_ptr + mid[:, None] + dv[None, :], o, mask=o_mask)
+        tl.store(mid_lse_ptr + token * stride_mlt + head * stride_mlh + split, lse, mask=row_ok)
+
+
+@jit
+def _combine_splits_kernel(
+    mid_o_ptr, mid_lse_ptr, out_ptr,
+    stride_mot, stride_moh, stride_mos, stride_mlt, stride_mlh, stride_ot, stride_oh,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    # out = sum_s w_s * o_s / sum_s w_s with w_s = 2^(lse_s - max lse); one program per (t, h)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    dv = tl.arange(0, BLOCK_DV)
+    lse = tl.load(
+        mid_lse_ptr + t * stride_mlt + h * stride_mlh + s,
+        mask=s < NUM_SPLITS,
+        other=float("-inf"),
+    )  # [BLOCK_S]
+    lse_max = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
+    o = tl.load(
+        mid_o_ptr + t * stride_mot + h * stride_moh + s[:, None] * stride_mos + dv[None, :],
+        mask=(s[:, None] < NUM_SPLITS) & (w[:, None] > 0) & (dv[None, :] < HEAD_DIM_V),
+        other=0.0,
+    )  # [BLOCK_S, BLOCK_DV]
+    total = tl.sum(w, 0)
+    o = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + dv, o.to(out_ptr.dtype.element_ty),
+             mask=dv < HEAD_DIM_V)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_num_splits(num_programs: int, device: torch.device) -> int:
+    """KV splits so that about two waves of programs cover the GPU.
+
+    Depends only on the grid (batch size, heads, query blocks), never on sequence lengths, so a
+    captured CUDA graph keeps a valid split count; splits past a short sequence exit at once.
+    """
+    return max(1, min(MAX_SPLITS, 2 * _num_sms(device) // max(num_programs, 1)))
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim_v]
+    query_start_loc: torch.Tensor | None,  # [bs + 1] int32; None: decode (one query each)
+    seq_lens: torch.Tensor,  # [bs] int32, KV length including the new tokens
+    page_table: torch.Tensor,  # [bs, max_pages] int32
+    max_query_len: int,
+    scale: float,
+    custom_mask: torch.Tensor | None = None,  # [bs, max_query_len, W] bool, W >= max_query_len
+    out: torch.Tensor | None = None,  # [T, num_heads, head_dim_v]
+    num_splits: int | None = None,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """Attention of T new query tokens over the paged KV (already holding their K/V).
+
+    The new tokens are the last q_len of each request's KV. Causal: query i sees KV
+    [0, seq_len - q_len + i]. With `custom_mask` of width W: query i sees [0, seq_len - W) plus
+    KV position seq_len - W + j iff custom_mask[r, i, j]. `query_start_loc=None` means decode:
+    request r owns token r. Tokens outside every request's query range are not written.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    page_size, num_kv_heads, head_dim_v = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
+    bs = seq_lens.shape[0]
+    assert num_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert block_n >= MIN_DOT and block_n == next_power_of_2(block_n)
+    is_decode = query_start_loc is None
+    assert not is_decode or (max_query_len == 1 and num_tokens == bs and custom_mask is None)
+    group = num_heads // num_kv_heads
+    block_g = next_power_of_2(group)
+    # rows = queries x grouped heads: at least MIN_DOT, about TARGET_ROWS for longer queries
+    block_m = min(next_power_of_2(max_query_len), max(1, TARGET_ROWS // block_g))
+    block_m = max(block_m, MIN_DOT // block_g, 1)
+    num_m_blocks = math.ceil(max_query_len / block_m)
+    grid_programs = bs * num_m_blocks * num_kv_heads
+    if num_splits is None:
+        num_splits = default_num_splits(grid_programs, q.device)
+    if out is None:
+        out = q.new_empty(num_tokens, num_heads, head_dim_v)
+    if num_tokens == 0:
+        return out
+    mid_o = mid_lse = out  # unused when num_splits == 1
+    if num_splits > 1:
+        mid_o = q.new_empty(num_tokens, num_heads, num_splits, head_dim_v, dtype=torch.float32)
+        mid_lse = q.new_empty(num_tokens, num_heads, num_splits, dtype=torch.float32)
+    assert custom_mask is None or custom_mask.dtype == torch.bool
+    mask = custom_mask.view(torch.uint8) if custom_mask is not None else page_table
+    mask_strides = custom_mask.stride() if custom_mask is not None else (0, 0, 0)
+    _paged_attention_kernel[(bs * num_m_blocks, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, mid_o, mid_lse,
+        seq_lens if is_decode else query_start_loc, seq_lens, page_table, mask,
+        scale * LOG2E, num_m_blocks, custom_mask.shape[-1] if custom_mask is not None else 0,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        *k_cache.stride()[:3], *v_cache.stride()[:3],
+        page_table.stride(0), *mask_strides,
+        *(mid_o.stride()[:3] if num_splits > 1 else (0, 0, 0)),
+        *(mid_lse.stride()[:2] if num_splits > 1 else (0, 0)),
+        GROUP=group, BLOCK_G=block_g, BLOCK_M=block_m, BLOCK_N=block_n,
+        PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
+        HEAD_DIM_V=head_dim_v, BLOCK_DV=next_power_of_2(head_dim_v), NUM_SPLITS=num_splits,
+        IS_DECODE=is_decode, HAS_MASK=custom_mask is not None,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,  # keep fp32 exact
+    )  # fmt: skip
+    if num_splits > 1:
+        _combine_splits_kernel[(num_tokens, num_heads)](
+            mid_o, mid_lse, out,
+            *mid_o.stride()[:3], *mid_lse.stride()[:2], out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, BLOCK_S=next_power_of_2(num_splits),
+            HEAD_DIM_V=head_dim_v, BLOCK_DV=next_power_of_2(head_dim_v),
+        )  # fmt: skip
+    return out
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [bs, num_heads, head_dim], one query per request
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,  # [bs] int32
+    page_table: torch.Tensor,  # [bs, max_pages] int32
+    scale: float,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Flash-decoding: one query token per request over its paged KV."""
+    return paged_attention(
+        q, k_cache, v_cache, None, seq_lens, page_table, 1, scale, out=out, num_splits=num_splits
+    )
+
+
+def paged_attention_ref(
+    q: torch.Tensor,  # [T, num_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,  # [bs + 1]
+    seq_lens: torch.Tensor,  # [bs]
+    page_table: torch.Tensor,  # [bs, max_pages]
+    scale: float,
+    custom_mask: torch.Tensor | None = None,  # [bs, max_query_len, W] bool
+) -> torch.Tensor:
+    """Reference: per request, gather its pages, build the mask densely, softmax in fp32."""
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // num_kv_heads
+    out = q.new_zeros(q.shape[0], q.shape[1], v_cache.shape[3])
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for r, seq_len in enumerate(lens):
+        q_r = q[starts[r] : starts[r + 1]].float()  # [q_len, H, D]
+        q_len = q_r.shape[0]
+        pages = page_table[r, : math.ceil(seq_len / page_size)].long()
+        k = k_cache[pages].flatten(0, 1)[:seq_len].float().repeat_interleave(group, 1)
+        v = v_cache[pages].flatten(0, 1)[:seq_len].float().repeat_interleave(group, 1)
+        seen = torch.ones(q_len, seq_len, dtype=torch.bool, device=q.device)
+        if custom_mask is None:  # query i sits at position seq_len - q_len + i
+            seen = seen.tril(diagonal=seq_len - q_len)
+        else:  # the mask's W columns govern the last W positions
+            cols = min(custom_mask.shape[-1], seq_len)
+            seen[:, seq_len - cols :] = custom_mask[r, :q_len, custom_mask.shape[-1] - cols :]
+        scores = torch.einsum("qhd,khd->hqk", q_r, k) * scale
+        probs = scores.masked_fill(~seen, float("-inf")).softmax(-1).nan_to_num(0.0)
+        out[starts[r] : starts[r + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
+    return out

@@ -1,0 +1,72 @@
+"""Attention over the paged KV cache: the module models hold, and the backend protocol.
+
+The module owns no math: it reshapes q/k/v to heads and hands them, with its layer's cache,
+to the backend of the current forward context (torch reference, Triton, ...).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from specserve.layers.attention_metadata import AttentionMetadata, get_forward_context
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim] (already rotated)
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        md: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        """Write k/v at md.slot_mapping (skip -1 slots), then attend (causal or custom mask)."""
+        ...
+
+
+class Attention(nn.Module):
+    """One layer's attention (heads local to this TP rank).
+
+    `k_cache` / `v_cache` are plain attributes (not parameters or buffers) set by
+    `KVPool.bind` once the pool exists; empty tensors before (the backend then attends over
+    the new tokens only).
+    """
+
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_idx: int
+    ) -> None:
+        super().__init__()
+        assert num_heads % num_kv_heads == 0, "GQA needs num_heads divisible by num_kv_heads"
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.layer_idx = layer_idx
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q [T, num_heads * head_dim] (or [T, num_heads, head_dim]); k, v likewise with kv heads
+        ctx = get_forward_context()
+        out = ctx.backend.forward(
+            q.reshape(-1, self.num_heads, self.head_dim),
+            k.reshape(-1, self.num_kv_heads, self.head_dim),
+            v.reshape(-1, self.num_kv_heads, self.head_dim),
+            self.k_cache,
+            self.v_cache,
+            ctx.metadata,
+            self.scale,
+        )
+        return out.reshape(-1, self.num_heads * self.head_dim)  # [T, num_heads * head_dim]
+
+
+def attention_modules(model: nn.Module) -> list[Attention]:
+    """The model's Attention modules in registration order (layer 0 first)."""
+    return [m for m in model.modules() if isinstance(m, Attention)]

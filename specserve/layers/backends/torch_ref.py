@@ -1,0 +1,106 @@
+"""Reference attention backend in plain torch (CPU or GPU): the correctness oracle.
+
+Per request r (host loop), with q_len new tokens and seq_len KV positions after the write:
+    keys/values  = the cache rows of r's first seq_len positions, gathered through page_table
+    query i sits at position seq_len - q_len + i and sees
+        causal:  KV j <= seq_len - q_len + i
+        custom:  width W = custom_mask.shape[-1]: KV j < seq_len - W (the prefix), or
+                 KV seq_len - W + j' iff custom_mask[r, i, j']
+    out = softmax(q K^T * scale + mask) V, accumulated in fp32; GQA by repeating kv heads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.layers.attention_metadata import AttentionMetadata
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """k_cache.flat[slot_mapping[t]] = k[t] for every t with slot_mapping[t] >= 0."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k[valid].to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v[valid].to(v_cache.dtype))
+
+
+def gather_kv_slots(page_table_row: torch.Tensor, seq_len: int, page_size: int) -> torch.Tensor:
+    """Slots of positions [0, seq_len): slot(p) = page_table_row[p // page_size] * ps + p % ps."""
+    positions = torch.arange(seq_len, device=page_table_row.device)
+    pages = page_table_row[positions // page_size].long()
+    return pages * page_size + positions % page_size  # [seq_len]
+
+
+def attention_mask(
+    q_len: int, seq_len: int, custom_mask: torch.Tensor | None, device: torch.device
+) -> torch.Tensor:
+    """[q_len, seq_len] bool, True where query i may attend KV j."""
+    prefix = seq_len - q_len
+    mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=device).tril(diagonal=prefix)
+    if custom_mask is not None:
+        width = custom_mask.shape[-1]
+        assert q_len <= width <= seq_len, "mask width must cover the queries, within the KV"
+        mask[:, seq_len - width:] = custom_mask[:q_len]
+    return mask
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    # q [q_len, num_heads, d]; k, v [seq_len, num_kv_heads, d]; mask [q_len, seq_len]
+    group = q.shape[1] // k.shape[1]
+    k = k.float().repeat_interleave(group, dim=1)  # [seq_len, num_heads, d]
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale  # [num_heads, q_len, seq_len]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)  # [q_len, num_heads, d]
+
+
+class TorchRefBackend:
+    name = "torch_ref"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        md: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        # q [T, num_heads, d]; k, v [T, num_kv_heads, d]; caches [pages, page_size, kv, d]
+        cached = k_cache.numel() > 0
+        if cached:
+            write_kv(k, v, k_cache, v_cache, md.slot_mapping)
+        q_lens = md.query_lens_cpu
+        if q_lens is None:
+            q_lens = md.query_start_loc.diff().tolist()
+        seq_lens = md.seq_lens_cpu if md.seq_lens_cpu is not None else md.seq_lens.tolist()
+        out = torch.zeros_like(q)  # tokens past the last request (graph padding) stay zero
+        start = 0
+        for r, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
+            assert q_len <= seq_len, f"request {r}: {q_len} new tokens but KV length {seq_len}"
+            if q_len == 0:
+                continue
+            end = start + q_len
+            if cached:
+                slots = gather_kv_slots(md.page_table[r], seq_len, k_cache.shape[1])
+                keys = k_cache.view(-1, *k_cache.shape[2:])[slots]  # [seq_len, kv, d]
+                values = v_cache.view(-1, *v_cache.shape[2:])[slots]
+            else:  # no pool bound (e.g. a profiling run): the new tokens are the whole KV
+                assert q_len == seq_len, "without a KV cache every request must be a fresh prefill"
+                keys, values = k[start:end], v[start:end]
+            custom = None if md.custom_mask is None else md.custom_mask[r]
+            mask = attention_mask(q_len, seq_len, custom, q.device)
+            out[start:end] = attend(q[start:end], keys, values, mask, scale)
+            start = end
+        return out

@@ -1,0 +1,36 @@
+"""RMSNorm with an optional fused residual add (the vLLM decoder-layer convention)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specserve.layers.linear import default_weight_loader
+
+
+class RMSNorm(nn.Module):
+    """y = weight * x / sqrt(mean(x^2) + eps), the statistics in fp32 like transformers.
+
+    forward(x) -> y; forward(x, residual) -> (norm(x + residual), x + residual): the sum is
+    the residual stream carried to the next sub-layer.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        x = x + residual  # in the activation dtype, as the unfused model adds
+        return self._norm(x), x

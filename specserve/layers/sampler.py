@@ -1,0 +1,194 @@
+"""Token sampling: per-request transforms (temperature, top-k, top-p, min-p) and seeded noise.
+
+Randomness is counter-based: a splitmix64 hash of (seed, counter, index, salt) gives each
+request its own stream without per-row generators and without host syncs, so a request samples
+the same tokens whatever else shares its batch, on the CPU and on the GPU alike. The engine
+passes counter = the position of the token being decided and a salt per purpose.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from specserve.sampling_params import SamplingParams
+
+SAMPLE_SALT = 0  # salt of the noise behind plain sampling
+ACCEPT_SALT = 1  # salt of the uniforms behind speculative verification
+
+_M64 = (1 << 64) - 1
+
+
+def _signed(x: int) -> int:
+    """An unsigned 64-bit constant as the int64 value with the same bits."""
+    x &= _M64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GOLDEN = _signed(0x9E3779B97F4A7C15)
+_MUL1 = _signed(0xBF58476D1CE4E5B9)
+_MUL2 = _signed(0x94D049BB133111EB)
+
+
+def _shift_right(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bits: torch shifts arithmetically, so clear the sign fill."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64 finaliser on int64 tensors (multiplication wraps modulo 2**64)."""
+    z = (z ^ _shift_right(z, 30)) * _MUL1
+    z = (z ^ _shift_right(z, 27)) * _MUL2
+    return z ^ _shift_right(z, 31)
+
+
+def uniform_noise(
+    seeds: torch.Tensor, counters: torch.Tensor, num: int, salt: int = 0
+) -> torch.Tensor:
+    """Uniforms in (0, 1) from (seed, counter, index, salt); [n] x [n] -> [n, num] float32.
+
+    Row r is the splitmix64 stream keyed by mix(mix(seed + (salt + 1) * G) ^ counter): element i
+    is mix(key + (i + 1) * G). The top 23 bits become (k + 0.5) / 2**23, exact in float32, so the
+    values never reach 0 or 1.
+    """
+    assert seeds.shape == counters.shape and seeds.dim() == 1
+    key = _mix(seeds.long() + _signed((salt + 1) * _GOLDEN))  # [n]
+    key = _mix(key ^ counters.long())  # [n]
+    steps = torch.arange(1, num + 1, device=seeds.device, dtype=torch.int64) * _GOLDEN  # [num]
+    bits = _shift_right(_mix(key[:, None] + steps[None, :]), 41)  # [n, num], 23 bits
+    return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters on the device, plus host flags that skip unneeded work."""
+
+    temperatures: torch.Tensor  # [bs] float32, 0 = greedy
+    top_ks: torch.Tensor  # [bs] int64, vocab_size when off
+    top_ps: torch.Tensor  # [bs] float32, 1 when off
+    min_ps: torch.Tensor  # [bs] float32, 0 when off
+    seeds: torch.Tensor  # [bs] int64
+    counters: torch.Tensor  # [bs] int64, position of the token being decided
+    all_greedy: bool
+    any_greedy: bool
+    any_top_k: bool  # flags look at sampled (non-greedy) rows only
+    any_top_p: bool
+    any_min_p: bool
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        seeds: list[int],
+        counters: list[int],
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> SamplingTensors:
+        """Pack every field into one host buffer and copy it to the device once."""
+        assert len(params) == len(seeds) == len(counters) and params
+        bs = len(params)
+        top_ks = [vocab_size if p.top_k <= 0 else min(p.top_k, vocab_size) for p in params]
+        sampled = [p for p in params if not p.greedy]
+        ints = torch.tensor([top_ks, seeds, counters], dtype=torch.int64)  # [3, bs]
+        floats = torch.tensor(
+            [[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]],
+            dtype=torch.float32,
+        )  # [3, bs]
+        # int64 block first keeps the float32 block 4-byte aligned inside the byte buffer
+        host = torch.cat([ints.view(torch.uint8).flatten(), floats.view(torch.uint8).flatten()])
+        if torch.device(device).type == "cuda":
+            host = host.pin_memory()
+        dev = host.to(device, non_blocking=True)
+        ints_d = dev[: 24 * bs].view(torch.int64).view(3, bs)
+        floats_d = dev[24 * bs :].view(torch.float32).view(3, bs)
+        return cls(
+            temperatures=floats_d[0],
+            top_ks=ints_d[0],
+            top_ps=floats_d[1],
+            min_ps=floats_d[2],
+            seeds=ints_d[1],
+            counters=ints_d[2],
+            all_greedy=not sampled,
+            any_greedy=len(sampled) < bs,
+            any_top_k=any(0 < p.top_k < vocab_size for p in sampled),
+            any_top_p=any(p.top_p < 1.0 for p in sampled),
+            any_min_p=any(p.min_p > 0.0 for p in sampled),
+        )
+
+    def repeat_interleave(self, n: int) -> SamplingTensors:
+        """Each row repeated n times (verify: one row per tree node); flags unchanged."""
+        rep = {
+            name: getattr(self, name).repeat_interleave(n, dim=0)
+            for name in ("temperatures", "top_ks", "top_ps", "min_ps", "seeds", "counters")
+        }
+        return replace(self, **rep)
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """Mask (to -inf) tokens outside top-k, then outside the top-p nucleus of what is left.
+
+    One descending sort serves both. Top-p keeps a token iff the mass of the tokens ranked above
+    it is < top_p (the smallest prefix reaching top_p), and always keeps rank 0.
+    """
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [bs, V]
+    ranks = torch.arange(logits.shape[-1], device=logits.device)  # [V]
+    if st.any_top_k:
+        sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= st.top_ks[:, None], -torch.inf)
+    if st.any_top_p:
+        p = sorted_logits.softmax(dim=-1)  # [bs, V]
+        mass_above = p.cumsum(dim=-1) - p  # [bs, V] exclusive prefix mass
+        top_ps = st.top_ps[:, None]
+        drop = (mass_above >= top_ps) & (top_ps < 1.0) & (ranks[None, :] > 0)
+        sorted_logits = sorted_logits.masked_fill(drop, -torch.inf)
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def probs_from_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """[bs, V] logits -> [bs, V] float32 probabilities after the row's sampling transform.
+
+    Order: temperature, top-k, top-p, min-p (min-p keeps p >= min_p * max p), then
+    renormalise; the most likely token always survives. Greedy rows give the one-hot of the
+    argmax, so verification treats greedy and sampled rows by one rule.
+    """
+    logits = logits.float()
+    greedy = st.temperatures == 0.0  # [bs]
+    if st.all_greedy:
+        return _one_hot_argmax(logits)
+    temps = torch.where(greedy, torch.ones_like(st.temperatures), st.temperatures)
+    scaled = logits / temps[:, None]  # [bs, V]
+    if st.any_top_k or st.any_top_p:
+        scaled = _apply_top_k_top_p(scaled, st)
+    probs = scaled.softmax(dim=-1)  # [bs, V]
+    if st.any_min_p:
+        keep = probs >= st.min_ps[:, None] * probs.amax(dim=-1, keepdim=True)
+        probs = probs * keep
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    if st.any_greedy:
+        probs = torch.where(greedy[:, None], _one_hot_argmax(logits), probs)
+    return probs
+
+
+def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """[bs, V] -> [bs, V] float32 one-hot of the row argmax (first maximum on ties)."""
+    out = torch.zeros_like(logits, dtype=torch.float32)
+    return out.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+
+
+class Sampler:
+    """Greedy and sampled rows in one call; the result stays on the device (no host sync)."""
+
+    def sample(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+        """[bs, V] logits -> [bs] int64 tokens.
+
+        Sampled rows use the exponential race: argmax_i p_i / E_i with E_i = -log(u_i) picks
+        token i with probability p_i. Greedy rows have one-hot probs, so the race returns their
+        argmax too.
+        """
+        if st.all_greedy:
+            return logits.argmax(dim=-1)
+        probs = probs_from_logits(logits, st)  # [bs, V]
+        u = uniform_noise(st.seeds, st.counters, logits.shape[-1], SAMPLE_SALT)  # [bs, V]
+        return (probs / -torch.log(u)).argmax(dim=-1)
+
+    __call__ = sample

@@ -1,0 +1,120 @@
+"""Target-side capture of EAGLE-3 aux hidden states, for any model, without model code.
+
+Convention: the aux state of layer i is the residual stream ENTERING decoder layer i, i.e.
+transformers' `output_hidden_states[i]`. Decoder layers are called as
+`layer(positions, hidden, residual)` where residual None means `hidden` is the whole stream
+(layer 0), otherwise the stream is hidden + residual (the fused-add convention). A forward
+pre-hook records that sum; nothing else changes in the model.
+
+CUDA graphs: the hooks only record tensors. Call `pop()` inside the captured region, right
+after the forward, and keep its result as a graph output: replay refills it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from specserve.layers.embedding import VocabParallelEmbedding
+
+
+def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
+    """Low, middle and high capture layers: (2, N // 2, N - 3)."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The language model's decoder layers, found by structure, not by class.
+
+    Candidates are non-empty ModuleLists of one repeated module type. The decoder stack is the
+    one whose parent also holds a token embedding table, which sets it apart from vision or
+    audio towers (patch embeddings are not lookup tables); ties go to the longest list.
+    """
+    token_tables = (nn.Embedding, VocabParallelEmbedding)
+    scored: list[tuple[bool, int, nn.ModuleList]] = []
+    for parent in model.modules():
+        children = list(parent.children())
+        has_table = any(isinstance(c, token_tables) for c in children)
+        for child in children:
+            if (
+                isinstance(child, nn.ModuleList)
+                and len(child)
+                and len({type(m) for m in child}) == 1
+            ):
+                scored.append((has_table, len(child), child))
+    if not scored:
+        raise ValueError(
+            f"found no decoder layers in {type(model).__name__}: expected an nn.ModuleList of "
+            f"decoder layers (e.g. model.layers)"
+        )
+    return max(scored, key=lambda s: (s[0], s[1]))[2]
+
+
+def _residual_stream(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    """hidden (+ residual) from a decoder layer's call: (positions, hidden, residual) or a
+    `hidden_states=` / `residual=` keyword call."""
+    if "hidden_states" in kwargs:
+        hidden, residual = kwargs["hidden_states"], kwargs.get("residual")
+    else:
+        floats = [i for i, a in enumerate(args) if torch.is_tensor(a) and a.is_floating_point()]
+        assert floats, "decoder layer called without a floating-point hidden state"
+        i = floats[0]
+        hidden = args[i]
+        residual = kwargs.get("residual", args[i + 1] if len(args) > i + 1 else None)
+    if residual is None or not torch.is_tensor(residual):
+        return hidden
+    return hidden + residual
+
+
+class AuxHiddenCapture:
+    """Records the residual stream entering `layer_ids` on every forward.
+
+    pop() -> [T, len(layer_ids) * H], the states concatenated low -> high, and clears. A
+    repeated id (small models: default ids may collide) repeats its state, keeping the width.
+    """
+
+    def __init__(self, model: nn.Module, layer_ids: Sequence[int]) -> None:
+        layers = find_decoder_layers(model)
+        ids = tuple(sorted(layer_ids))
+        if not ids or ids[0] < 0 or ids[-1] >= len(layers):
+            raise ValueError(
+                f"aux layer ids {tuple(layer_ids)} must lie in [0, {len(layers)}) for a model "
+                f"with {len(layers)} decoder layers"
+            )
+        self.layer_ids = ids
+        self.enabled = True
+        self._states: dict[int, torch.Tensor] = {}
+        self._handles = [
+            layers[i].register_forward_pre_hook(self._hook(i), with_kwargs=True)
+            for i in sorted(set(ids))
+        ]
+
+    def _hook(self, layer_id: int) -> Any:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if self.enabled:
+                self._states[layer_id] = _residual_stream(args, kwargs)
+
+        return hook
+
+    def enable(self) -> None:
+        self.enabled = True
+
+    def disable(self) -> None:
+        self.enabled = False
+        self._states.clear()
+
+    def pop(self) -> torch.Tensor:
+        missing = [i for i in self.layer_ids if i not in self._states]
+        assert not missing, f"no state recorded for layers {missing}: forward ran disabled?"
+        out = torch.cat([self._states[i] for i in self.layer_ids], dim=-1)
+        self._states.clear()
+        return out
+
+    def remove(self) -> None:
+        """Detach the hooks from the model."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

@@ -1,0 +1,281 @@
+"""Tokenizer wrapper, incremental detokenizer and stop-string matcher.
+
+Text a user sends is always plain text: special-token text inside it (e.g. "<|eot_id|>") is
+encoded byte for byte, never as the control token, in `encode` and inside chat messages.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+from typing import Any
+
+import tokenizers
+
+# prompt tokens kept as decoding context, so the first output token decodes as it would in the
+# middle of the text (leading-space rules of SentencePiece-style decoders)
+_PROMPT_CONTEXT = 5
+
+
+class Tokenizer:
+    """A Hugging Face fast tokenizer with user text kept plain.
+
+    Two copies of the Rust tokenizer are held, one that parses special-token text (used for
+    text a chat template writes) and one that does not (user text): no per-call state is
+    toggled, so the object is safe to share between threads.
+    """
+
+    def __init__(self, hf: Any, eos_token_ids: tuple[int, ...] = ()) -> None:
+        if not getattr(hf, "is_fast", False):
+            raise ValueError(
+                "specserve needs a fast tokenizer: the directory must hold a tokenizer.json"
+            )
+        self.hf = hf
+        spec = hf.backend_tokenizer.to_str()
+        self._special = tokenizers.Tokenizer.from_str(spec)  # parses "<|eos|>" as the token
+        self._plain = tokenizers.Tokenizer.from_str(spec)  # encodes it as plain text
+        for tok in (self._special, self._plain):
+            tok.no_truncation()
+            tok.no_padding()
+        self._special.encode_special_tokens = False
+        self._plain.encode_special_tokens = True
+        special = {t.content for t in hf.added_tokens_decoder.values() if t.special}
+        longest_first = sorted(special, key=len, reverse=True)
+        self._special_re = (
+            re.compile("|".join(map(re.escape, longest_first))) if longest_first else None
+        )
+        eos = [] if hf.eos_token_id is None else [int(hf.eos_token_id)]
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys([*eos, *eos_token_ids]))
+        self.vocab_size: int = len(hf)  # ids the tokenizer knows (the model may pad beyond)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.hf.bos_token_id
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Encode user text; special-token text in it stays plain text."""
+        return self._plain.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._special.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], **template_kwargs: Any) -> list[int]:
+        """Render `messages` with the generation prompt and encode them.
+
+        Special-token text inside message contents is swapped for unique markers before
+        rendering; the rendered text is split at the markers, template text is encoded with
+        special tokens parsed and the swapped text as plain text.
+        """
+        if not self.hf.chat_template:
+            raise ValueError(
+                "this tokenizer has no chat template; use the completions "
+                "endpoint with a plain prompt, or a model that ships a template"
+            )
+        import jinja2
+
+        originals: dict[str, str] = {}  # marker -> special-token text it stands for
+        nonce = secrets.token_hex(8)
+
+        def shield(text: str) -> str:
+            if self._special_re is None:
+                return text
+
+            def marker(m: re.Match[str]) -> str:
+                key = f"\ue000{nonce}:{len(originals)}\ue001"
+                originals[key] = m.group()
+                return key
+
+            return self._special_re.sub(marker, text)
+
+        shielded = [_map_content(m, shield) for m in messages]
+        try:
+            text = self.hf.apply_chat_template(
+                shielded, tokenize=False, add_generation_prompt=True, **template_kwargs
+            )
+        except jinja2.TemplateError as e:
+            raise ValueError(f"the chat template rejected the messages: {e}") from e
+        if not originals:
+            return self._special.encode(text, add_special_tokens=False).ids
+        ids: list[int] = []
+        for piece in re.split("(" + "|".join(map(re.escape, originals)) + ")", text):
+            if piece in originals:
+                ids += self._plain.encode(originals[piece], add_special_tokens=False).ids
+            elif piece:
+                ids += self._special.encode(piece, add_special_tokens=False).ids
+        return ids
+
+
+def _map_content(message: dict, fn: Any) -> dict:
+    """Apply `fn` to a message's text: a string content or the text of content parts."""
+    if not isinstance(message, dict):
+        raise ValueError(
+            f"each message must be an object with role and content, got {type(message).__name__}"
+        )
+    out = dict(message)
+    content = message.get("content")
+    if isinstance(content, str):
+        out["content"] = fn(content)
+    elif isinstance(content, list):
+        out["content"] = [
+            {**part, "text": fn(part["text"])}
+            if isinstance(part, dict) and isinstance(part.get("text"), str)
+            else part
+            for part in content
+        ]
+    return out
+
+
+def has_tokenizer(path: str) -> bool:
+    """Whether a model directory carries tokenizer files."""
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, n)) for n in names)
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """Load the fast tokenizer of a model directory (or a repo id in the local HF cache).
+
+    EOS ids: the tokenizer's eos token plus generation_config.json's eos_token_id entries
+    (instruction-tuned models often end turns with a token other than the tokenizer's eos).
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        hf = AutoTokenizer.from_pretrained(path, use_fast=True, local_files_only=True)
+    except OSError as e:
+        raise ValueError(
+            f"cannot load a tokenizer from {path!r}: pass a directory holding "
+            f"tokenizer.json and tokenizer_config.json ({e})"
+        ) from e
+    return Tokenizer(hf, eos_token_ids=_generation_eos_ids(path))
+
+
+def _generation_eos_ids(path: str) -> tuple[int, ...]:
+    file = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(file):
+        return ()
+    with open(file) as fh:
+        eos = json.load(fh).get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(int(t) for t in (eos if isinstance(eos, list) else [eos]))
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into a stream of complete text.
+
+    Two offsets into the ids bound the decoding window (cost O(window), not O(output)):
+
+        ids:  ... | prefix (already emitted) | read (new, not yet emitted) |
+                  ^ prefix_offset            ^ read_offset
+
+    Each step decodes ids[prefix_offset:] and ids[prefix_offset:read_offset] and emits the
+    difference. While the decoded tail ends in U+FFFD (a multi-byte character split across
+    tokens) nothing is emitted and the offsets stay, so no partial character ever escapes.
+    """
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = list(prompt_ids[-_PROMPT_CONTEXT:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._parts: list[str] = []
+
+    @property
+    def text(self) -> str:
+        """All output text emitted so far."""
+        if len(self._parts) > 1:
+            self._parts = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""
+
+    def add(self, new_ids: list[int]) -> str:
+        """Append tokens; return the newly completed text ("" while a character is partial)."""
+        self._ids.extend(new_ids)
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        """End of stream: emit whatever is held back, partial characters included."""
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        decode = self._tokenizer.decode
+        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
+        full = decode(self._ids[self._prefix_offset :], self._skip)
+        if len(full) <= len(prefix_text) or (full.endswith("\ufffd") and not final):
+            return ""
+        delta = full[len(prefix_text) :]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        if self._prefix_offset > 1024:  # drop ids that can no longer be in a window
+            del self._ids[: self._prefix_offset]
+            self._read_offset -= self._prefix_offset
+            self._prefix_offset = 0
+        self._parts.append(delta)
+        return delta
+
+
+class StopStringMatcher:
+    """Finds stop strings in streamed text, holding back text that may still start one.
+
+    Rule: the stop whose occurrence ends first fires (ties: the longer one); the output is cut
+    before it, or after it with `include_stop`. Text is held back only while it is a proper
+    prefix of some stop string, so the result does not depend on how the text was chunked.
+    """
+
+    def __init__(self, stops: list[str], include_stop: bool = False) -> None:
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        self.stops = list(dict.fromkeys(stops))
+        self.include_stop = include_stop
+        self.matched: str | None = None  # the stop string that fired
+        self._held = ""
+        # per stop: proper-prefix lengths k (longest first) keyed by the prefix's last char
+        self._prefix_ends: list[dict[str, list[int]]] = []
+        for s in self.stops:
+            ends: dict[str, list[int]] = {}
+            for k in range(len(s) - 1, 0, -1):
+                ends.setdefault(s[k - 1], []).append(k)
+            self._prefix_ends.append(ends)
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        """Return (text safe to emit, whether a stop matched). After a match, feeds are ignored."""
+        if self.matched is not None:
+            return "", True
+        if not self.stops:
+            return delta, False
+        buf = self._held + delta
+        best: tuple[int, int, str] | None = None  # (end, -len, stop)
+        for s in self.stops:
+            i = buf.find(s)
+            if i >= 0 and (best is None or (i + len(s), -len(s)) < best[:2]):
+                best = (i + len(s), -len(s), s)
+        if best is not None:
+            end, neg_len, stop = best
+            self.matched = stop
+            self._held = ""
+            return buf[:end] if self.include_stop else buf[: end + neg_len], True
+        hold = self._longest_partial(buf)
+        self._held = buf[len(buf) - hold :] if hold else ""
+        return buf[: len(buf) - hold], False
+
+    def flush(self) -> str:
+        """End of stream: release the held-back text (nothing after a match)."""
+        out, self._held = self._held, ""
+        return "" if self.matched is not None else out
+
+    def _longest_partial(self, buf: str) -> int:
+        """Length of the longest suffix of `buf` that is a proper prefix of some stop."""
+        if not buf:
+            return 0
+        best = 0
+        for s, ends in zip(self.stops, self._prefix_ends):
+            for k in ends.get(buf[-1], ()):
+                if k <= best:
+                    break
+                if k <= len(buf) and buf.endswith(s[:k]):
+                    best = k
+                    break
+        return best

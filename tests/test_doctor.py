@@ -1,0 +1,157 @@
+"""`specserve doctor`: the CPU report, topology parsing and the fast-path rules."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from specserve import doctor
+
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only report")
+
+TOPO_NVLINK = """\
+\x1b[4mGPU0\tGPU1\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\x1b[0m
+GPU0\t X \tNV18\t0-47\t0\t\tN/A
+GPU1\tNV18\t X \t0-47\t0\t\tN/A
+
+Legend:
+
+  X    = Self
+  NV#  = Connection traversing a bonded set of # NVLinks
+"""
+
+TOPO_PCIE = """\
+        GPU0    GPU1    GPU2    NIC0    CPU Affinity    NUMA Affinity
+GPU0     X      PIX     SYS     NODE    0-15    0
+GPU1    PIX      X      SYS     NODE    0-15    0
+GPU2    SYS     SYS      X      SYS     16-31   1
+NIC0    NODE    NODE    SYS      X
+
+Legend:
+  X    = Self
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve")
+    doctor.register(parser.add_subparsers())
+    return parser
+
+
+@no_cuda
+def test_cpu_report_lists_fast_paths_as_unusable(capsys: pytest.CaptureFixture) -> None:
+    args = _parser().parse_args(["doctor", "--json"])
+    assert args.func(args) == 0
+    facts = json.loads(capsys.readouterr().out)
+    assert facts["torch"] == torch.__version__ and facts["gpus"] == []
+    paths = {fp["name"]: fp for fp in facts["fast_paths"]}
+    assert set(paths) == set(doctor.FAST_PATHS)
+    for fp in paths.values():
+        assert fp["usable"] is False and "no CUDA GPU" in fp["reason"]
+
+    args = _parser().parse_args(["doctor"])
+    assert args.func(args) == 0
+    text = capsys.readouterr().out
+    assert "Fast paths" in text and "(none visible)" in text
+    assert text.count(" no ") >= len(doctor.FAST_PATHS)
+
+
+def test_broken_torch_exits_nonzero(monkeypatch, capsys: pytest.CaptureFixture) -> None:
+    def broken() -> dict:
+        raise ImportError("libtorch_cuda.so: cannot open shared object file")
+
+    monkeypatch.setattr(doctor, "collect", broken)
+    args = _parser().parse_args(["doctor"])
+    assert args.func(args) == 1
+    assert "reinstall torch" in capsys.readouterr().out
+
+
+def test_parse_topology() -> None:
+    assert doctor.parse_topology(TOPO_NVLINK) == [
+        {"a": 0, "b": 1, "link": "NV18", "kind": "NVLink"}
+    ]
+    links = {(x["a"], x["b"]): (x["link"], x["kind"]) for x in doctor.parse_topology(TOPO_PCIE)}
+    assert links == {
+        (0, 1): ("PIX", "PCIe, one switch"),
+        (0, 2): ("SYS", "PCIe, across NUMA nodes"),
+        (1, 2): ("SYS", "PCIe, across NUMA nodes"),
+    }
+    assert doctor.parse_topology("") == [] and doctor.parse_topology("No devices found") == []
+
+
+def _facts(ccs: list[tuple[int, int]], **over: object) -> dict:
+    n = len(ccs)
+    facts = {
+        "cuda_available": True,
+        "triton": "3.6.0",
+        "nccl": "2.27.3",
+        "nccl_available": True,
+        "bf16": all(cc >= (8, 0) for cc in ccs),
+        "symm_mem_importable": True,
+        "multicast_disabled": False,
+        "triton_backend": {"available": True, "reason": "ok"},
+        "gpus": [
+            {"index": i, "name": "gpu", "memory_gib": 80.0, "compute_capability": list(cc)}
+            for i, cc in enumerate(ccs)
+        ],
+        "peer_access": [[i != j for j in range(n)] for i in range(n)],
+    }
+    return {**facts, **over}
+
+
+def _verdicts(facts: dict) -> dict[str, tuple[bool, str]]:
+    return {fp.name: (fp.usable, fp.reason) for fp in doctor.evaluate_fast_paths(facts)}
+
+
+def test_two_hoppers_can_use_everything() -> None:
+    v = _verdicts(_facts([(9, 0), (9, 0)], multicast_disabled=True))
+    assert all(usable for usable, _ in v.values()), v
+    assert "TORCH_SYMM_MEM_DISABLE_MULTICAST=1" in v["symmetric-memory all-reduce"][1]
+    assert "2 GPUs" in v["NCCL tensor parallelism"][1]
+
+
+def test_old_or_single_gpu_rules() -> None:
+    v = _verdicts(_facts([(7, 5)]))  # one T4-class GPU
+    assert v["CUDA graphs"] == (True, "")
+    assert v["GPU attention kernels (Triton)"] == (False, "compute capability (7, 5) < (8, 0)")
+    assert v["bf16"][0] is False and v["FP8"][0] is False
+    assert v["NCCL tensor parallelism"] == (False, "needs >= 2 GPUs, found 1")
+    assert v["symmetric-memory all-reduce"] == (False, "needs >= 2 GPUs, found 1")
+    v = _verdicts(_facts([(8, 0), (8, 9)]))  # mixed: FP8 needs every GPU >= 8.9
+    assert v["FP8"][0] is False and v["GPU attention kernels (Triton)"][0] is True
+    assert _verdicts(_facts([(8, 9)]))["FP8"] == (True, "")
+
+
+def test_missing_pieces_give_reasons() -> None:
+    no_peer = _facts([(8, 0), (8, 0)], peer_access=[[False, False], [False, False]])
+    usable, reason = _verdicts(no_peer)["symmetric-memory all-reduce"]
+    assert not usable and "peer access" in reason
+    v = _verdicts(_facts([(9, 0)], triton="not installed"))
+    assert not v["GPU attention kernels (Triton)"][0]
+    assert "triton is not installed" in v["GPU attention kernels (Triton)"][1]
+    backend = {"available": False, "reason": "kernels failed to compile"}
+    v = _verdicts(_facts([(9, 0)], triton_backend=backend))
+    assert v["GPU attention kernels (Triton)"] == (False, "kernels failed to compile")
+    v = _verdicts(_facts([(9, 0)], triton_backend=None))
+    assert "triton_backend is missing" in v["GPU attention kernels (Triton)"][1]
+    v = _verdicts(_facts([(9, 0), (9, 0)], nccl_available=False, symm_mem_importable=False))
+    assert v["NCCL tensor parallelism"] == (False, "this torch build has no NCCL")
+    assert "not importable" in v["symmetric-memory all-reduce"][1]
+
+
+def test_report_text_from_facts() -> None:
+    facts = _facts([(9, 0), (9, 0)])
+    facts |= {
+        "python": "3.11.0",
+        "torch": "2.11.0+cu130",
+        "cuda_runtime": "13.0",
+        "driver": "580.1",
+        "links": doctor.parse_topology(TOPO_NVLINK),
+    }
+    facts["fast_paths"] = [vars(fp) for fp in doctor.evaluate_fast_paths(facts)]
+    text = doctor.format_report(facts)
+    assert "0-1  NV18 (NVLink)  peer yes" in text and "cc 9.0" in text
+    assert "13.0; driver 580.1" in text

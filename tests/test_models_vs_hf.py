@@ -1,0 +1,119 @@
+"""Llama-family logits vs transformers (fp32, tiny random checkpoints), through the paged KV:
+a batched prefill, chunked extends over the cached prefix, and one-token decode steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import LLAMA3_ROPE, PagedSession, make_hf_model, make_tiny_checkpoint
+
+from specserve.config import ModelConfig
+from specserve.models.loader import load_model
+
+TOL = 1e-4
+PROMPT_LENS = (7, 13, 21)
+
+CASES = {
+    "llama": ("llama", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+    "mistral": ("mistral", {}),
+    "llama3_rope": ("llama", {"rope_scaling": LLAMA3_ROPE}),
+    "yarn_rope": (
+        "qwen2",
+        {
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+            }
+        },
+    ),
+    "tied": ("qwen3", {"tie_word_embeddings": True}),
+    "head_dim_32": ("llama", {"head_dim": 32}),
+    "past_max_position": ("qwen3", {"max_position_embeddings": 8}),  # RoPE cache must grow
+    "sharded_mqa": ("mistral", {"max_shard_size": "20KB", "num_key_value_heads": 1}),
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    family, overrides = CASES[request.param]
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), family, **overrides)
+    hf_kwargs = {k: v for k, v in overrides.items() if k != "max_shard_size"}
+    hf = make_hf_model(family, **hf_kwargs)  # same seed: the same weights as saved
+    config = ModelConfig.from_hf(path)
+    model = load_model(config, path, torch.float32, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(1)
+    prompts = [
+        torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS
+    ]
+    with torch.no_grad():
+        refs = [hf(torch.tensor([p])).logits[0] for p in prompts]  # [len, vocab] each
+    return {"model": model, "prompts": prompts, "refs": refs, "name": request.param, "path": path}
+
+
+def _check(case: dict, got: dict[int, list[torch.Tensor]], tol: float = TOL) -> None:
+    for r, ref in enumerate(case["refs"]):
+        logits = torch.cat(got[r]).cpu()
+        assert logits.shape == ref.shape
+        assert logits.dtype == torch.float32
+        err = (logits - ref).abs().max().item()
+        assert err < tol, f"{case['name']} request {r}: max abs diff {err}"
+
+
+def _run(
+    case: dict, chunk_sizes: list[int], model: torch.nn.Module | None = None
+) -> dict[int, list[torch.Tensor]]:
+    """Each step, request r runs its next chunk_sizes[r] tokens (until its prompt is done)."""
+    session = PagedSession(model or case["model"], num_pages=32, page_size=4)
+    prompts = case["prompts"]
+    done = [0] * len(prompts)
+    got: dict[int, list[torch.Tensor]] = {r: [] for r in range(len(prompts))}
+    while any(d < len(p) for d, p in zip(done, prompts)):
+        step = {}
+        for r, p in enumerate(prompts):
+            if done[r] < len(p):
+                step[r] = p[done[r] : done[r] + chunk_sizes[r]]
+                done[r] += len(step[r])
+        for r, logits in zip(step, session.step(step)):
+            got[r].append(logits)
+    return got
+
+
+def test_prefill_batch(case: dict) -> None:
+    _check(case, _run(case, [max(PROMPT_LENS)] * len(PROMPT_LENS)))
+
+
+def test_chunked_extend(case: dict) -> None:
+    _check(case, _run(case, [3, 5, 8]))
+
+
+def test_decode(case: dict) -> None:
+    _check(case, _run(case, [1] * len(PROMPT_LENS)))
+
+
+def test_prefill_then_decode(case: dict) -> None:
+    """Prompts cut in two: an extend of the head, then decode steps over the rest."""
+    session = PagedSession(case["model"], num_pages=32, page_size=4, seed=3)
+    prompts = case["prompts"]
+    heads = {r: p[: len(p) // 2] for r, p in enumerate(prompts)}
+    got = {r: [x] for r, x in zip(heads, session.step(heads))}
+    for i in range(max(len(p) for p in prompts)):
+        step = {r: [p[i]] for r, p in enumerate(prompts) if len(p) // 2 <= i < len(p)}
+        if step:
+            for r, logits in zip(step, session.step(step)):
+                got[r].append(logits)
+    _check(case, got)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_matches_transformers(case: dict, dtype: torch.dtype) -> None:
+    config = ModelConfig.from_hf(case["path"])
+    model = load_model(config, case["path"], dtype, torch.device("cuda"))
+    scale = max(ref.abs().max().item() for ref in case["refs"])
+    tol = 1e-3 if dtype == torch.float32 else 0.05 * scale  # bf16 weights and activations
+    _check(case, _run(case, [3, 5, 8], model), tol)
+    _check(case, _run(case, [1, 1, 1], model), tol)

@@ -1,0 +1,170 @@
+"""Tiny random transformers checkpoints for numerics tests (built locally, no downloads)."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import torch
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+
+
+def _classes(family: str) -> tuple[type, type, str]:
+    import transformers as tf
+
+    table = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, "LlamaForCausalLM"),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, "Qwen2ForCausalLM"),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, "Qwen3ForCausalLM"),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM, "MistralForCausalLM"),
+    }
+    if family not in table:
+        raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES}")
+    return table[family]
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Replace the init (zero biases, unit norms, tiny weights) with values that exercise every
+    parameter: a bias or norm weight left at its init would hide a loading bug."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * noise)
+            elif "embed" in name:
+                p.copy_(0.5 * noise)
+            elif name.endswith("bias"):
+                p.copy_(0.2 * noise)
+            else:
+                p.copy_(noise / p.shape[-1] ** 0.5)
+
+
+def make_hf_model(
+    family: str = "llama", seed: int = 0, vocab_size: int = 512, **config_overrides: object
+) -> torch.nn.Module:
+    """The transformers model (fp32, eager attention, eval) with random weights."""
+    config_cls, model_cls, arch = _classes(family)
+    kwargs: dict = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        architectures=[arch],
+    )
+    if family == "qwen3":
+        kwargs["head_dim"] = 32  # Qwen3 declares head_dim; make it differ from hidden / heads
+    kwargs.update(config_overrides)
+    config = config_cls(**kwargs)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = model_cls(config).float().eval()
+    _randomize(model, seed)
+    return model
+
+
+def make_tiny_checkpoint(
+    path: str | os.PathLike,
+    family: str = "llama",
+    seed: int = 0,
+    vocab_size: int = 512,
+    tokenizer: bool = False,
+    max_shard_size: str | int | None = None,
+    **config_overrides: object,
+) -> str:
+    """Save a tiny random `family` checkpoint (config.json + fp32 safetensors) at `path`.
+
+    config_overrides go to the transformers config, e.g. tie_word_embeddings=True,
+    rope_scaling=LLAMA3_ROPE, head_dim=32, num_hidden_layers=4. max_shard_size="20KB"
+    writes a sharded checkpoint with model.safetensors.index.json.
+    """
+    path = os.fspath(path)
+    model = make_hf_model(family, seed, vocab_size, **config_overrides)
+    save_kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(path, **save_kwargs)
+    if tokenizer:
+        try:
+            from tiny_tokenizer import make_tiny_tokenizer
+        except ImportError:
+            from tests.tiny_tokenizer import make_tiny_tokenizer
+        make_tiny_tokenizer(path, vocab_size=vocab_size)
+    return path
+
+
+class PagedSession:
+    """Drives a model over a paged KV cache with the torch reference backend, the way the
+    engine does: each step runs some new tokens for some requests; pages come from a shuffled
+    free list so page tables are not contiguous."""
+
+    def __init__(
+        self, model: torch.nn.Module, num_pages: int = 64, page_size: int = 4, seed: int = 0
+    ) -> None:
+        from specserve.kv_cache.pool import KVPool
+        from specserve.layers.attention import attention_modules
+        from specserve.layers.backends.torch_ref import TorchRefBackend
+
+        attns = attention_modules(model)
+        first = attns[0]
+        param = next(model.parameters())
+        self.device = param.device
+        self.pool = KVPool(
+            len(attns),
+            num_pages,
+            page_size,
+            first.num_kv_heads,
+            first.head_dim,
+            param.dtype,
+            self.device,
+        )
+        self.pool.bind(attns)
+        self.model = model
+        self.page_size = page_size
+        self.backend = TorchRefBackend()
+        self.free = list(range(num_pages))
+        random.Random(seed).shuffle(self.free)
+        self.seq_lens: dict[int, int] = {}
+        self.pages: dict[int, list[int]] = {}
+
+    def step(self, new_tokens: dict[int, list[int]], logits: bool = True) -> list[torch.Tensor]:
+        """Run new_tokens[req] for each request; returns per request its logits [n, vocab]
+        (or its final hidden states [n, H] with logits=False)."""
+        from specserve.engine.forward_batch import build_attention_metadata, build_positions
+        from specserve.layers.attention_metadata import ForwardContext, set_forward_context
+
+        reqs = list(new_tokens)
+        q_lens = [len(new_tokens[r]) for r in reqs]
+        for r, q_len in zip(reqs, q_lens):
+            total = self.seq_lens.get(r, 0) + q_len
+            pages = self.pages.setdefault(r, [])
+            while len(pages) * self.page_size < total:
+                pages.append(self.free.pop())
+            self.seq_lens[r] = total
+        seq_lens = [self.seq_lens[r] for r in reqs]
+        md = build_attention_metadata(
+            q_lens, seq_lens, [self.pages[r] for r in reqs], self.page_size, self.device
+        )
+        ids = torch.tensor([t for r in reqs for t in new_tokens[r]], device=self.device)
+        set_forward_context(ForwardContext(md, self.backend))
+        try:
+            with torch.no_grad():
+                out = self.model(ids, build_positions(q_lens, seq_lens, self.device))
+                if logits:
+                    out = self.model.compute_logits(out)
+        finally:
+            set_forward_context(None)
+        return list(out.split(q_lens))
