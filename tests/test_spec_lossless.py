@@ -130,20 +130,29 @@ def _oracle_propose(llm: LLM, reference: dict, decoys: bool):
             rows_lp.append(lp)
         return torch.tensor(rows_lp, device=device), torch.tensor(rows_id, device=device)
 
-    def propose(entries, roots):
-        reqs = [s.request for s in entries]
+    stash: list = []
+    speculate = drafter._speculate
+
+    def spy(entries, *args):
+        stash[:] = entries
+        return speculate(entries, *args)
+
+    drafter._speculate = spy
+
+    def propose(last_out, root_pos, root_tokens, page_table, valid):
+        reqs = [s.request for s in stash]
+        roots = [s.start for s in stash]
         lp, ids = logp_and_ids([truth(r, p, 1) for r, p in zip(reqs, roots)], decoys)
         acc = TreeAccumulator(lp, ids, None)
         for s in range(1, steps):
             # children of every frontier slot: the true next token only matters on the true path
             child_lp, child_ids = [], []
-            for b, (r, p) in enumerate(zip(reqs, roots)):
+            for r, p in zip(reqs, roots):
                 lp_b, id_b = logp_and_ids([truth(r, p, s + 1)] * k, False)
                 child_lp.append(lp_b)
                 child_ids.append(id_b)
             acc.extend(torch.stack(child_lp), torch.stack(child_ids))
-        roots_t = torch.tensor([r.all_token_ids[-1] for r in reqs], device=device)
-        return acc.build(roots_t, drafter.n)
+        return acc.build(root_tokens, drafter.n)
 
     return propose
 
@@ -151,7 +160,7 @@ def _oracle_propose(llm: LLM, reference: dict, decoys: bool):
 @pytest.mark.parametrize("steps", [1, 3, 5])
 def test_oracle_chain_accept_length_is_exact(pair, reference, steps: int) -> None:
     llm = _llm(pair[0], dict(algorithm="eagle3", draft_model=pair[1], num_steps=steps, topk=1))
-    llm.engine.drafter.propose = _oracle_propose(llm, reference, decoys=False)
+    llm.engine.drafter.cycle.propose = _oracle_propose(llm, reference, decoys=False)
     prompts = [list(p) for p in reference][:4]
     cycles = 3
     # one token from the prefill, then `cycles` full cycles of steps + 1 tokens
@@ -175,7 +184,7 @@ def test_oracle_tree_with_decoys_compacts_kv(pair, reference, topk: int, n: int)
     nodes' KV is moved into place."""
     llm = _llm(pair[0], dict(algorithm="eagle3", draft_model=pair[1], num_steps=3, topk=topk,
                              num_draft_tokens=n))
-    llm.engine.drafter.propose = _oracle_propose(llm, reference, decoys=True)
+    llm.engine.drafter.cycle.propose = _oracle_propose(llm, reference, decoys=True)
     prompts = [list(p) for p in reference][:4]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
                                                 ignore_eos=True))

@@ -39,10 +39,10 @@ def build_attention_metadata(
         assert custom_mask.shape[0] == bs and custom_mask.shape[1] >= max_q
         custom_mask = custom_mask.to(device=device, dtype=torch.bool)
     return AttentionMetadata(
-        slot_mapping=_to_device(slots, torch.int64, device),
-        query_start_loc=_to_device(starts, torch.int32, device),
-        seq_lens=_to_device(list(seq_lens), torch.int32, device),
-        page_table=_to_device(table, torch.int32, device),
+        slot_mapping=to_device(slots, torch.int64, device),
+        query_start_loc=to_device(starts, torch.int32, device),
+        seq_lens=to_device(list(seq_lens), torch.int32, device),
+        page_table=to_device(table, torch.int32, device),
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
         custom_mask=custom_mask,
@@ -59,10 +59,11 @@ def build_positions(
     positions: list[int] = []
     for q_len, seq_len in zip(query_lens, seq_lens):
         positions.extend(range(seq_len - q_len, seq_len))
-    return _to_device(positions, torch.int64, device)
+    return to_device(positions, torch.int64, device)
 
 
-def _to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+def to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A host list on the device without a sync (pinned staging, non-blocking copy)."""
     host = torch.tensor(values, dtype=dtype)
     if torch.device(device).type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)

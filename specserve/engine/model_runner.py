@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from specserve.config import EngineConfig, ModelConfig
-from specserve.engine.cuda_graph import GraphRunner
-from specserve.engine.forward_batch import build_attention_metadata
+from specserve.engine.cuda_graph import BatchGraphs
+from specserve.engine.forward_batch import build_attention_metadata, to_device
 from specserve.engine.scheduler import ScheduledRequest
 from specserve.kv_cache.pool import KVPool
 from specserve.layers.attention import Attention
@@ -104,7 +104,7 @@ class ModelRunner:
         ensure_rope_capacity(self.model, self.max_positions)
         self.decode_graphs = self._capture_decode_graphs()
 
-    def _capture_decode_graphs(self) -> GraphRunner | None:
+    def _capture_decode_graphs(self) -> BatchGraphs | None:
         cfg = self.config
         if self.device.type != "cuda" or cfg.enforce_eager:
             return None
@@ -112,10 +112,52 @@ class ModelRunner:
             log.warning("CUDA graphs off: the %s attention backend is not graph-safe",
                         getattr(self.backend, "name", "?"))
             return None
-        max_bs = min(cfg.cuda_graph_max_bs, cfg.scheduler.max_num_seqs)
-        max_pages = -(-self.max_positions // self.page_size)
-        return GraphRunner(self.forward_eager, self.backend, self.device, max_bs, 1, max_pages,
-                           self.model_config.hidden_size, self.dtype, self.max_positions)
+        self.graph_max_bs = min(cfg.cuda_graph_max_bs, cfg.scheduler.max_num_seqs)
+        inputs, pads = self.static_inputs(self.graph_max_bs, 1)
+        return BatchGraphs(self._decode_fn, inputs, pads, self.graph_max_bs, "decode")
+
+    def static_inputs(self, max_bs: int, q_len: int) -> tuple[dict[str, torch.Tensor], dict]:
+        """Batch-major buffers of a forward with q_len tokens per request, and their padding."""
+        dev, long = self.device, torch.long
+        inputs = {
+            "input_ids": torch.zeros(max_bs, q_len, dtype=long, device=dev),
+            "positions": torch.zeros(max_bs, q_len, dtype=long, device=dev),
+            "slots": torch.zeros(max_bs, q_len, dtype=long, device=dev),
+            "seq_lens": torch.zeros(max_bs, dtype=torch.int32, device=dev),
+            "page_table": torch.zeros(max_bs, self.max_pages, dtype=torch.int32, device=dev),
+        }
+        pads = {"input_ids": 0, "positions": 0, "slots": -1, "seq_lens": 1,
+                "page_table": self.spare_page}
+        return inputs, pads
+
+    @property
+    def max_pages(self) -> int:
+        return -(-self.max_positions // self.page_size)
+
+    def graph_metadata(self, slots: torch.Tensor, seq_lens: torch.Tensor,
+                       page_table: torch.Tensor, q_len: int,
+                       custom_mask: torch.Tensor | None = None) -> AttentionMetadata:
+        """Metadata from device tensors only (no host values that vary per step)."""
+        bs = seq_lens.shape[0]
+        return AttentionMetadata(
+            slot_mapping=slots.reshape(-1),
+            query_start_loc=torch.arange(0, bs * q_len + 1, q_len, dtype=torch.int32,
+                                         device=self.device),
+            seq_lens=seq_lens, page_table=page_table, max_query_len=q_len,
+            max_seq_len=self.max_positions, custom_mask=custom_mask)
+
+    def _decode_fn(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                   seq_lens: torch.Tensor, page_table: torch.Tensor) -> tuple[torch.Tensor]:
+        md = self.graph_metadata(slots, seq_lens, page_table, 1)
+        return (self.forward(input_ids.reshape(-1), positions.reshape(-1), md),)
+
+    def page_table(self, reqs: list) -> torch.Tensor:
+        """[bs, max_pages] int32 host tensor of the requests' block tables, padded with the
+        spare page."""
+        table = torch.full((len(reqs), self.max_pages), self.spare_page, dtype=torch.int32)
+        for i, req in enumerate(reqs):
+            table[i, : len(req.page_ids)] = torch.tensor(req.page_ids, dtype=torch.int32)
+        return table
 
     @property
     def num_graphs(self) -> int:
@@ -141,7 +183,9 @@ class ModelRunner:
                 f"the KV-cache budget holds {num_pages} pages of {cc.page_size} tokens "
                 f"({per_page} bytes each); raise --kv-cache-bytes / --gpu-memory-utilization or "
                 "lower --page-size")
-        return KVPool(num_layers, num_pages, cc.page_size, mc.num_kv_heads // self.tp_size,
+        # one spare page past the allocator's range: CUDA-graph padding rows point at it
+        self.spare_page = num_pages
+        return KVPool(num_layers, num_pages + 1, cc.page_size, mc.num_kv_heads // self.tp_size,
                       mc.head_dim, self.dtype, self.device)
 
     @property
@@ -152,7 +196,8 @@ class ModelRunner:
 
     @property
     def num_pages(self) -> int:
-        return self.kv_pool.num_pages
+        """Pages the allocator hands out (the pool holds one spare page more)."""
+        return self.spare_page
 
     # -- one forward -------------------------------------------------------------------------
     def prepare(self, scheduled: list[ScheduledRequest]) -> BatchInputs:
@@ -175,18 +220,15 @@ class ModelRunner:
         md = build_attention_metadata(query_lens, seq_lens, page_tables, self.page_size,
                                       self.device)
         return BatchInputs(
-            input_ids=self._to_device(ids),
-            positions=self._to_device(positions),
+            input_ids=self.tensor(ids),
+            positions=self.tensor(positions),
             md=md,
-            sample_rows=self._to_device(sample_rows),
+            sample_rows=self.tensor(sample_rows),
             sample_index=sample_index,
         )
 
-    def _to_device(self, values: list[int]) -> torch.Tensor:
-        t = torch.tensor(values, dtype=torch.long)
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t
+    def tensor(self, values: list[int]) -> torch.Tensor:
+        return to_device(values, torch.long, self.device)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -226,15 +268,18 @@ class ModelRunner:
         if not all(s.num_new_tokens == 1 and s.samples for s in scheduled):
             return None
         ps = self.page_size
-        ids, positions, slots, seq_lens, tables = [], [], [], [], []
-        for s in scheduled:
-            req, pos = s.request, s.start
-            ids.append(req.all_token_ids[pos])
-            positions.append(pos)
-            slots.append(req.page_ids[pos // ps] * ps + pos % ps)
-            seq_lens.append(pos + 1)
-            tables.append(req.page_ids)
-        return graphs.replay(ids, positions, slots, seq_lens, tables)
+        reqs = [s.request for s in scheduled]
+        pos = [s.start for s in scheduled]
+        slots = [r.page_ids[p // ps] * ps + p % ps for r, p in zip(reqs, pos)]
+        long = torch.long
+        (hidden,) = graphs.replay(
+            len(reqs),
+            input_ids=torch.tensor([[r.all_token_ids[p]] for r, p in zip(reqs, pos)], dtype=long),
+            positions=torch.tensor(pos, dtype=long)[:, None],
+            slots=torch.tensor(slots, dtype=long)[:, None],
+            seq_lens=torch.tensor(pos, dtype=torch.int32) + 1,
+            page_table=self.page_table(reqs))
+        return hidden
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> list[list[int]]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specserve.kernels.dispatch import use_triton
+from specserve.kernels.fused_ops import fused_add_rms_norm, rms_norm
 from specserve.layers.linear import default_weight_loader
 
 
@@ -30,6 +32,10 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if use_triton(x) and x.is_contiguous():  # one fused kernel instead of ~7
+            if residual is None:
+                return rms_norm(x, self.weight, self.eps)
+            return fused_add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         x = x + residual  # in the activation dtype, as the unfused model adds

@@ -13,6 +13,8 @@ import math
 import torch
 from torch import nn
 
+from specserve.kernels.dispatch import use_triton
+from specserve.kernels.rotary import rotary_inplace
 from specserve.layers import attention_metadata
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -146,6 +148,9 @@ class RotaryEmbedding(nn.Module):
         ctx = attention_metadata._CONTEXT  # None outside a forward
         if ctx is not None and ctx.metadata is not None:
             self.ensure_capacity(ctx.metadata.max_seq_len)
+        if use_triton(q) and q.stride(-1) == 1 and k.stride(-1) == 1:
+            rotary_inplace(positions, q, k, self.cos_sin_cache)  # one launch for q and k
+            return q, k
         cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 

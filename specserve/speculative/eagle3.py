@@ -10,7 +10,8 @@ P + s - 1 and writes their scratch K/V at slot positions P + (s-1)*k + j of the 
 each query sees the draft prefix plus its ancestors among the scratch (a custom mask of width
 s*k). After verification the accepted path's target KV is compacted to P .. P+m-1 and the draft
 is extended over the m emitted tokens with the target features of the accepted nodes, which
-overwrites the scratch. One device-to-host copy per step: the verification result.
+overwrites the scratch. The decode cycle runs on the device only (speculative/cycle.py, one
+CUDA graph per batch bucket on GPUs); one device-to-host copy per step: the emitted tokens.
 """
 
 from __future__ import annotations
@@ -21,19 +22,16 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.config import ModelConfig, SpecConfig
+from specserve.engine.cuda_graph import BatchGraphs
 from specserve.engine.forward_batch import build_attention_metadata
 from specserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from specserve.layers.attention_metadata import ForwardContext, set_forward_context
-from specserve.layers.sampler import (
-    ACCEPT_SALT,
-    SamplingTensors,
-    probs_from_logits,
-    uniform_noise,
-)
+from specserve.layers.sampler import SamplingTensors
 from specserve.models.capture import AuxHiddenCapture, default_aux_layer_ids
 from specserve.models.eagle3 import Eagle3Head, load_eagle3_head
-from specserve.speculative.tree import DraftTree, TreeAccumulator
-from specserve.speculative.verify import VerifyResult, synthetic_accept, verify, walk_tree
+from specserve.speculative.cycle import MODES, SpecCycle
+
+# sampling fields that are graph inputs (the host flags select the graph instead)
+_ST_FIELDS = ("temperatures", "top_ks", "top_ps", "min_ps", "seeds")
 
 DUMMY = "dummy"  # --spec-draft-model dummy: a random head (cost benchmarks)
 
@@ -85,6 +83,56 @@ class Eagle3Drafter:
         self.counters = SpecCounters(accepted_per_pos=[0] * self.num_steps)
         self.last_out: dict[str, torch.Tensor] = {}  # request id -> [H] draft output at P-1
         self.draft_len: dict[str, int] = {}  # request id -> positions the draft KV covers
+        self.cycle = SpecCycle(self)
+        self.graphs = self._capture_graphs()
+
+    def _capture_graphs(self) -> dict[str, BatchGraphs] | None:
+        """One graph per batch bucket for each verification mode this config can use."""
+        runner = self.runner
+        if runner.decode_graphs is None:  # no graphs on this device/backend
+            return None
+        max_bs = runner.graph_max_bs
+        modes = ["synthetic"] if self.spec.synthetic_accept_len else ["greedy", "sample"]
+        graphs = {}
+        for mode in modes:
+            inputs, pads = self._static_inputs(max_bs)
+            graphs[mode] = BatchGraphs(self._graph_fn(mode), inputs, pads, max_bs,
+                                       f"speculative {mode}", pool=runner.decode_graphs.pool)
+        return graphs
+
+    def _static_inputs(self, max_bs: int) -> tuple[dict[str, torch.Tensor], dict]:
+        runner, dev = self.runner, self.runner.device
+        hidden = self.head.config.hidden_size
+        inputs = {
+            "last_out": torch.zeros(max_bs, hidden, dtype=runner.dtype, device=dev),
+            "root_pos": torch.zeros(max_bs, dtype=torch.long, device=dev),
+            "root_tokens": torch.zeros(max_bs, dtype=torch.long, device=dev),
+            "page_table": torch.zeros(max_bs, runner.max_pages, dtype=torch.int32, device=dev),
+            "valid": torch.zeros(max_bs, dtype=torch.bool, device=dev),
+            "temperatures": torch.zeros(max_bs, dtype=torch.float32, device=dev),
+            "top_ks": torch.zeros(max_bs, dtype=torch.long, device=dev),
+            "top_ps": torch.zeros(max_bs, dtype=torch.float32, device=dev),
+            "min_ps": torch.zeros(max_bs, dtype=torch.float32, device=dev),
+            "seeds": torch.zeros(max_bs, dtype=torch.long, device=dev),
+        }
+        pads = {"last_out": 0.0, "root_pos": 0, "root_tokens": 0,
+                "page_table": runner.spare_page, "valid": False, "temperatures": 0.0,
+                "top_ks": runner.model_config.vocab_size, "top_ps": 1.0, "min_ps": 0.0,
+                "seeds": 0}
+        return inputs, pads
+
+    def _graph_fn(self, mode: str):
+        assert mode in MODES
+
+        def fn(last_out, root_pos, root_tokens, page_table, valid, temperatures, top_ks, top_ps,
+               min_ps, seeds):
+            # every transform on: the general path is right for any mix of parameters
+            st = SamplingTensors(temperatures, top_ks, top_ps, min_ps, seeds, root_pos,
+                                 all_greedy=False, any_greedy=True, any_top_k=True,
+                                 any_top_p=True, any_min_p=True)
+            return self.cycle.run(mode, last_out, root_pos, root_tokens, page_table, valid, st)
+
+        return fn
 
     @staticmethod
     def _load_head(spec: SpecConfig, runner) -> Eagle3Head:
@@ -130,13 +178,12 @@ class Eagle3Drafter:
             self.release(req)
         decodes = [i for i, s in enumerate(entries) if self._can_speculate(s)]
         prefills = [i for i in range(len(entries)) if i not in set(decodes)]
-        extend: list[tuple[ScheduledRequest, list[int], torch.Tensor]] = []
         if prefills:
+            extend: list[tuple[ScheduledRequest, list[int], torch.Tensor]] = []
             self._prefill([entries[i] for i in prefills], prefills, tokens, extend)
-        if decodes:
-            self._speculate([entries[i] for i in decodes], decodes, tokens, computed, extend)
-        if extend:
             self._draft_extend(extend)
+        if decodes:
+            self._speculate([entries[i] for i in decodes], decodes, tokens, computed)
         return tokens, computed
 
     def _prefill(self, entries: list[ScheduledRequest], index: list[int],
@@ -163,65 +210,40 @@ class Eagle3Drafter:
             offset += s.num_new_tokens
 
     def _speculate(self, entries: list[ScheduledRequest], index: list[int],
-                   tokens: list[list[int]], computed: list[int], extend: list) -> None:
+                   tokens: list[list[int]], computed: list[int]) -> None:
+        """One device cycle for every speculating request (a CUDA graph when captured), then
+        the step's single device-to-host copy: the emitted tokens."""
         runner = self.runner
-        roots = [s.start for s in entries]  # P per request
-        tree = self.propose(entries, roots)
-        n = tree.num_nodes
-        # verify: node i at slot P + i, RoPE position P + depth, tree mask among the nodes
-        md = build_attention_metadata([n] * len(entries), [p + n for p in roots],
-                                      [s.request.page_ids for s in entries], runner.page_size,
-                                      runner.device, custom_mask=tree.mask)
-        root_pos = torch.tensor(roots, device=runner.device)
-        self.capture.enable()
-        hidden = runner.forward(tree.tokens.flatten(), tree.positions(root_pos).flatten(), md)
-        feats = self.capture.pop().view(len(entries), n, -1)  # [bs, n, 3H]
-        self.capture.disable()
-        logits = runner.compute_logits(hidden).view(len(entries), n, -1)  # [bs, n, V]
+        reqs = [s.request for s in entries]
         st = runner.sampling_tensors(entries, list(range(len(entries))))
-        result = self._verify(tree, logits, st, root_pos)
-        if self.k > 1:
-            self._compact_kv(result, md.page_table, root_pos)
-        host = torch.cat([result.num_emitted[:, None], result.emitted, result.accepted_nodes],
-                         dim=1).tolist()  # the one device-to-host copy of the step
-        width = result.emitted.shape[1]
+        mode = ("synthetic" if self.spec.synthetic_accept_len
+                else "greedy" if st.all_greedy else "sample")
+        inputs = {
+            "last_out": torch.stack([self.last_out[r.request_id] for r in reqs]),
+            "root_pos": torch.tensor([s.start for s in entries], dtype=torch.long),
+            "root_tokens": torch.tensor([r.all_token_ids[-1] for r in reqs], dtype=torch.long),
+            "page_table": runner.page_table(reqs),
+            "valid": torch.ones(len(reqs), dtype=torch.bool),
+        }
+        graphs = self.graphs.get(mode) if self.graphs else None
+        if graphs is not None and len(reqs) <= graphs.max_bs:
+            for name in _ST_FIELDS:
+                inputs[name] = getattr(st, name)
+            emitted, num_emitted, new_last = graphs.replay(len(reqs), **inputs)
+        else:
+            dev = {k: v.to(runner.device) for k, v in inputs.items()}
+            emitted, num_emitted, new_last = self.cycle.run(
+                mode, dev["last_out"], dev["root_pos"], dev["root_tokens"], dev["page_table"],
+                dev["valid"], st)
+        new_last = new_last.clone()  # graph outputs are overwritten by the next replay
+        host = torch.cat([num_emitted[:, None], emitted], dim=1).tolist()  # the one copy
         for j, (s, row) in enumerate(zip(entries, host)):
             m = row[0]
-            emitted = row[1:1 + m]
-            nodes = torch.tensor(row[1 + width:1 + width + m], device=runner.device)
-            tokens[index[j]] = emitted
+            tokens[index[j]] = row[1:1 + m]
             computed[index[j]] = m
-            extend.append((s, emitted, feats[j].index_select(0, nodes)))
-            self._count(s.request, m - 1, n - 1)
-
-    def _verify(self, tree: DraftTree, logits: torch.Tensor, st: SamplingTensors,
-                root_pos: torch.Tensor) -> VerifyResult:
-        if self.spec.synthetic_accept_len:
-            return synthetic_accept(tree, self.spec.synthetic_accept_len, logits)
-        if st.all_greedy:
-            return walk_tree(tree, logits.argmax(dim=-1))
-        bs, n, v = logits.shape
-        probs = probs_from_logits(logits.view(bs * n, v), st.repeat_interleave(n)).view(bs, n, v)
-        uniforms = uniform_noise(st.seeds, root_pos, n, ACCEPT_SALT)
-        return verify(tree, probs, uniforms)
-
-    def _compact_kv(self, result: VerifyResult, page_table: torch.Tensor,
-                    root_pos: torch.Tensor) -> None:
-        """Move the accepted nodes' target K/V from P + node to P + depth (no host sync)."""
-        nodes = result.accepted_nodes  # [bs, w], -1 padded
-        depth = torch.arange(nodes.shape[1], device=nodes.device).expand_as(nodes)
-        src_pos = root_pos[:, None] + torch.where(nodes >= 0, nodes, depth)
-        dst_pos = root_pos[:, None] + depth
-        ps = self.runner.page_size
-
-        def slots(pos: torch.Tensor) -> torch.Tensor:
-            return (page_table.long().gather(1, pos // ps) * ps + pos % ps).flatten()
-
-        src, dst = slots(src_pos), slots(dst_pos)
-        for layer in self.runner.attn_layers:
-            for cache in (layer.k_cache, layer.v_cache):
-                flat = cache.view(-1, *cache.shape[2:])
-                flat[dst] = flat[src]
+            self.last_out[s.request.request_id] = new_last[j]
+            self.draft_len[s.request.request_id] = s.start + m
+            self._count(s.request, m - 1, self.n - 1)
 
     def _count(self, req, accepted: int, proposed: int) -> None:
         c = self.counters
@@ -232,43 +254,9 @@ class Eagle3Drafter:
         for d in range(accepted):
             c.accepted_per_pos[d] += 1
 
-    # -- drafting ------------------------------------------------------------------------------
-    def propose(self, entries: list[ScheduledRequest], roots: list[int]) -> DraftTree:
-        """Draft a tree per request from its stored draft output (num_steps - 1 forwards)."""
-        head, k, runner = self.head, self.k, self.runner
-        bs = len(entries)
-        out = torch.stack([self.last_out[s.request.request_id] for s in entries])  # [bs, H]
-        logp, draft_ids = head.compute_logits(out).log_softmax(-1).topk(k, dim=-1)
-        acc = TreeAccumulator(logp, draft_ids, self.d2t)
-        parent_out = out[:, None, :].expand(bs, k, out.shape[-1])  # [bs, k, H]
-        pages = [s.request.page_ids for s in entries]
-        for s in range(1, self.num_steps):
-            path = acc.frontier_path  # [bs, k, s]: ancestor slot per generation, own slot last
-            mask = torch.zeros(bs, k, s * k, dtype=torch.bool, device=runner.device)
-            cols = torch.arange(s, device=runner.device) * k + path  # [bs, k, s]
-            mask.scatter_(2, cols, True)
-            md = build_attention_metadata([k] * bs, [p + s * k for p in roots], pages,
-                                          runner.page_size, runner.device, custom_mask=mask)
-            positions = torch.tensor(roots, device=runner.device)[:, None] + (s - 1)
-            ids = acc.frontier_tokens  # [bs, k] target ids
-            y = self._draft_forward(ids.flatten(), positions.expand(bs, k).flatten(),
-                                    parent_out.reshape(bs * k, -1), md).view(bs, k, -1)
-            child_logp, child_ids = head.compute_logits(y.flatten(0, 1)).log_softmax(-1).topk(
-                k, dim=-1)
-            acc.extend(child_logp.view(bs, k, k), child_ids.view(bs, k, k))
-            # each new frontier slot continues from its parent's output
-            parent_out = y.gather(1, acc.frontier_path[:, :, -2:-1].expand(-1, -1, y.shape[-1]))
-        root_tokens = torch.tensor([s.request.all_token_ids[-1] for s in entries],
-                                   device=runner.device)
-        return acc.build(root_tokens, self.n)
-
     def _draft_forward(self, ids: torch.Tensor, positions: torch.Tensor, g: torch.Tensor,
                        md) -> torch.Tensor:
-        set_forward_context(ForwardContext(md, self.runner.backend))
-        try:
-            return self.head(ids, positions, g)
-        finally:
-            set_forward_context(None)
+        return self.cycle._head(ids, positions, g, md)
 
     def _draft_extend(self, items: list[tuple[ScheduledRequest, list[int], torch.Tensor]]) -> None:
         """Extend the draft KV over new target positions [start, start + m) with pairs
@@ -279,12 +267,11 @@ class Eagle3Drafter:
         md = build_attention_metadata(q_lens, [a + q for a, q in zip(starts, q_lens)],
                                       [s.request.page_ids for s, _, _ in items],
                                       runner.page_size, runner.device)
-        ids = torch.tensor([t for _, nxt, _ in items for t in nxt], device=runner.device)
-        positions = torch.tensor([a + i for a, q in zip(starts, q_lens) for i in range(q)],
-                                 device=runner.device)
+        ids = runner.tensor([t for _, nxt, _ in items for t in nxt])
+        positions = runner.tensor([a + i for a, q in zip(starts, q_lens) for i in range(q)])
         feats = torch.cat([f for _, _, f in items])
         y = self._draft_forward(ids, positions, feats, md)
-        ends = torch.tensor(q_lens, device=runner.device).cumsum(0) - 1
+        ends = runner.tensor(q_lens).cumsum(0) - 1
         last = y.index_select(0, ends)
         for (s, _, _), row, q in zip(items, last, q_lens):
             self.last_out[s.request.request_id] = row

@@ -1,0 +1,52 @@
+"""The in-place rotary kernel against its torch reference (GPU; Triton interpreter on CPU)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+CHECK = textwrap.dedent("""
+    import torch
+    from specserve.kernels.rotary import rotary_inplace, rotary_ref
+    from specserve.layers.rotary import RotaryEmbedding
+
+    dev = DEVICE
+    for dtype, tol in TOLS:
+        for t, hq, hk, d in [(1, 4, 1, 64), (7, 8, 2, 128), (33, 5, 5, 32)]:
+            rope = RotaryEmbedding(d, 4096, 10000.0).to(dev)
+            qkv = torch.randn(t, (hq + 2 * hk) * d, device=dev).to(dtype)
+            q = qkv[:, : hq * d].view(t, hq, d)  # strided views, as the model makes them
+            k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
+            pos = torch.randint(0, 4000, (t,), device=dev)
+            want_q, want_k = rotary_ref(pos, q.clone(), k.clone(), rope.cos_sin_cache)
+            untouched = qkv[:, (hq + hk) * d :].clone()
+            rotary_inplace(pos, q, k, rope.cos_sin_cache)
+            for got, want in ((q, want_q), (k, want_k)):
+                err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+                assert err < tol, (dtype, t, hq, hk, d, err)
+            assert torch.equal(qkv[:, (hq + hk) * d :], untouched)  # v is not touched
+    print("ok")
+""")
+
+
+@pytest.mark.gpu
+def test_rotary_kernel_gpu() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    code = CHECK.replace("DEVICE", "'cuda'").replace(
+        "TOLS", "[(torch.float32, 1e-6), (torch.bfloat16, 1e-2)]")
+    exec(compile(code, "rotary_check", "exec"), {})
+
+
+def test_rotary_kernel_interpreter() -> None:
+    pytest.importorskip("triton")
+    code = CHECK.replace("DEVICE", "'cpu'").replace("TOLS", "[(torch.float32, 1e-6)]")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-2000:]
