@@ -28,9 +28,7 @@ def _generate(args: argparse.Namespace) -> int:
     from specserve.sampling_params import SamplingParams
 
     config = engine_config_from_args(args)
-    llm = LLM(config.model, **{k: getattr(config, k) for k in (
-        "tokenizer", "dtype", "device", "seed", "enforce_eager", "parallel", "cache",
-        "scheduler", "spec")})
+    llm = LLM(config)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed_request)
     t0 = time.perf_counter()

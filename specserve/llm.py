@@ -34,9 +34,9 @@ class LLM:
     """Keyword arguments are EngineConfig fields; `speculative=dict(...)` sets SpecConfig and
     nested configs accept dicts (`cache=dict(page_size=32)`)."""
 
-    def __init__(self, model: str, speculative: dict[str, Any] | SpecConfig | None = None,
-                 **kwargs: Any) -> None:
-        config = EngineConfig(model=model)
+    def __init__(self, model: str | EngineConfig,
+                 speculative: dict[str, Any] | SpecConfig | None = None, **kwargs: Any) -> None:
+        config = model if isinstance(model, EngineConfig) else EngineConfig(model=model)
         if isinstance(speculative, dict):
             kwargs["spec"] = SpecConfig(**speculative)
         elif speculative is not None:

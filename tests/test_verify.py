@@ -193,17 +193,16 @@ def test_synthetic_accept() -> None:
     for accept_len in (1, 2, 3, 9):
         for p in (probs, None):
             res = synthetic_accept(tree, accept_len, p)
-            for b in range(bs):  # naive: follow the lowest-numbered child
-                parents, path = tree.parents[b].tolist(), [0]
-                while len(path) < accept_len:
-                    kids = [j for j in range(n) if parents[j] == path[-1]]
-                    if not kids:
-                        break
-                    path.append(kids[0])
-                kids = [j for j in range(n) if parents[j] == path[-1]]
+            for b in range(bs):  # naive: the root-to-deepest path, cut to accept_len nodes
+                parents, depth = tree.parents[b].tolist(), tree.depth[b].tolist()
+                node = depth.index(max(depth))
+                path = [node]
+                while parents[path[-1]] >= 0:
+                    path.append(parents[path[-1]])
+                path = path[::-1][:accept_len]
                 last = path[-1]
                 bonus = (probs[b, last].argmax().item() if p is not None
-                         else tree.tokens[b, kids[0] if kids else last].item())  # fmt: skip
+                         else tree.tokens[b, last].item())  # fmt: skip
                 assert res.num_accepted[b].item() == len(path) - 1
                 assert res.accepted_nodes[b, : len(path)].tolist() == path
                 emitted = tree.tokens[b, path[1:]].tolist() + [bonus]

@@ -89,21 +89,23 @@ def verify(tree: DraftTree, probs: torch.Tensor, uniforms: torch.Tensor) -> Veri
 def synthetic_accept(
     tree: DraftTree, accept_len: int, probs: torch.Tensor | None = None
 ) -> VerifyResult:
-    """COST-ONLY benchmarking: accept accept_len - 1 nodes along the first root-to-leaf path.
+    """COST-ONLY benchmarking: accept accept_len - 1 nodes along the path to the deepest node.
 
-    The first path follows each node's lowest-numbered child. The bonus is the target argmax at
-    the last accepted node when probs [bs, n, V] are given, else that node's first child token
-    (its own token at a leaf). Output is not the target's: never use it for real text.
+    The path leads from the root to the first node of maximal depth, so the forced accept
+    length is reached whenever the tree is deep enough. The bonus is the target argmax at the
+    last accepted node when probs [bs, n, V] are given, else that node's own token. Output is
+    not the target's: never use it for real text.
     """
     if accept_len < 1:
         raise ValueError(f"synthetic accept length must be >= 1, got {accept_len}")
-    n = tree.num_nodes
+    bs, n = tree.tokens.shape
     node_ids = torch.arange(n, device=tree.tokens.device)
-    is_child = tree.parents[:, None, :] == node_ids[None, :, None]  # [bs, parent, child]
+    deepest = (tree.depth * (n + 1) - node_ids).argmax(dim=1)  # [bs] first node of max depth
+    on_path = tree.mask.gather(1, deepest[:, None, None].expand(-1, 1, n)).squeeze(1)  # [bs, n]
+    # the path child of each node: the on-path node whose parent it is
+    is_child = (tree.parents[:, None, :] == node_ids[None, :, None]) & on_path[:, None, :]
     has_child = is_child.any(dim=2)  # [bs, n]
-    first_child = is_child.to(torch.int8).argmax(dim=2)  # [bs, n], meaningful where has_child
-    child_token = torch.where(has_child, tree.tokens.gather(1, first_child), tree.tokens)
-    bonus = child_token if probs is None else probs.argmax(dim=-1)  # [bs, n]
-    # oracle target: the first child's token until the wanted depth, then the bonus
+    child_token = tree.tokens.gather(1, is_child.to(torch.int8).argmax(dim=2))
+    bonus = tree.tokens if probs is None else probs.argmax(dim=-1)  # [bs, n]
     follow = has_child & (tree.depth < accept_len - 1)
     return walk_tree(tree, torch.where(follow, child_token, bonus), max_accept=accept_len - 1)

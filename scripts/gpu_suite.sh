@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The GPU checks and benchmarks in one invocation (an H200 or any CUDA machine):
+#   bash scripts/gpu_suite.sh OUT_DIR [steps]
+# steps: any of tests,plain,spec,match,serve (default: all). Results and logs go to OUT_DIR;
+# benchmark rows are appended to experiments/ (LOG.md, results.jsonl, PNGs).
+set -u
+out=${1:-out}; steps=${2:-tests,plain,spec,match,serve}
+mkdir -p "$out"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+ss() { python -m specserve.cli "$@"; }
+has() { [[ ",$steps," == *",$1,"* ]]; }
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv > "$out/gpu.txt" 2>&1
+ss doctor > "$out/doctor.txt" 2>&1
+
+if has tests; then
+  timeout 420 python -m pytest -q -m gpu -x -p no:cacheprovider tests > "$out/gpu_tests.log" 2>&1
+  echo "gpu tests rc=$?"; tail -3 "$out/gpu_tests.log"
+fi
+common=(--model llama-3.1-8b --load-format dummy --context-len 1024 --output-len 64 --runs 5
+        --warmup 1 --log --exp-dir experiments)
+if has plain; then
+  timeout 600 ss bench latency "${common[@]}" --batch-sizes 1,8,32,128 --floor --compare-hf \
+    --label "llama-3.1-8b plain" --json-out "$out/plain.json" > "$out/plain.log" 2>&1
+  echo "plain rc=$?"; tail -25 "$out/plain.log"
+fi
+if has spec; then
+  for cfg in "1 0 chain3" "4 16 tree4x16"; do
+    set -- $cfg
+    timeout 500 ss bench latency "${common[@]}" --batch-sizes 1,16 --max-num-seqs 16 \
+      --spec-algorithm eagle3 --spec-draft-model dummy --spec-num-steps 3 --spec-topk "$1" \
+      --spec-num-draft-tokens "$2" --spec-synthetic-accept-len 4 \
+      --label "llama-3.1-8b $3 synthetic AL4" --json-out "$out/$3.json" > "$out/$3.log" 2>&1
+    echo "$3 rc=$?"; tail -15 "$out/$3.log"
+  done
+fi
