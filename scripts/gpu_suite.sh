@@ -14,20 +14,20 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv > "$o
 ss doctor > "$out/doctor.txt" 2>&1
 
 if has tests; then
-  timeout 420 python -m pytest -q -m gpu -x -p no:cacheprovider tests > "$out/gpu_tests.log" 2>&1
+  timeout 200 python -m pytest -q -m gpu -p no:cacheprovider tests > "$out/gpu_tests.log" 2>&1
   echo "gpu tests rc=$?"; tail -3 "$out/gpu_tests.log"
 fi
-common=(--model llama-3.1-8b --load-format dummy --context-len 1024 --output-len 64 --runs 5
+common=(--model llama-3.1-8b --load-format dummy --context-len 1024 --output-len 64 --runs 3
         --warmup 1 --log --exp-dir experiments)
 if has plain; then
-  timeout 600 ss bench latency "${common[@]}" --batch-sizes 1,8,32,128 --floor --compare-hf \
+  timeout 330 ss bench latency "${common[@]}" --batch-sizes 1,8,32,128 --floor --compare-hf \
     --label "llama-3.1-8b plain" --json-out "$out/plain.json" > "$out/plain.log" 2>&1
   echo "plain rc=$?"; tail -25 "$out/plain.log"
 fi
 if has spec; then
   for cfg in "1 0 chain3" "4 16 tree4x16"; do
     set -- $cfg
-    timeout 500 ss bench latency "${common[@]}" --batch-sizes 1,16 --max-num-seqs 16 \
+    timeout 200 ss bench latency "${common[@]}" --batch-sizes 1,16 --max-num-seqs 16 \
       --spec-algorithm eagle3 --spec-draft-model dummy --spec-num-steps 3 --spec-topk "$1" \
       --spec-num-draft-tokens "$2" --spec-synthetic-accept-len 4 \
       --label "llama-3.1-8b $3 synthetic AL4" --json-out "$out/$3.json" > "$out/$3.log" 2>&1
