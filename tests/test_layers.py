@@ -245,11 +245,17 @@ def test_torch_ref_backend_vs_naive(use_tree: bool) -> None:
     trees = None
     mask = None
     if use_tree:  # random ancestor sets; each node sees itself
-        mask = torch.rand(len(new), max_q, max_q, generator=gen) < 0.5
-        mask |= torch.eye(max_q, dtype=torch.bool)
+        tree_masks = torch.rand(len(new), max_q, max_q, generator=gen) < 0.5
+        tree_masks |= torch.eye(max_q, dtype=torch.bool)
         trees = [
-            [[bool(mask[r, i, j]) for j in range(n)] for i in range(n)] for r, n in enumerate(new)
+            [[bool(tree_masks[r, i, j]) for j in range(n)] for i in range(n)]
+            for r, n in enumerate(new)
         ]
+        # width W = max_q covers the last W KV entries: a request with fewer new tokens sees
+        # its leading columns as prefix (all visible), its new tokens in the last n columns
+        mask = torch.ones(len(new), max_q, max_q, dtype=torch.bool)
+        for r, n in enumerate(new):
+            mask[r, :n, max_q - n :] = tree_masks[r, :n, :n]
     md = build_attention_metadata(new, seq_lens, tables, ps, "cpu", custom_mask=mask)
     q = torch.randn(sum(new), heads, hd, generator=gen)
     k = torch.cat([full_k[r][c:] for r, c in enumerate(cached)])

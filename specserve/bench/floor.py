@@ -1,0 +1,327 @@
+"""What a decode step is measured against, in the same process as the step itself.
+
+- Weight-stream floor: the model's own linear weights (qkv, o, gate_up, down of every decoder
+  layer, then the LM head; the module's tensors, not copies) applied as plain matmuls
+  `x @ W.T` in sequence for a [bs, in] input, captured in one CUDA graph and replayed. Attention,
+  norms and sampling are left out, so a decode step can approach this time but not beat it;
+  weight bytes / time is the bandwidth the matmuls achieve.
+- Device copy bandwidth: read + write bytes of a large device-to-device copy over its time.
+- The transformers peer: `generate` on a transformers model of the same shape whose parameters
+  are views of ours (same random init, no second copy of the weights), with a static cache
+  (which `generate` compiles on CUDA) where a GPU is present, plain generate otherwise.
+On the CPU there are no graphs: the floor runs eagerly and the numbers are only a smoke test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+GIB = 1 << 30
+CPU_COPY_BYTES = 64 << 20  # the CPU form copies less: it is a smoke test, not a ceiling
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, repeats: int) -> list[float]:
+    """Milliseconds of each of `repeats` calls: CUDA events on a GPU, perf_counter on the CPU."""
+    out = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            out.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+# -- the weight-stream floor ------------------------------------------------------------------
+
+
+def floor_weights(model: nn.Module) -> list[torch.Tensor]:
+    """Every 2-D weight of the decoder layers in order (qkv, o, gate_up, down per layer), then
+    the LM head: the tensors a decode step must stream from memory."""
+    layers = next((m for name, m in model.named_modules()
+                   if name.endswith("layers") and isinstance(m, nn.ModuleList)), None)
+    head = getattr(model, "lm_head", None)
+    if layers is None or head is None:
+        raise ValueError(f"{type(model).__name__} has no decoder `layers` list and `lm_head`; "
+                         "the weight-stream floor supports decoder-only language models")
+    weights = [p for layer in layers for p in layer.parameters() if p.dim() == 2]
+    return [*weights, head.weight]
+
+
+@dataclass
+class FloorPoint:
+    batch_size: int
+    ms: float  # median of the replays
+    weight_bytes: int
+    graphed: bool  # one CUDA graph (False: eager launches on the CPU)
+
+    @property
+    def bandwidth_gbs(self) -> float:
+        """Weight bytes over time; activations are negligible at decode batch sizes."""
+        return self.weight_bytes / (self.ms * 1e-3) / 1e9
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "bandwidth_gbs": self.bandwidth_gbs}
+
+
+def _chain(weights: list[torch.Tensor], inputs: dict[int, torch.Tensor]) -> None:
+    for w in weights:  # w [out, in]; inputs[in] [bs, in] -> [bs, out], discarded
+        torch.mm(inputs[w.shape[1]], w.t())
+
+
+@torch.inference_mode()
+def measure_floor(model: nn.Module, batch_sizes: list[int], replays: int = 100,
+                  warmup: int = 5) -> list[FloorPoint]:
+    """Median time of the weight-stream matmul chain at each batch size."""
+    weights = floor_weights(model)
+    device, dtype = weights[0].device, weights[0].dtype
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    graphed = device.type == "cuda"
+    points = []
+    for bs in batch_sizes:
+        inputs = {k: torch.randn(bs, k, device=device, dtype=dtype)
+                  for k in sorted({w.shape[1] for w in weights})}
+
+        def step(inputs: dict[int, torch.Tensor] = inputs) -> None:
+            _chain(weights, inputs)
+
+        if graphed:
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):  # cuBLAS picks its kernels before capture
+                for _ in range(warmup):
+                    step()
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            run = graph.replay
+        else:
+            run = step
+        time_ms(run, device, warmup)
+        ms = statistics.median(time_ms(run, device, replays))
+        points.append(FloorPoint(bs, ms, nbytes, graphed))
+        del inputs
+        if graphed:
+            del graph
+    return points
+
+
+@dataclass
+class CopyBandwidth:
+    nbytes: int  # size of the copied tensor
+    ms: float  # median of the repeats
+
+    @property
+    def bandwidth_gbs(self) -> float:
+        return 2 * self.nbytes / (self.ms * 1e-3) / 1e9  # each byte read once, written once
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "bandwidth_gbs": self.bandwidth_gbs}
+
+
+@torch.inference_mode()
+def measure_copy_bandwidth(device: torch.device, nbytes: int | None = None,
+                           repeats: int = 20) -> CopyBandwidth:
+    """dst.copy_(src) of `nbytes` bytes (2 GiB on a GPU by default)."""
+    nbytes = nbytes or (2 * GIB if device.type == "cuda" else CPU_COPY_BYTES)
+    bufs = [torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 256)]
+    bufs.append(torch.empty_like(bufs[0]))
+
+    def copy() -> None:
+        bufs[1].copy_(bufs[0])
+
+    time_ms(copy, device, 3)
+    ms = statistics.median(time_ms(copy, device, repeats))
+    bufs.clear()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # hand the memory back before the engine sizes its KV cache
+    return CopyBandwidth(nbytes, ms)
+
+
+# -- the transformers peer --------------------------------------------------------------------
+
+
+def _hf_config_dict(engine: Any) -> dict[str, Any]:
+    from specserve.models.presets import PRESETS
+
+    if engine.model_path is None:
+        return dict(PRESETS[engine.model_name])
+    with open(os.path.join(engine.model_path, "config.json")) as fh:
+        return json.load(fh)
+
+
+def _shard_rows(model_config: Any) -> dict[object, tuple[int, int]]:
+    """Row range of each shard id inside our fused qkv / gate_up tensors."""
+    q = model_config.num_heads * model_config.head_dim
+    kv = model_config.num_kv_heads * model_config.head_dim
+    inter = model_config.intermediate_size
+    return {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv),
+            0: (0, inter), 1: (inter, 2 * inter)}
+
+
+def hf_peer_model(engine: Any) -> nn.Module:
+    """A transformers model of the engine's architecture whose parameters are views of the
+    engine's tensors. Built on the meta device, so no second copy of the weights exists."""
+    import transformers
+
+    from specserve.distributed.parallel_state import get_tp_size
+    from specserve.models.llama import STACKED_PARAMS
+
+    if get_tp_size() != 1:
+        raise ValueError("the transformers comparison needs the whole model: use --tp-size 1")
+    hf = _hf_config_dict(engine)
+    arch = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
+    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"), None)
+    model_cls = getattr(transformers, arch, None)
+    if config_cls is None or model_cls is None:
+        raise ValueError(f"transformers has no {arch}; drop --compare-hf for this model")
+    config = config_cls(**{k: v for k, v in hf.items() if k != "architectures"})
+    ours = dict(engine.runner.model.named_parameters(remove_duplicate=False))
+    rows = _shard_rows(engine.model_config)
+    with torch.device("meta"):
+        peer = model_cls(config)
+    for name, param in list(peer.named_parameters(remove_duplicate=False)):
+        src_name, shard = name, None
+        for ckpt, fused, shard_id in STACKED_PARAMS:
+            if ckpt in name:
+                src_name, shard = name.replace(ckpt, fused), shard_id
+        if src_name not in ours:
+            raise ValueError(f"{arch} parameter {name} has no counterpart here; drop --compare-hf")
+        tensor = ours[src_name]
+        if shard is not None:
+            lo, hi = rows[shard]
+            tensor = tensor[lo:hi]  # a row slice of a contiguous tensor: a contiguous view
+        assert tensor.shape == param.shape, (name, tensor.shape, param.shape)
+        owner, leaf = peer.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
+        setattr(owner, leaf, nn.Parameter(tensor, requires_grad=False))
+    device = engine.runner.device
+    for name, module in list(peer.named_modules()):  # rotary tables: rebuild on the device
+        if any(b.is_meta for b in module.buffers(recurse=False)):
+            with torch.device(device):
+                fresh = type(module)(module.config)
+            owner = peer.get_submodule(name.rpartition(".")[0])
+            setattr(owner, name.rpartition(".")[2], fresh)
+    left = [n for n, t in [*peer.named_parameters(), *peer.named_buffers()] if t.is_meta]
+    assert not left, f"tensors left on the meta device: {left}"
+    peer.generation_config.eos_token_id = None  # like ignore_eos: always max_new_tokens
+    return peer.eval()
+
+
+class _DecodeClock:
+    """A logits processor that stamps the time generate first asks for logits: the prefill is
+    done and every later forward is a decode step."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.start: float | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.start is None:
+            sync(self.device)
+            self.start = time.perf_counter()
+        return scores
+
+
+@dataclass
+class HFResult:
+    mode: str
+    tok_s: list[float] = field(default_factory=list)  # decode tok/s of each timed run
+    token_ids: list[int] = field(default_factory=list)  # greedy output of the last run
+
+
+@torch.inference_mode()
+def measure_hf_generate(peer: nn.Module, prompt: list[int], output_len: int, runs: int,
+                        warmup: int) -> HFResult:
+    """Greedy batch-1 generate of exactly `output_len` tokens; decode tok/s counts the
+    output_len - 1 tokens produced after the first logits (prefill excluded)."""
+    from transformers import LogitsProcessorList
+
+    if output_len < 2:
+        raise ValueError("--output-len must be >= 2 to time a decode phase")
+    device = next(peer.parameters()).device
+    static = device.type == "cuda"
+    mode = ("transformers generate, static cache (auto-compiled)" if static
+            else "transformers generate, dynamic cache, eager (no GPU)")
+    ids = torch.tensor([prompt], device=device)
+    result = HFResult(mode)
+    for i in range(warmup + runs):
+        clock = _DecodeClock(device)
+        out = peer.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
+            do_sample=False, pad_token_id=0,
+            cache_implementation="static" if static else None,
+            logits_processor=LogitsProcessorList([clock]))
+        sync(device)
+        elapsed = time.perf_counter() - (clock.start or 0.0)
+        if i >= warmup:
+            result.tok_s.append((output_len - 1) / elapsed)
+        result.token_ids = out[0, len(prompt):].tolist()
+    return result
+
+
+def measure_references(engine: Any, batch_sizes: list[int], floor: bool, compare_hf: bool,
+                       prompt: list[int], output_len: int, runs: int,
+                       warmup: int) -> dict[str, Any]:
+    """The floor at each batch size and the transformers peer at batch 1, as JSON-ready dicts;
+    a part not measured carries {"skipped": reason}."""
+    from specserve.bench.stats import summarize
+
+    out: dict[str, Any] = {}
+    if floor:
+        points = measure_floor(engine.runner.model, batch_sizes)
+        out["floor"] = {"points": [p.to_dict() for p in points]}
+    else:
+        out["floor"] = {"skipped": "off by default without CUDA; --floor runs an eager CPU form"}
+    if not compare_hf:
+        out["hf"] = {"skipped": "not asked for (--compare-hf)"}
+        return out
+    try:
+        peer = hf_peer_model(engine)
+    except (ValueError, ImportError) as err:
+        out["hf"] = {"skipped": str(err)}
+        return out
+    hf = measure_hf_generate(peer, prompt, output_len, runs, warmup)
+    del peer
+    out["hf"] = {"mode": hf.mode, "batch_size": 1, "context_len": len(prompt),
+                 "tok_s": summarize(hf.tok_s).to_dict(), "tok_s_runs": hf.tok_s}
+    return out
+
+
+def describe_references(report: dict[str, Any], speedup: dict[str, float] | None) -> list[str]:
+    """Summary lines of the copy bandwidth, floor and transformers parts of a report;
+    `speedup`: specserve's batch-1 tok/s over transformers' per mode."""
+    copy, floor, hf = report["copy"], report["floor"], report["hf"]
+    lines = [f"copy bandwidth: skipped ({copy['skipped']})" if "skipped" in copy else
+             f"copy bandwidth: {copy['bandwidth_gbs']:.0f} GB/s (read + write, "
+             f"{copy['nbytes'] / GIB:.2f} GiB)"]
+    lines += [f"floor bs {f['batch_size']}: {f['ms']:.3f} ms, {f['weight_bytes'] / 1e9:.3f} GB "
+              f"at {f['bandwidth_gbs']:.0f} GB/s" + ("" if f["graphed"] else " (eager, no graph)")
+              for f in floor.get("points", ())]
+    if "skipped" in floor:
+        lines.append(f"floor: skipped ({floor['skipped']})")
+    if "skipped" in hf:
+        return [*lines, f"transformers: skipped ({hf['skipped']})"]
+    ratios = ", ".join(f"{m} {v:.2f}x" for m, v in (speedup or {}).items()) or "n/a (no bs 1)"
+    return [*lines, f"{hf['mode']}, bs 1 ctx {hf['context_len']}: {hf['tok_s']['mean']:.1f} "
+                    f"tok/s; specserve over it: {ratios}"]

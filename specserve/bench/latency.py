@@ -1,0 +1,398 @@
+"""`specserve bench latency`: offline decode latency, plain vs speculative, in one process.
+
+Method. One engine (one copy of the weights) serves both modes, switched between runs with
+`Engine.set_speculation`. For every (context, batch) point: warm-up runs, then the timed runs
+with the modes interleaved (A B A B ...) on the same prompts. One run adds `bs` requests of the
+context length (greedy, ignore_eos), steps through the prefill until every request holds its
+first token, then times the decode phase alone (synchronize, perf_counter) until each request
+has decoded at least `output_len` tokens, and aborts the requests. Every decode step therefore
+runs the full batch. A run gives decode tok/s and ms/step; speculation also gives the accept
+length (tokens per draft-verify cycle, bonus included) and the per-position acceptance from
+counter deltas over the timed phase.
+    speculative efficiency = spec tok/s / (accept length x plain tok/s)   (1.0: drafting free)
+With a synthetic accept length every number is a cost-only measurement and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from specserve.bench.floor import describe_references, sync
+from specserve.bench.log import append_result, environment_info
+from specserve.bench.stats import Summary, format_range, relative_change, summarize
+from specserve.config import add_cli_args
+from specserve.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+BASELINE = "baseline"
+SPEC = "eagle3"
+SYNTHETIC = "synthetic acceptance (cost-only)"
+
+
+@dataclass
+class RunResult:
+    """One timed decode phase."""
+
+    decode_s: float
+    steps: int
+    tokens: int  # generated in the timed phase, all requests
+    drafts: int = 0  # draft-verify cycles (counter deltas)
+    accepted: int = 0  # accepted draft tokens, bonus excluded
+    accepted_per_pos: tuple[int, ...] = ()
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.decode_s
+
+    @property
+    def ms_per_step(self) -> float:
+        return self.decode_s * 1e3 / self.steps
+
+    @property
+    def accept_length(self) -> float:
+        return (self.accepted + self.drafts) / self.drafts if self.drafts else float("nan")
+
+
+def _spec_counters(engine: Any) -> tuple[int, int, list[int]]:
+    stats = engine.stats()
+    return stats["num_drafts"], stats["num_accepted_tokens"], list(stats["accepted_per_pos"])
+
+
+def run_once(engine: Any, prompts: list[list[int]], output_len: int, spec: bool) -> RunResult:
+    """Prefill the batch, then time a decode phase of >= output_len tokens per request."""
+    per_step = engine.config.spec.verify_tokens if spec else 1
+    budget = engine.config.scheduler.max_num_batched_tokens
+    prefill_steps = math.ceil(sum(map(len, prompts)) / budget) + 2
+    # room for tokens decoded while later requests still prefill, so none finishes early
+    max_tokens = output_len + 2 * per_step * (prefill_steps + 1)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [engine.add_request(None, p, params) for p in prompts]
+    produced = dict.fromkeys(ids, 0)
+
+    def step() -> None:
+        for out in engine.step():
+            if out.finished:
+                raise ValueError(f"request {out.request_id} ended ({out.finish_reason}) inside the "
+                                 "timed phase; lower --output-len or raise --max-model-len")
+            produced[out.request_id] = out.num_output_tokens
+
+    try:
+        while min(produced.values()) < 1:
+            step()
+        start = dict(produced)
+        before = _spec_counters(engine) if spec else (0, 0, [])
+        sync(engine.runner.device)
+        t0 = time.perf_counter()
+        steps = 0
+        while min(produced[i] - start[i] for i in ids) < output_len:
+            step()
+            steps += 1
+        sync(engine.runner.device)
+        decode_s = time.perf_counter() - t0
+        after = _spec_counters(engine) if spec else (0, 0, [])
+    finally:  # the engine is left empty either way
+        for i in ids:
+            engine.abort_request(i)
+    per_pos = tuple(a - b for a, b in zip(after[2], before[2]))
+    return RunResult(decode_s, steps, sum(produced[i] - start[i] for i in ids),
+                     after[0] - before[0], after[1] - before[1], per_pos)
+
+
+@dataclass
+class ModeResult:
+    """The timed runs of one mode at one (batch, context) point."""
+
+    mode: str
+    batch_size: int
+    context_len: int
+    runs: list[RunResult]
+
+    @property
+    def tok_s(self) -> Summary:
+        return summarize([r.tok_s for r in self.runs])
+
+    @property
+    def ms_per_step(self) -> Summary:
+        return summarize([r.ms_per_step for r in self.runs])
+
+    @property
+    def accept_length(self) -> Summary | None:
+        return summarize([r.accept_length for r in self.runs]) if self.mode == SPEC else None
+
+    @property
+    def acceptance_per_pos(self) -> list[float]:
+        """P(draft position d accepted) per cycle, over all timed runs."""
+        drafts = sum(r.drafts for r in self.runs)
+        totals = [sum(col) for col in zip(*(r.accepted_per_pos for r in self.runs))]
+        return [t / drafts for t in totals] if drafts else []
+
+    def to_dict(self) -> dict[str, Any]:
+        al = self.accept_length
+        return {
+            "mode": self.mode, "batch_size": self.batch_size, "context_len": self.context_len,
+            "tok_s": self.tok_s.to_dict(), "ms_per_step": self.ms_per_step.to_dict(),
+            "accept_length": al.to_dict() if al else None,
+            "acceptance_per_pos": self.acceptance_per_pos,
+            "runs": [{**asdict(r), "tok_s": r.tok_s, "ms_per_step": r.ms_per_step}
+                     for r in self.runs],
+        }
+
+
+def efficiency(spec: ModeResult, plain: ModeResult) -> float:
+    """spec tok/s / (accept length x plain tok/s), on the means."""
+    assert spec.accept_length is not None
+    return spec.tok_s.mean / (spec.accept_length.mean * plain.tok_s.mean)
+
+
+def make_prompts(engine: Any, source: str | None, batch_size: int, context_len: int,
+                 seed: int) -> list[list[int]]:
+    """`batch_size` prompts of exactly `context_len` tokens: random ids by default; from a prompt
+    set, request j concatenates the set's prompts from the j-th on (cycling) and cuts."""
+    if source is None:
+        rng = random.Random(f"{seed}-{batch_size}-{context_len}")
+        vocab = engine.model_config.vocab_size
+        return [[rng.randrange(vocab) for _ in range(context_len)] for _ in range(batch_size)]
+    from specserve.bench.prompts import load_prompts
+
+    if engine.tokenizer is None:
+        raise ValueError("--prompts needs a model with a tokenizer (random-weight presets have "
+                         "none); leave --prompts out to use random token ids")
+    encoded = [engine.tokenizer.encode(p.as_text()) for p in load_prompts(source)]
+    flat = [t for ids in encoded for t in ids]
+    if not flat:
+        raise ValueError(f"prompt set {source!r} encodes to no tokens")
+    starts = list(itertools.accumulate((len(ids) for ids in encoded), initial=0))
+    stream = flat * (context_len // len(flat) + 2)  # any start still has context_len after it
+    return [stream[starts[j % len(encoded)]:][:context_len] for j in range(batch_size)]
+
+
+def check_point(engine: Any, batch_size: int, context_len: int, output_len: int) -> None:
+    """ValueError (what to change) for a point that cannot run at the full batch."""
+    sched = engine.config.scheduler
+    if output_len < 2:
+        raise ValueError(f"--output-len must be >= 2, got {output_len}")
+    if batch_size > sched.max_num_seqs:
+        raise ValueError(f"batch size {batch_size} exceeds --max-num-seqs {sched.max_num_seqs}; "
+                         "raise --max-num-seqs")
+    lookahead = engine.config.spec.verify_tokens if engine.config.spec.enabled else 1
+    need = context_len + output_len + 4 * lookahead
+    if need > engine.max_model_len:
+        raise ValueError(f"context {context_len} + output {output_len} (+ drafts) exceeds the "
+                         f"context length {engine.max_model_len}; raise --max-model-len")
+    capacity = engine.stats()["kv_token_capacity"]
+    if batch_size * (need + engine.config.cache.page_size) > capacity:
+        raise ValueError(f"batch {batch_size} x {need} tokens does not fit the KV cache "
+                         f"({capacity} tokens); lower the batch or context, or give the cache "
+                         "more memory (--gpu-memory-utilization / --kv-cache-bytes)")
+
+
+def bench_point(engine: Any, prompts: list[list[int]], modes: list[str], output_len: int,
+                runs: int, warmup: int) -> dict[str, ModeResult]:
+    """Warm-up, then `runs` timed runs per mode, interleaved A B A B."""
+    bs, ctx = len(prompts), len(prompts[0])
+    results = {m: ModeResult(m, bs, ctx, []) for m in modes}
+    for i in range(warmup + runs):
+        for mode in modes:
+            engine.set_speculation(mode == SPEC)
+            run = run_once(engine, prompts, output_len, mode == SPEC)
+            if i >= warmup:
+                results[mode].runs.append(run)
+            log.info("bs %d ctx %d %s run %d: %.1f tok/s", bs, ctx, mode, i - warmup,
+                     run.tok_s)
+    return results
+
+
+# -- command line -----------------------------------------------------------------------------
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    if not values or not all(v.isdigit() and int(v) >= 1 for v in values):
+        raise ValueError(f"{flag} takes comma-separated integers >= 1, got {text!r}")
+    return [int(v) for v in values]
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `latency` to the `bench` sub-commands."""
+    p = subparsers.add_parser("latency", help="offline decode latency: plain vs speculation")
+    p.add_argument("--batch-sizes", default="1,8,32,128", help="comma-separated batch sizes")
+    p.add_argument("--context-len", default="1024", help="prompt tokens (comma-separated list)")
+    p.add_argument("--output-len", type=int, default=128, help="decode tokens timed per request")
+    p.add_argument("--runs", type=int, default=10, help="timed runs per mode and point")
+    p.add_argument("--warmup", type=int, default=2, help="untimed runs per mode and point")
+    p.add_argument("--prompts", default=None,
+                   help="'chat', 'code' or a .jsonl file (default: random token ids)")
+    p.add_argument("--no-baseline", action="store_true", help="time speculation only")
+    p.add_argument("--floor", action=argparse.BooleanOptionalAction, default=None,
+                   help="measure the weight-stream floor and copy bandwidth (default: on CUDA)")
+    p.add_argument("--compare-hf", action="store_true",
+                   help="time transformers' generate at batch 1 on the same weights")
+    p.add_argument("--log", action="store_true", help="append to the experiment log + plot")
+    p.add_argument("--exp-dir", default="experiments", help="where LOG.md and results live")
+    p.add_argument("--label", default="latency", help="names this run in the log and plots")
+    p.add_argument("--json-out", default=None, help="write the full report as JSON here")
+    add_cli_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from specserve.bench.floor import measure_copy_bandwidth, measure_references
+    from specserve.cli import engine_config_from_args
+    from specserve.engine.model_runner import resolve_device
+    from specserve.llm import LLM
+    from specserve.models.presets import PRESETS
+
+    batch_sizes = _int_list(args.batch_sizes, "--batch-sizes")
+    contexts = _int_list(args.context_len, "--context-len")
+    if args.runs < 1 or args.warmup < 0:
+        raise ValueError("--runs must be >= 1 and --warmup >= 0")
+    if args.model in PRESETS and args.load_format is None:
+        args.load_format = "dummy"  # a preset is a shape: random weights
+    config = engine_config_from_args(args)
+    modes = ([] if args.no_baseline else [BASELINE]) + ([SPEC] if config.spec.enabled else [])
+    if not modes:
+        raise ValueError("--no-baseline without speculation leaves nothing to time; add "
+                         "--spec-algorithm eagle3 --spec-draft-model PATH|dummy")
+    device = resolve_device(config.device)
+    floor = device.type == "cuda" if args.floor is None else args.floor
+    # before the engine: its KV cache takes most of the free memory
+    copy = measure_copy_bandwidth(device).to_dict() if floor else None
+    t0 = time.perf_counter()
+    engine = LLM(config.model, **{f.name: getattr(config, f.name) for f in fields(config)
+                                  if f.name != "model"}).engine
+    startup_s = time.perf_counter() - t0
+    for ctx in contexts:
+        for bs in batch_sizes:
+            check_point(engine, bs, ctx, args.output_len)
+    points = []
+    for ctx in contexts:
+        for bs in batch_sizes:
+            prompts = make_prompts(engine, args.prompts, bs, ctx, config.seed)
+            points.append(bench_point(engine, prompts, modes, args.output_len, args.runs,
+                                      args.warmup))
+    first = make_prompts(engine, args.prompts, 1, contexts[0], config.seed)[0]
+    refs = measure_references(engine, batch_sizes, floor, args.compare_hf, first,
+                              args.output_len, args.runs, args.warmup)
+    spec = config.spec
+    report = {
+        "benchmark": "latency", "label": args.label, "model": config.model,
+        "device": str(engine.runner.device), "dtype": str(engine.runner.dtype).split(".")[-1],
+        "acceptance": None if not spec.enabled else (
+            SYNTHETIC if spec.synthetic_accept_len else "real"),
+        "output_len": args.output_len, "runs": args.runs, "warmup": args.warmup,
+        "prompts": args.prompts or "random token ids", "startup_s": startup_s,
+        "environment": environment_info(),
+        "engine_startup_s": engine.startup_seconds, "config": asdict(engine.config),
+        "copy": copy or {"skipped": "runs with --floor"}, **refs,
+        "points": [_point_dict(p, refs) for p in points],
+    }
+    print(format_report(report))
+    if args.log:
+        write_log(report, args.exp_dir)
+    if args.json_out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
+        with open(args.json_out, "w", encoding="utf-8") as fh:
+            json.dump(report, fh, indent=1, default=str)
+    return 0
+
+
+def _point_dict(modes: dict[str, ModeResult], refs: dict[str, Any]) -> dict[str, Any]:
+    """One (batch, context) point: the modes, efficiency, floor ratio, HF speedup."""
+    any_mode = next(iter(modes.values()))
+    bs, plain, spec = any_mode.batch_size, modes.get(BASELINE), modes.get(SPEC)
+    floor_ms = next((f["ms"] for f in refs["floor"].get("points", ())
+                     if f["batch_size"] == bs), None)
+    hf = refs["hf"]
+    hf_tok_s = hf["tok_s"]["mean"] if "tok_s" in hf and bs == 1 and (
+        hf["context_len"] == any_mode.context_len) else None
+    return {
+        "batch_size": bs, "context_len": any_mode.context_len,
+        "modes": {m: r.to_dict() for m, r in modes.items()},
+        "efficiency": efficiency(spec, plain) if spec and plain else None,
+        "floor_ms": floor_ms,
+        "floor_ratio": floor_ms / plain.ms_per_step.mean if floor_ms and plain else None,
+        "hf_speedup": {m: r.tok_s.mean / hf_tok_s for m, r in modes.items()} if hf_tok_s
+        else None,
+    }
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None or math.isnan(value) else format(value, fmt)
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The short table printed at the end of a run."""
+    head = (f"bench latency: {report['model']} on {report['device']} ({report['dtype']}), "
+            f"{report['output_len']} decode tokens/request, {report['runs']} runs")
+    if report["acceptance"] == SYNTHETIC:
+        head += f"  [{SYNTHETIC}]"
+    lines = [head, f"{'ctx':>6} {'bs':>4} {'mode':<9} {'tok/s mean (min-max)':<26} "
+             f"{'95% CI':<19} {'ms/step':>8} {'floor ms':>8} {'fl/step':>7} {'AL':>5} "
+             f"{'eff':>5}"]
+    for p in report["points"]:
+        for mode, r in p["modes"].items():
+            t, spec = r["tok_s"], mode == SPEC
+            al = r["accept_length"]["mean"] if spec else None
+            lines.append(
+                f"{p['context_len']:>6} {p['batch_size']:>4} {mode:<9} "
+                f"{format_range(t['mean'], t['min'], t['max']):<26} "
+                f"{format_range(t['mean'], t['ci95_low'], t['ci95_high']):<19} "
+                f"{r['ms_per_step']['mean']:>8.3f} {_num(p['floor_ms'], '.3f'):>8} "
+                f"{_num(None if spec else p['floor_ratio'], '.3f'):>7} {_num(al, '.2f'):>5} "
+                f"{_num(p['efficiency'] if spec else None, '.2f'):>5}")
+    lines.append(f"start-up {report['startup_s']:.2f} s (engine: weights + graph capture "
+                 f"{report['engine_startup_s']:.2f} s)")
+    speedup = next((p["hf_speedup"] for p in report["points"] if p["hf_speedup"]), None)
+    lines.extend(describe_references(report, speedup))
+    return "\n".join(lines)
+
+
+def write_log(report: dict[str, Any], exp_dir: str) -> list[str]:
+    """One LOG.md row + JSON record per (mode, batch, context); a tok/s-across-runs PNG per
+    point. Returns the PNG paths."""
+    from specserve.bench.plots import plot_runs
+
+    shared = {k: v for k, v in report.items() if k not in ("points", "environment")}
+    spec_cfg = report["config"]["spec"]
+    tag = "".join(c if c.isalnum() or c in "-_." else "-" for c in report["label"])
+    pngs = []
+    for p in report["points"]:
+        where = f"bs={p['batch_size']} ctx={p['context_len']}"
+        base = p["modes"].get(BASELINE)
+        for mode, r in p["modes"].items():
+            spec = mode == SPEC
+            config = f"{report['model']} {mode} {where} out={report['output_len']} " + (
+                f"steps={spec_cfg['num_steps']} topk={spec_cfg['topk']} " if spec else "") + (
+                f"{report['dtype']} {report['label']}")
+            notes = [f"ms/step {r['ms_per_step']['mean']:.3f}"]
+            if not spec and p["floor_ratio"]:
+                notes.append(f"floor/step {p['floor_ratio']:.3f}")
+            if spec:
+                notes.append(f"AL {r['accept_length']['mean']:.2f}")
+                if p["efficiency"] is not None:
+                    notes.append(f"efficiency {p['efficiency']:.2f}")
+                if report["acceptance"] == SYNTHETIC:
+                    notes.append(SYNTHETIC)
+            t = r["tok_s"]
+            change = (relative_change(t["mean"], base["tok_s"]["mean"]) if spec and base
+                      else "baseline" if not spec else "n/a")
+            row = {"benchmark": "latency", "config": config, "change": change,
+                   "tok_s": format_range(t["mean"], t["min"], t["max"]), "notes": "; ".join(notes)}
+            append_result(exp_dir, {**shared, "mode": mode, "point": p}, row)
+        series = {m: [run["tok_s"] for run in r["runs"]] for m, r in p["modes"].items()}
+        title = f"{report['model']} {where}" + (
+            f" [{SYNTHETIC}]" if report["acceptance"] == SYNTHETIC else "")
+        pngs.append(plot_runs(os.path.join(
+            exp_dir, f"{tag}-ctx{p['context_len']}-bs{p['batch_size']}.png"), series,
+            "decode tok/s", title))
+    return pngs

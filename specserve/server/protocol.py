@@ -1,0 +1,395 @@
+"""OpenAI-compatible request and response shapes for /v1/completions and /v1/chat/completions.
+
+Requests are parsed strictly (no "10" -> 10, no 1.5 -> 1, no NaN / Infinity): anything a client
+gets wrong becomes an `APIError` carrying the OpenAI error envelope, with `param` naming the
+offending field and a message that says what to change. Fields OpenAI defines but we do not
+implement (n > 1, logprobs, echo, penalties, tools) are refused with a 400 rather than ignored.
+Unknown fields are ignored, as OpenAI clients send extras (user, metadata, store, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+
+from specserve.sampling_params import SamplingParams
+
+# What a union-typed field accepts, for messages clearer than pydantic's per-branch ones.
+_EXPECTED = {"prompt": "a string or a list of token ids (integers)",
+             "stop": "a string or a list of strings"}
+# Pydantic union tags that can appear inside an error location; they are not field names.
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+class APIError(Exception):
+    """An error answered with the OpenAI envelope {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | int | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code if code is not None else status
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None, code: str | int) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code="invalid_value")
+
+
+def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
+    """('messages', 0, 'role') -> 'messages[0].role'; union tags such as 'list[int]' dropped."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif "[" in part or part in _TYPE_TAGS or part.startswith("function-"):
+            continue
+        else:
+            out += f".{part}" if out else part
+    return out or None
+
+
+def validation_error(exc: ValidationError | Any) -> APIError:
+    """Turn a pydantic (or FastAPI) validation error into a 400 naming the first bad field."""
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    loc = tuple(first.get("loc", ()))
+    if loc and loc[0] == "body":  # FastAPI prefixes body fields with "body"
+        loc = loc[1:]
+    param = _loc_to_param(loc)
+    kind = str(first.get("type", ""))
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    if kind == "model_type" or (not loc and "dictionary" in msg):
+        return bad_request("the request body must be a JSON object")
+    if param in _EXPECTED and kind.endswith("_type"):
+        msg = f"{param} must be {_EXPECTED[param]}"
+    elif param and not msg.startswith(param):
+        msg = f"{param}: {msg}"
+    if kind != "missing" and "input" in first and "got" not in msg:
+        msg += f", got {_short(first['input'])}"
+    return bad_request(msg, param)
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, (list, dict)) and len(value) > 8:
+        return f"a {type(value).__name__} of {len(value)} items"
+    text = json.dumps(value) if isinstance(value, (str, int, float, list, dict)) else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _reject_constant(token: str) -> Any:
+    raise ValueError(f"{token} is not valid JSON; send finite numbers")
+
+
+def parse_request(body: bytes, content_type: str, model: type[CommonRequest]) -> Any:
+    """Parse and validate a JSON request body; APIError(400) naming what is wrong."""
+    if content_type.split(";")[0].strip().lower() != "application/json":
+        raise bad_request(f"Content-Type must be application/json, got {content_type or 'none'!r}")
+    if not body.strip():
+        raise bad_request("the request body is empty; send a JSON object")
+    try:
+        obj = json.loads(body, parse_constant=_reject_constant)
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")  # lone surrogates from \ud800 escapes
+    except UnicodeError:
+        raise bad_request("the request body is not valid UTF-8 / Unicode (a lone surrogate?); "
+                          "send valid UTF-8 JSON") from None
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply") from None
+    except ValueError as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    try:
+        req = model.model_validate(obj)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+    for name, accepted, hint in req.UNSUPPORTED:
+        if not accepted(getattr(req, name)):
+            raise bad_request(f"{name}={getattr(req, name)!r} is not supported; {hint}", name)
+    return req
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
+def _unset(value: Any) -> bool:
+    return not value
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class CommonRequest(_Strict):
+    """Fields shared by completions and chat completions (OpenAI + common vLLM extensions)."""
+
+    # (field, accepts its value?, what to do instead): OpenAI fields we do not implement
+    UNSUPPORTED: ClassVar[tuple[tuple[str, Callable[[Any], bool], str], ...]] = (
+        ("presence_penalty", _unset, "leave it at 0"),
+        ("frequency_penalty", _unset, "leave it at 0"),
+        ("logit_bias", _unset, "leave it empty"),
+    )
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _check_n(cls, n: int | None) -> int | None:
+        if n is not None and n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if n is not None and n > 1:
+            raise ValueError(f"n > 1 is not supported (got {n}); send {n} separate requests")
+        return n
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def build_params(self, requested: int | None, num_prompt: int, max_model_len: int,
+                     vocab_size: int, default_cap: int | None, prompt_param: str,
+                     ) -> SamplingParams:
+        """SamplingParams under the length policy: the prompt must leave room for one token; an
+        explicit max_tokens must fit beside it (else 400); an omitted one is clamped to the room
+        left (and to default_cap)."""
+        room = max_model_len - num_prompt
+        if room < 1:
+            raise bad_request(f"the prompt is {num_prompt} tokens but the context is "
+                              f"{max_model_len}; shorten the prompt", prompt_param)
+        if requested is None:
+            max_tokens = room if default_cap is None else min(room, default_cap)
+        elif requested > room:
+            raise bad_request(f"max_tokens={requested} does not fit: the prompt is {num_prompt} "
+                              f"tokens and the context {max_model_len}; lower max_tokens to at "
+                              f"most {room}", "max_tokens")
+        else:
+            max_tokens = requested
+        params = self.sampling_params(max_tokens)
+        for t in params.stop_token_ids:
+            if t >= vocab_size:
+                raise bad_request(f"stop_token_ids must be < the vocab size {vocab_size}, got {t}",
+                                  "stop_token_ids")
+        return params
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """Build SamplingParams; APIError(400) naming the field on an out-of-range value."""
+        try:
+            return SamplingParams(
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=-1 if self.top_k is None else self.top_k,
+                min_p=0.0 if self.min_p is None else self.min_p,
+                seed=self.seed,
+                max_tokens=max_tokens,
+                stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+                stop_token_ids=list(self.stop_token_ids or []),
+                ignore_eos=self.ignore_eos,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+            )
+        except ValueError as exc:
+            # SamplingParams messages start with the field's name ("top_p must be ..."),
+            # except the stop-string ones ("at most N stop strings").
+            msg = str(exc)
+            field = "stop" if "stop strings" in msg else msg.split(" ")[0].split("[")[0]
+            param = field if field in type(self).model_fields else None
+            raise bad_request(msg, param) from None
+
+
+class CompletionRequest(CommonRequest):
+    UNSUPPORTED = CommonRequest.UNSUPPORTED + (
+        ("logprobs", lambda v: v is None, "omit the field"),
+        ("echo", _unset, "prepend the prompt yourself"),
+        ("suffix", _unset, "omit the field"),
+        ("best_of", lambda v: v in (None, 1), "send one request per sequence"),
+    )
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def single_prompt(self, vocab_size: int) -> str | list[int]:
+        """The one prompt: a string or token ids in [0, vocab_size) (no batches)."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise bad_request(
+                    f"one prompt per request is supported, got a batch of {len(prompt)}; send "
+                    "one request per prompt", "prompt")
+            prompt = prompt[0]
+        if len(prompt) == 0:
+            raise bad_request("prompt must not be empty", "prompt")
+        if isinstance(prompt, list):
+            bad = [t for t in prompt if not 0 <= t < vocab_size]
+            if bad:
+                raise bad_request(f"prompt token ids must be in [0, {vocab_size}), got {bad[0]}",
+                                  "prompt")
+        return prompt
+
+
+class ContentPart(_Strict):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None
+    name: str | None = None
+
+    def text(self, index: int) -> str:
+        """Plain-text content; only "text" parts are supported."""
+        if self.content is None:
+            raise bad_request(f"messages[{index}].content must be a string, got null",
+                              f"messages[{index}].content")
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for j, part in enumerate(self.content):
+            if part.type != "text" or part.text is None:
+                raise bad_request(
+                    f"content part type {part.type!r} is not supported; only text parts are",
+                    f"messages[{index}].content[{j}].type")
+            texts.append(part.text)
+        return "\n".join(texts)
+
+
+class ChatCompletionRequest(CommonRequest):
+    UNSUPPORTED = CommonRequest.UNSUPPORTED + (
+        ("logprobs", _unset, "set it to false"),
+        ("top_logprobs", lambda v: v is None, "omit the field"),
+        ("tools", _unset, "omit the field"),
+        ("response_format", lambda v: v is None or v.get("type") == "text",
+         "only {'type': 'text'} is supported"),
+    )
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _check_messages(cls, value: list[ChatMessage]) -> list[ChatMessage]:
+        if not value:
+            raise ValueError("messages must hold at least one message")
+        return value
+
+    def requested_max_tokens(self) -> int | None:
+        a, b = self.max_tokens, self.max_completion_tokens
+        if a is not None and b is not None and a != b:
+            raise bad_request("max_tokens and max_completion_tokens disagree; send only one",
+                              "max_completion_tokens")
+        return a if a is not None else b
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        # "developer" is OpenAI's newer name for "system"; chat templates know only the latter.
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
+                for i, m in enumerate(self.messages)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses: one envelope for the four shapes (completion, chat, and their stream chunks)
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None  # "stop" | "length"; None until the last chunk
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: dict[str, str]  # {"role": "assistant", "content": ...}
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: dict[str, str]  # {"role": "assistant", "content": ""} first, then {"content": ...}
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ResponseBody(BaseModel):
+    id: str
+    object: Literal["text_completion", "chat.completion", "chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[CompletionChoice | ChatChoice | ChatChunkChoice]
+    usage: Usage | None = None  # streams: null, then a last usage-only chunk if asked for
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def full_response(chat: bool, rid: str, model: str, text: str, finish_reason: str,
+                  usage: Usage) -> ResponseBody:
+    """The non-streamed answer."""
+    choice = (ChatChoice(message={"role": "assistant", "content": text},
+                         finish_reason=finish_reason) if chat
+              else CompletionChoice(text=text, finish_reason=finish_reason))
+    return ResponseBody(id=rid, object="chat.completion" if chat else "text_completion",
+                        created=int(time.time()), model=model, choices=[choice], usage=usage)
+
+
+def stream_chunk(chat: bool, rid: str, model: str, created: int, text: str | None,
+                 finish_reason: str | None = None, usage: Usage | None = None,
+                 role: bool = False) -> ResponseBody:
+    """One streamed chunk; text None = the final usage-only chunk (empty choices)."""
+    choices: list[CompletionChoice | ChatChoice | ChatChunkChoice] = []
+    if text is not None and chat:
+        delta = {"role": "assistant", "content": text} if role else {"content": text}
+        choices = [ChatChunkChoice(delta=delta, finish_reason=finish_reason)]
+    elif text is not None:
+        choices = [CompletionChoice(text=text, finish_reason=finish_reason)]
+    return ResponseBody(id=rid, object="chat.completion.chunk" if chat else "text_completion",
+                        created=created, model=model, choices=choices, usage=usage)
