@@ -346,6 +346,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add `serve` to the `bench` sub-commands."""
     p = subparsers.add_parser("serve", help="load-test an OpenAI-compatible server over HTTP")
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root URL")
+    p.add_argument("--start-server", default=None, metavar="ARGS",
+                   help="start `specserve serve ARGS` on a free loopback port for the run")
     p.add_argument("--model", default=None, help="model name (default: the server's first)")
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
@@ -369,6 +371,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.start_server is not None:
+        from specserve.bench.server_proc import started_server
+
+        with started_server(args.start_server) as url:
+            args.base_url, args.start_server = url, None
+            return run(args)
     rates = _parse_list(args.request_rate, float, "--request-rate")
     concs = _parse_list(args.concurrency, int, "--concurrency")
     if rates and concs:
