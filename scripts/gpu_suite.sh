@@ -8,26 +8,27 @@ out=${1:-out}; steps=${2:-tests,plain,spec,match,serve}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-ss() { python -m specserve.cli "$@"; }
+ss=(python -m specserve.cli)
 has() { [[ ",$steps," == *",$1,"* ]]; }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv > "$out/gpu.txt" 2>&1
-ss doctor > "$out/doctor.txt" 2>&1
+"${ss[@]}" doctor > "$out/doctor.txt" 2>&1
 
 if has tests; then
-  timeout 170 python -m pytest -q -m gpu -p no:cacheprovider tests > "$out/gpu_tests.log" 2>&1
+  timeout 140 python -m pytest -q -m gpu -n 4 -rfE --tb=short -p no:cacheprovider tests \
+    --ignore-glob="tests/test_server*" --ignore=tests/test_bench_serving.py > "$out/gpu_tests.log" 2>&1
   echo "gpu tests rc=$?"; tail -4 "$out/gpu_tests.log"
 fi
 common=(--model llama-3.1-8b --load-format dummy --context-len 1024 --output-len 64 --runs 3
         --warmup 1 --log --exp-dir experiments)
 if has plain; then
-  timeout 220 ss bench latency "${common[@]}" --batch-sizes 1,8,32,128 --floor --compare-hf \
+  timeout 200 "${ss[@]}" bench latency "${common[@]}" --batch-sizes 1,8,32,128 --floor --compare-hf \
     --label "llama-3.1-8b plain" --json-out "$out/plain.json" > "$out/plain.log" 2>&1
   echo "plain rc=$?"; tail -22 "$out/plain.log"
 fi
 if has spec; then
   for cfg in "1 0 chain3" "4 16 tree4x16"; do
     set -- $cfg
-    timeout 100 ss bench latency "${common[@]}" --batch-sizes 1,16 --max-num-seqs 16 \
+    timeout 90 "${ss[@]}" bench latency "${common[@]}" --batch-sizes 1,16 --max-num-seqs 16 \
       --spec-algorithm eagle3 --spec-draft-model dummy --spec-num-steps 3 --spec-topk "$1" \
       --spec-num-draft-tokens "$2" --spec-synthetic-accept-len 4 --cuda-graph-max-bs 16 \
       --label "llama-3.1-8b $3 synthetic AL4" --json-out "$out/$3.json" > "$out/$3.log" 2>&1
@@ -41,7 +42,7 @@ if has match && [ -d "$pair" ]; then
   echo "match rc=$?"; tail -4 "$out/match.log"
 fi
 if has serve && [ -d "$pair" ]; then
-  timeout 150 ss bench serve --start-server "--model $pair --spec-algorithm eagle3 \
+  timeout 150 "${ss[@]}" bench serve --start-server "--model $pair --spec-algorithm eagle3 \
     --spec-draft-model $head --spec-num-steps 5" --prompts code --concurrency 1,4,16,64 \
     --num-requests 64 --repeats 1 --max-tokens 128 --log --exp-dir experiments \
     --label "tiny-code eagle3 chain5" > "$out/serve.log" 2>&1

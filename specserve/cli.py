@@ -58,19 +58,35 @@ def build_parser() -> argparse.ArgumentParser:
     add_cli_args(gen)
     gen.set_defaults(func=_generate)
 
-    for module in ("specserve.server.api", "specserve.doctor", "specserve.train.cli"):
-        _register(module, sub)
+    for module, name in (("specserve.server.api", "serve"), ("specserve.doctor", "doctor"),
+                         ("specserve.train.cli", "train-eagle3")):
+        _register(module, name, sub)
     bench = sub.add_parser("bench", help="benchmarks: latency (offline) | serve (HTTP load)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    for module in ("specserve.bench.latency", "specserve.bench.serving"):
-        _register(module, bench_sub)
+    for module, name in (("specserve.bench.latency", "latency"),
+                         ("specserve.bench.serving", "serve")):
+        _register(module, name, bench_sub)
     return parser
 
 
-def _register(module: str, subparsers: argparse._SubParsersAction) -> None:
+def _register(module: str, name: str, subparsers: argparse._SubParsersAction) -> None:
+    """Add a module's sub-commands. A command whose optional dependency is missing (the
+    server's FastAPI stack on a bare GPU box, say) still parses and says what to install."""
     import importlib
 
-    importlib.import_module(module).register(subparsers)
+    try:
+        importlib.import_module(module).register(subparsers)
+    except ImportError as exc:
+        if not (exc.name or "").split(".")[0] or (exc.name or "").startswith("specserve"):
+            raise
+        stub = subparsers.add_parser(name, help=f"(unavailable: {exc.name} is not installed)")
+        stub.add_argument("rest", nargs=argparse.REMAINDER)
+
+        def unavailable(_args: argparse.Namespace, missing: str = exc.name or "?") -> int:
+            raise ValueError(f"this command needs the Python package {missing!r}: "
+                             f"pip install 'specserve[test]' or pip install {missing}")
+
+        stub.set_defaults(func=unavailable)
 
 
 def main(argv: list[str] | None = None) -> int:

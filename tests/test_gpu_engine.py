@@ -13,6 +13,8 @@ from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu
+# a fixed pool: several engines live in this process at once
+CACHE = CacheConfig(page_size=16, num_pages=512)
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +26,7 @@ def target(tmp_path_factory) -> str:
 
 
 def test_decode_graph_replay_equals_eager(target: str) -> None:
-    llm = LLM(target, device="cuda", dtype="float32", cache=CacheConfig(page_size=16))
+    llm = LLM(target, device="cuda", dtype="float32", cache=CACHE)
     runner = llm.engine.runner
     assert runner.decode_graphs is not None, "graphs should be captured on CUDA"
     rng = random.Random(0)
@@ -54,11 +56,11 @@ def test_graphs_and_eager_agree_on_outputs(target: str, tmp_path, spec: dict) ->
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs = {}
     for eager in (True, False):
-        llm = LLM(target, device="cuda", dtype="float32", enforce_eager=eager,
+        llm = LLM(target, device="cuda", dtype="float32", enforce_eager=eager, cache=CACHE,
                   speculative=dict(algorithm="eagle3", draft_model=head, **spec))
         assert (llm.engine.drafter.graphs is None) == eager
         outs[eager] = [o.token_ids for o in llm.generate(prompts, sp)]
-    plain = LLM(target, device="cuda", dtype="float32")
+    plain = LLM(target, device="cuda", dtype="float32", cache=CACHE)
     ref = [o.token_ids for o in plain.generate(prompts, sp)]
     assert outs[True] == ref
     assert outs[False] == ref
