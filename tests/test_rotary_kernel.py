@@ -23,6 +23,8 @@ CHECK = textwrap.dedent("""
             q = qkv[:, : hq * d].view(t, hq, d)  # strided views, as the model makes them
             k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
             pos = torch.randint(0, 4000, (t,), device=dev)
+            if t > 1:  # a stride-0 view, as expand(1, k).reshape(-1) produces
+                pos = pos[:1].expand(t)
             want_q, want_k = rotary_ref(pos, q.clone(), k.clone(), rope.cos_sin_cache)
             untouched = qkv[:, (hq + hk) * d :].clone()
             rotary_inplace(pos, q, k, rope.cos_sin_cache)

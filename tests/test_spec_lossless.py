@@ -159,7 +159,9 @@ def _oracle_propose(llm: LLM, reference: dict, decoys: bool):
 
 @pytest.mark.parametrize("steps", [1, 3, 5])
 def test_oracle_chain_accept_length_is_exact(pair, reference, steps: int) -> None:
-    llm = _llm(pair[0], dict(algorithm="eagle3", draft_model=pair[1], num_steps=steps, topk=1))
+    # eager: the oracle replaces a Python method, which a captured graph would not call
+    llm = _llm(pair[0], dict(algorithm="eagle3", draft_model=pair[1], num_steps=steps, topk=1),
+               enforce_eager=True)
     llm.engine.drafter.cycle.propose = _oracle_propose(llm, reference, decoys=False)
     prompts = [list(p) for p in reference][:4]
     cycles = 3
@@ -183,7 +185,7 @@ def test_oracle_tree_with_decoys_compacts_kv(pair, reference, topk: int, n: int)
     """The true path is never the first child: output stays exact only if the accepted
     nodes' KV is moved into place."""
     llm = _llm(pair[0], dict(algorithm="eagle3", draft_model=pair[1], num_steps=3, topk=topk,
-                             num_draft_tokens=n))
+                             num_draft_tokens=n), enforce_eager=True)
     llm.engine.drafter.cycle.propose = _oracle_propose(llm, reference, decoys=True)
     prompts = [list(p) for p in reference][:4]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,

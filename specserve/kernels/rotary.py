@@ -48,6 +48,7 @@ def rotary_inplace(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     if t == 0:
         return
     half = d // 2
+    positions = positions.contiguous()  # an expanded [1, k] reshape is a stride-0 view
     _rotary_kernel[(t,)](
         q, k, cos_sin, positions,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0),

@@ -25,6 +25,7 @@ from specserve.config import ModelConfig, SpecConfig
 from specserve.engine.cuda_graph import BatchGraphs
 from specserve.engine.forward_batch import build_attention_metadata
 from specserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from specserve.layers.rotary import ensure_rope_capacity
 from specserve.layers.sampler import SamplingTensors
 from specserve.models.capture import AuxHiddenCapture, default_aux_layer_ids
 from specserve.models.eagle3 import Eagle3Head, load_eagle3_head
@@ -74,6 +75,8 @@ class Eagle3Drafter:
         target = runner.model
         tcfg = runner.model_config
         self.head = self._load_head(spec, runner)
+        # RoPE tables cover every position before any graph is captured (no growth later)
+        ensure_rope_capacity(self.head, runner.max_positions)
         runner.kv_pool.bind([self.head.midlayer.attn], first_layer=len(runner.attn_layers))
         layer_ids = self.head.config.aux_layer_ids or default_aux_layer_ids(tcfg.num_layers)
         self.capture = AuxHiddenCapture(target, list(layer_ids))
