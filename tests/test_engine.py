@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from tiny_models import make_tiny_checkpoint
+from tiny_models import make_tiny_checkpoint, record_preemptions
 from transformers import AutoModelForCausalLM
 
 from specserve.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -45,16 +45,7 @@ def test_greedy_batch_matches_transformers(tmp_path, family: str) -> None:
     # a small token budget forces chunked prefill; a small pool forces preemptions
     llm = LLM(path, device="cpu", dtype="float32", cache=CacheConfig(page_size=4, num_pages=60),
               scheduler=SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=8))
-    sched = llm.engine.scheduler
-    preempted = []
-    orig = sched.schedule
-
-    def spy():
-        out = orig()
-        preempted.extend(out.preempted)
-        return out
-
-    sched.schedule = spy
+    preempted = record_preemptions(llm.engine.scheduler)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
                                                 ignore_eos=True))
     assert [o.token_ids for o in outs] == ref

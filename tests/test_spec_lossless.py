@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 from tiny_eagle import make_tiny_eagle3_head
-from tiny_models import make_tiny_checkpoint
+from tiny_models import make_tiny_checkpoint, record_preemptions
 
 from specserve.config import CacheConfig, SchedulerConfig
 from specserve.llm import LLM
@@ -84,16 +84,7 @@ def test_greedy_speculation_equals_plain(pair, reference, name: str, bs: int) ->
         kw["cache"] = CacheConfig(page_size=4, num_pages=40)
         kw["scheduler"] = SchedulerConfig(max_num_batched_tokens=32)
     llm = _llm(pair[0], dict(algorithm="eagle3", draft_model=pair[1], **CONFIGS[name]), **kw)
-    preemptions = []
-    sched = llm.engine.scheduler
-    orig = sched.schedule
-
-    def spy():
-        out = orig()
-        preemptions.extend(out.preempted)
-        return out
-
-    sched.schedule = spy
+    preemptions = record_preemptions(llm.engine.scheduler)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
                                                 ignore_eos=True))
     for p, o in zip(prompts, outs):

@@ -168,3 +168,17 @@ class PagedSession:
         finally:
             set_forward_context(None)
         return list(out.split(q_lens))
+
+
+def record_preemptions(scheduler) -> list:
+    """Wrap scheduler.schedule so every preempted request is appended to the returned list."""
+    preempted: list = []
+    schedule = scheduler.schedule
+
+    def spy():
+        out = schedule()
+        preempted.extend(out.preempted)
+        return out
+
+    scheduler.schedule = spy
+    return preempted

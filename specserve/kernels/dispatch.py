@@ -1,4 +1,4 @@
-"""Whether the Triton fast paths apply to a tensor (a CUDA tensor and a usable Triton)."""
+"""Triton, imported if installed, and whether its fast paths apply to a tensor."""
 
 from __future__ import annotations
 
@@ -6,6 +6,17 @@ import functools
 import importlib.util
 
 import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    jit = triton.jit
+except ImportError:  # CPU-only install: kernel modules still import; their references work
+    triton = tl = None
+
+    def jit(fn):  # type: ignore[no-redef]
+        return fn
 
 
 @functools.cache

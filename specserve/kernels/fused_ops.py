@@ -9,16 +9,7 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    jit = triton.jit
-except ImportError:  # CPU-only install: the references below still work
-    triton = tl = None
-
-    def jit(fn):  # type: ignore[no-redef]
-        return fn
+from specserve.kernels.dispatch import jit, tl, triton  # noqa: F401
 
 
 def _next_power_of_2(n: int) -> int:

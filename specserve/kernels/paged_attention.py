@@ -21,17 +21,7 @@ import math
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    jit = triton.jit
-except ImportError:  # CPU-only install: the references below still work
-    triton = tl = None
-
-    def jit(fn):  # type: ignore[no-redef]
-        return fn
-
+from specserve.kernels.dispatch import jit, tl, triton  # noqa: F401
 
 MAX_SPLITS = 16  # upper bound on KV splits per (request, query block, kv head)
 TARGET_ROWS = 64  # tile rows (queries x grouped heads) per extend program

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from specserve.kernels.fused_ops import _next_power_of_2, jit, tl
+from specserve.kernels.dispatch import jit, tl
+from specserve.kernels.fused_ops import _next_power_of_2
 
 
 @jit
