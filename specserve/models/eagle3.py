@@ -87,12 +87,12 @@ class Eagle3Head(nn.Module):
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, h)
         else:
             assert target_embed is not None
-            self._shared = {"embed": target_embed}
+        # the target's modules, kept out of this module's parameters (never loaded or cast here)
+        self._shared = {"embed": target_embed, "lm_head": target_lm_head}
         if cfg.draft_vocab_size:
             self.lm_head = ParallelLMHead(cfg.draft_vocab_size, h)
         else:
             assert target_lm_head is not None
-            self._shared_head = target_lm_head
         # target_id = draft_id + d2t[draft_id]; zeros when the draft vocabulary is the target's
         self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long))
 
@@ -111,7 +111,7 @@ class Eagle3Head(nn.Module):
 
     def compute_logits(self, out: torch.Tensor) -> torch.Tensor:
         # [n, H] -> [n, Vd] float32 over the draft vocabulary
-        head = self.lm_head if hasattr(self, "lm_head") else self._shared_head
+        head = self.lm_head if hasattr(self, "lm_head") else self._shared["lm_head"]
         return head.compute_logits(self.norm(out)).float()
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
@@ -234,6 +234,8 @@ def _load_head_weights(head: Eagle3Head, weights: dict[str, torch.Tensor], path:
         else:
             loader(param, tensor, shard)
         loaded.add(target_name)
+    if not head.config.draft_vocab_size:
+        loaded.add("d2t")  # the identity map: the draft vocabulary is the target's
     missing = [n for n in params if n not in loaded and "rotary" not in n]
     if missing:
         raise ValueError(f"the EAGLE-3 head at {path} lacks tensors: {', '.join(missing)}")
