@@ -180,6 +180,9 @@ class EngineConfig:
     seed: int = _f(0, "engine seed for requests without their own")
     enforce_eager: bool = _f(False, "disable CUDA graphs")
     cuda_graph_max_bs: int = _f(128, "largest decode batch captured in a CUDA graph")
+    cpu_threads: int = _f(
+        0, "torch threads on the CPU (0 = auto: 1 for small models, whose matmuls are too "
+        "small to split, else torch's default)")
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

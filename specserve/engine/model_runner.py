@@ -86,6 +86,10 @@ class ModelRunner:
         self.model_config = model_config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, model_config, self.device)
+        if self.device.type == "cpu":
+            threads = config.cpu_threads or (1 if model_config.hidden_size <= 1024 else 0)
+            if threads:
+                torch.set_num_threads(threads)
         self.page_size = config.cache.page_size
         if config.load_format == "dummy" or model_path is None:
             self.model: nn.Module = build_model(model_config, self.dtype, self.device)
