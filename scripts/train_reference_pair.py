@@ -9,7 +9,8 @@ Stages (each timed; results.json and report.md are rewritten after every stage):
                contents, concatenated), shared by every pair
   3. target    a Llama-architecture model (transformers LlamaForCausalLM), bf16 autocast on a
                GPU, trained for a time budget on the packed token stream; saved in bf16
-  4. head      `train-eagle3` on the target (specserve.train.eagle3), saved in bf16
+  4. head      `train-eagle3` on the target (specserve.train.eagle3), saved in bf16: the
+               training files plus rows whose continuation the target wrote itself (greedy)
   5. eval      `eval-accept` on the hold-out files (specserve.train.evaluate)
 Presets size the pairs: `tiny` is the bundled default model (~25 MB), `reference` the largest
 that trains well in minutes on one H200, `toy` runs in seconds on a CPU (for tests).
@@ -58,12 +59,14 @@ class Preset:
     head_lr: float
     head_seconds: float
     draft_vocab: int
+    head_regen: int  # rows whose continuation the target writes itself (greedy), added to data
 
 
 PRESETS = {
-    "toy": Preset(64, 4, 4, 2, 192, 128, 8, 3e-3, 4, 64, 4, 3e-3, 4, 256),
-    "tiny": Preset(256, 8, 4, 2, 768, 1024, 64, 2e-3, 100, 512, 32, 1e-3, 60, 4096),
-    "reference": Preset(512, 12, 8, 4, 1536, 1024, 64, 1.2e-3, 130, 512, 32, 8e-4, 60, 4096),
+    "toy": Preset(64, 4, 4, 2, 192, 128, 8, 3e-3, 4, 64, 4, 3e-3, 4, 256, 8),
+    "tiny": Preset(256, 8, 4, 2, 768, 1024, 64, 2e-3, 100, 256, 64, 2e-3, 90, 4096, 2000),
+    "reference": Preset(512, 12, 8, 4, 1536, 1024, 64, 1.2e-3, 150, 256, 64, 1e-3, 90, 4096,
+                        2000),
 }
 
 
@@ -242,8 +245,11 @@ def run_pair(name: str, p: Preset, args: argparse.Namespace, ctx: dict) -> dict:
         target=str(out / "target"), out=str(out / "head"), data=(f"@{ctx['head_list']}",),
         draft_vocab_size=p.draft_vocab, seq_len=p.head_seq_len, batch_size=p.head_batch,
         epochs=1000, time_budget=p.head_seconds * args.time_scale, lr=p.head_lr,
-        device=args.device, save_every=0, seed=args.seed, progress=args.progress))
-    (out / "head" / "trainer_state.pt").unlink(missing_ok=True)  # keep only the export
+        device=args.device, save_every=0, seed=args.seed, progress=args.progress,
+        regenerate=p.head_regen > 0, regen_max_samples=p.head_regen, regen_temperature=0.0,
+        regen_prompt_tokens=p.head_seq_len // 4))
+    for extra in ("trainer_state.pt", "regenerated.pt"):  # keep only the export
+        (out / "head" / extra).unlink(missing_ok=True)
     res["head"] = dict(steps=head.steps, final_loss=head.losses[-1],
                        final_top1_per_step=[round(a, 3) for a in head.accuracy[-1]])
     res["head_seconds"] = time.perf_counter() - t0
@@ -304,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-corpus-mb", type=float, default=24.0)
     ap.add_argument("--holdout-permille", type=int, default=10)
     ap.add_argument("--time-scale", type=float, default=1.0, help="scales every time budget")
-    ap.add_argument("--eval-prompts", type=int, default=48)
+    ap.add_argument("--eval-prompts", type=int, default=32)
     ap.add_argument("--eval-prompt-tokens", type=int, default=128)
     ap.add_argument("--eval-max-tokens", type=int, default=128)
     ap.add_argument("--device", default="auto")

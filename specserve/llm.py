@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,13 +54,23 @@ class LLM:
             prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
-        ids = [self.engine.add_request(None, p, sp) for p, sp in zip(prompts, params_list)]
-        texts = {i: [] for i in ids}
+        engine = self.engine
+        limit = engine.config.scheduler.max_waiting
+        pending = deque(zip(prompts, params_list))
+        ids: list[str] = []
+        texts: dict[str, list[str]] = {}
+        reqs: dict = {}
         results: dict[str, GenerationOutput] = {}
-        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
-        reqs = {i: self.engine.get_request(i) for i in ids}
-        while len(results) < len(ids):
-            for out in self.engine.step():
+        bar = tqdm(total=len(prompts), desc="generate", disable=not use_tqdm)
+        while pending or len(results) < len(ids):
+            # feed the bounded waiting queue as it drains (any number of prompts)
+            while pending and engine.scheduler.num_waiting < limit:
+                prompt, sp = pending.popleft()
+                rid = engine.add_request(None, prompt, sp)
+                ids.append(rid)
+                texts[rid] = []
+                reqs[rid] = engine.get_request(rid)
+            for out in engine.step():
                 texts[out.request_id].append(out.new_text)
                 if out.finished:
                     req = reqs[out.request_id]

@@ -164,3 +164,13 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(engine: Engine) -
     alone = run([[3, 4, 5]])[0]
     together = run([[7, 7, 7, 7], [3, 4, 5], [9]])[1]
     assert alone == together
+
+
+def test_offline_generate_feeds_more_prompts_than_the_queue_holds(tmp_path) -> None:
+    path = make_tiny_checkpoint(tmp_path / "m", tokenizer=True)
+    llm = LLM(path, device="cpu", dtype="float32",
+              scheduler=SchedulerConfig(max_waiting=3, max_num_seqs=2))
+    prompts = [[5 + i, 6, 7] for i in range(10)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert [o.prompt_token_ids for o in outs] == prompts
+    assert all(len(o.token_ids) == 3 for o in outs)

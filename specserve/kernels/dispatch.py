@@ -24,5 +24,10 @@ def triton_usable() -> bool:
     return importlib.util.find_spec("triton") is not None and torch.cuda.is_available()
 
 
-def use_triton(x: torch.Tensor) -> bool:
-    return x.is_cuda and triton_usable()
+def use_triton(*tensors: torch.Tensor) -> bool:
+    """CUDA tensors, Triton usable, and no gradient needed (the kernels have no backward:
+    a training module built on these layers falls back to torch instead of losing its
+    gradient)."""
+    if not (tensors[0].is_cuda and triton_usable()):
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))

@@ -32,7 +32,7 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if use_triton(x) and x.is_contiguous():  # one fused kernel instead of ~7
+        if use_triton(x, self.weight) and x.is_contiguous():  # one fused kernel instead of ~7
             if residual is None:
                 return rms_norm(x, self.weight, self.eps)
             return fused_add_rms_norm(x, residual, self.weight, self.eps)

@@ -148,7 +148,7 @@ class RotaryEmbedding(nn.Module):
         ctx = attention_metadata._CONTEXT  # None outside a forward
         if ctx is not None and ctx.metadata is not None:
             self.ensure_capacity(ctx.metadata.max_seq_len)
-        if use_triton(q) and q.stride(-1) == 1 and k.stride(-1) == 1:
+        if use_triton(q, k) and q.stride(-1) == 1 and k.stride(-1) == 1:
             rotary_inplace(positions, q, k, self.cos_sin_cache)  # one launch for q and k
             return q, k
         cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)

@@ -1,0 +1,166 @@
+"""`eval-accept`: how well a draft head predicts its target, measured by the engine itself.
+
+Prompts are the first `prompt_tokens` tokens of each held-out file. For every speculation
+config (steps/topk/tokens) and temperature the engine generates `max_tokens` per prompt and we
+report the accept length (tokens emitted per draft-verify cycle, bonus included, pooled over
+all cycles) and the acceptance rate per draft position (cycles that accepted >= d+1 drafts /
+cycles). At temperature 0 it also checks losslessness: speculative output == plain output.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+DEFAULT_SPECS = "3/1/4,5/1/6,5/4/16"  # chain 3, chain 5, tree topk 4 / 16 tokens (depth 5)
+
+
+def _opt(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    model: str = _opt("", "target model directory (default: the bundled tiny-code model)")
+    draft: str = _opt("", "EAGLE-3 head directory (default: the bundled head)")
+    files: tuple[str, ...] = ()  # hold-out files (flag built by the CLI)
+    num_prompts: int = _opt(32, "prompts taken from the files (one per file)")
+    prompt_tokens: int = _opt(128, "prompt length in tokens (files shorter are skipped)")
+    max_tokens: int = _opt(128, "tokens generated per prompt")
+    specs: str = _opt(DEFAULT_SPECS, "comma-separated steps/topk/tokens configs")
+    temperatures: str = _opt("0,1", "comma-separated sampling temperatures")
+    device: str = _opt("auto", "auto | cpu | cuda")
+    dtype: str = _opt("auto", "engine dtype: auto | float32 | bfloat16 | float16")
+    gpu_memory_utilization: float = _opt(0.5, "fraction of free GPU memory for the KV cache")
+    enforce_eager: bool = _opt(False, "no CUDA graphs (faster start, slower steps)")
+    seed: int = _opt(0, "base sampling seed (prompt i uses seed + i)")
+    out: str = _opt("", "also write the results as JSON here")
+
+
+@dataclass(frozen=True)
+class SpecShape:
+    steps: int
+    topk: int
+    tokens: int
+
+    @property
+    def label(self) -> str:
+        if self.topk == 1:
+            return f"chain{self.steps}"
+        return f"tree{self.topk}x{self.tokens}(d{self.steps})"
+
+
+def parse_specs(text: str) -> list[SpecShape]:
+    shapes = []
+    for item in text.split(","):
+        try:
+            steps, topk, tokens = (int(x) for x in item.strip().split("/"))
+        except ValueError as e:
+            raise ValueError(f"--specs items are steps/topk/tokens like 5/4/16, got {item!r}"
+                             ) from e
+        shapes.append(SpecShape(steps, topk, tokens))
+    return shapes
+
+
+def load_prompts(files: list[str], tokenizer, prompt_tokens: int, num_prompts: int
+                 ) -> list[list[int]]:
+    """The first prompt_tokens tokens of each file long enough, in the order given."""
+    prompts = []
+    for file in files:
+        with open(file, encoding="utf-8", errors="replace") as fh:
+            ids = tokenizer.encode(fh.read())
+        if len(ids) >= prompt_tokens:
+            prompts.append(ids[:prompt_tokens])
+        if len(prompts) == num_prompts:
+            break
+    if not prompts:
+        raise ValueError(f"no file among {len(files)} has {prompt_tokens} tokens: lower "
+                         "--prompt-tokens or pass longer files")
+    return prompts
+
+
+def _release_memory() -> None:
+    """Free the last engine's KV pool before the next one sizes itself from free memory."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def evaluate_accept(cfg: EvalConfig) -> dict:
+    """Run every config x temperature on the hold-out prompts; return the results dict."""
+    from specserve import defaults
+    from specserve.llm import LLM
+    from specserve.sampling_params import SamplingParams
+    from specserve.train.data import expand_paths
+
+    model = cfg.model or defaults.default_model_path()
+    draft = cfg.draft or (defaults.default_draft_path() if not cfg.model else "")
+    if not draft:
+        raise ValueError("--draft DIR (an EAGLE-3 head for --model) is required")
+    temps = [float(t) for t in cfg.temperatures.split(",")]
+    shapes = parse_specs(cfg.specs)
+    engine = dict(device=cfg.device, dtype=cfg.dtype, seed=cfg.seed,
+                  enforce_eager=cfg.enforce_eager,
+                  cache=dict(gpu_memory_utilization=cfg.gpu_memory_utilization))
+    _release_memory()
+    plain = LLM(model, **engine)
+    prompts = load_prompts(expand_paths(cfg.files), plain.tokenizer, cfg.prompt_tokens,
+                           cfg.num_prompts)
+
+    def params(temp: float) -> list[SamplingParams]:
+        return [SamplingParams(temperature=temp, max_tokens=cfg.max_tokens, ignore_eos=True,
+                               seed=cfg.seed + i) for i in range(len(prompts))]
+
+    t0 = time.perf_counter()
+    reference = [o.token_ids for o in plain.generate(prompts, params(0.0))]
+    plain_s = time.perf_counter() - t0
+    del plain
+    _release_memory()
+    rows = []
+    for shape in shapes:
+        llm = LLM(model, speculative=dict(algorithm="eagle3", draft_model=draft,
+                                          num_steps=shape.steps, topk=shape.topk,
+                                          num_draft_tokens=shape.tokens), **engine)
+        for temp in temps:
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params(temp))
+            seconds = time.perf_counter() - t0
+            cycles = sum(o.spec_cycles for o in outs)
+            accepted = sum(o.spec_accepted_tokens for o in outs)
+            per_pos = [sum(o.spec_accepted_per_pos[d] for o in outs
+                           if d < len(o.spec_accepted_per_pos)) / max(cycles, 1)
+                       for d in range(shape.steps)]
+            row = dict(spec=shape.label, **asdict(shape), temperature=temp,
+                       accept_length=(accepted + cycles) / max(cycles, 1),
+                       accept_per_pos=per_pos, cycles=cycles,
+                       generated=sum(len(o.token_ids) for o in outs), seconds=seconds)
+            if temp == 0:
+                row["greedy_match"] = sum(o.token_ids == r for o, r in zip(outs, reference))
+            rows.append(row)
+        del llm
+        _release_memory()
+    result = dict(model=model, draft=draft, num_prompts=len(prompts),
+                  prompt_tokens=cfg.prompt_tokens, max_tokens=cfg.max_tokens,
+                  plain_greedy_seconds=plain_s, results=rows)
+    if cfg.out:
+        with open(cfg.out, "w") as fh:
+            json.dump(result, fh, indent=2)
+    return result
+
+
+def format_table(result: dict) -> str:
+    """A markdown table of the results."""
+    lines = ["| config | temp | accept length | acceptance per position | greedy == plain |",
+             "| --- | --- | --- | --- | --- |"]
+    n = result["num_prompts"]
+    for r in result["results"]:
+        per_pos = " ".join(f"{p:.2f}" for p in r["accept_per_pos"])
+        match = f"{r['greedy_match']}/{n}" if "greedy_match" in r else "-"
+        lines.append(f"| {r['spec']} | {r['temperature']:g} | {r['accept_length']:.2f} | "
+                     f"{per_pos} | {match} |")
+    return "\n".join(lines)
