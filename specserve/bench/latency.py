@@ -28,7 +28,13 @@ from typing import Any
 
 from specserve.bench.floor import describe_references, sync
 from specserve.bench.log import append_result, environment_info
-from specserve.bench.stats import Summary, format_range, relative_change, summarize
+from specserve.bench.stats import (
+    Summary,
+    format_range,
+    parse_positive_list,
+    relative_change,
+    summarize,
+)
 from specserve.config import add_cli_args
 from specserve.sampling_params import SamplingParams
 
@@ -215,13 +221,6 @@ def bench_point(engine: Any, prompts: list[list[int]], modes: list[str], output_
 # -- command line -----------------------------------------------------------------------------
 
 
-def _int_list(text: str, flag: str) -> list[int]:
-    values = [v.strip() for v in text.split(",") if v.strip()]
-    if not values or not all(v.isdigit() and int(v) >= 1 for v in values):
-        raise ValueError(f"{flag} takes comma-separated integers >= 1, got {text!r}")
-    return [int(v) for v in values]
-
-
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add `latency` to the `bench` sub-commands."""
     p = subparsers.add_parser("latency", help="offline decode latency: plain vs speculation")
@@ -252,8 +251,8 @@ def run(args: argparse.Namespace) -> int:
     from specserve.llm import LLM
     from specserve.models.presets import PRESETS
 
-    batch_sizes = _int_list(args.batch_sizes, "--batch-sizes")
-    contexts = _int_list(args.context_len, "--context-len")
+    batch_sizes = parse_positive_list(args.batch_sizes, int, "--batch-sizes")
+    contexts = parse_positive_list(args.context_len, int, "--context-len")
     if args.runs < 1 or args.warmup < 0:
         raise ValueError("--runs must be >= 1 and --warmup >= 0")
     if args.model in PRESETS and args.load_format is None:

@@ -26,7 +26,13 @@ import httpx
 from specserve.bench.log import append_result, read_results
 from specserve.bench.plots import plot_sweep
 from specserve.bench.prompts import Prompt, load_prompts
-from specserve.bench.stats import format_range, percentiles, relative_change, summarize
+from specserve.bench.stats import (
+    format_range,
+    parse_positive_list,
+    percentiles,
+    relative_change,
+    summarize,
+)
 from specserve.server.metrics import SpecCounters, parse_spec_counters
 
 
@@ -321,18 +327,6 @@ def _print_point(p: dict[str, Any]) -> None:
         print(f"  first error: {p['errors'][0]}", flush=True)
 
 
-def _parse_list(text: str | None, kind: type, flag: str) -> list | None:
-    if text is None:
-        return None
-    try:
-        values = [kind(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values or any(v <= 0 for v in values):
-        raise ValueError(f"{flag} must be a comma-separated list of positive numbers, got {text!r}")
-    return values
-
-
 def _resolve_model(target: ServeTarget) -> str:
     try:
         resp = httpx.get(f"{target.root}/v1/models", headers=target.headers(), timeout=30)
@@ -377,8 +371,8 @@ def run(args: argparse.Namespace) -> int:
         with started_server(args.start_server) as url:
             args.base_url, args.start_server = url, None
             return run(args)
-    rates = _parse_list(args.request_rate, float, "--request-rate")
-    concs = _parse_list(args.concurrency, int, "--concurrency")
+    rates = args.request_rate and parse_positive_list(args.request_rate, float, "--request-rate")
+    concs = args.concurrency and parse_positive_list(args.concurrency, int, "--concurrency")
     if rates and concs:
         raise ValueError("pass either --concurrency or --request-rate, not both")
     if not rates and not concs:

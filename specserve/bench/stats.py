@@ -116,3 +116,14 @@ def relative_change(new: float, base: float) -> str:
     if not base or math.isnan(base) or math.isnan(new):
         return "n/a"
     return f"{(new / base - 1.0) * 100.0:+.1f}%"
+
+
+def parse_positive_list(text: str, kind: type, flag: str) -> list:
+    """'1,2,4' -> [1, 2, 4] for a command-line flag; ValueError naming the flag otherwise."""
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v <= 0 for v in values):
+        raise ValueError(f"{flag} must be a comma-separated list of positive numbers, got {text!r}")
+    return values
