@@ -58,6 +58,10 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         if not config.model:
             raise ValueError("no model given: pass --model PATH (a directory or cached repo id)")
+        if config.parallel.tp_size != 1:
+            raise ValueError(
+                f"--tp-size {config.parallel.tp_size}: the layers are tensor-parallel but the "
+                "multi-process engine runtime is not built yet; use --tp-size 1")
         self.model_name = config.model
         if config.load_format == "dummy" and config.model in PRESETS:
             self.model_path = None
