@@ -54,6 +54,8 @@ class ModelConfig:
     # capture convention: residual stream ENTERING these target decoder layers (0-based)
     aux_layer_ids: tuple[int, ...] | None = None
     norm_before_residual: bool = False
+    # local attention window (Mistral v0.1); None = full attention
+    sliding_window: int | None = None
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any] | str | os.PathLike) -> ModelConfig:
@@ -117,6 +119,8 @@ class ModelConfig:
             target_hidden_size=hf.get("target_hidden_size"),
             aux_layer_ids=tuple(aux) if aux else None,
             norm_before_residual=bool(hf.get("norm_before_residual", False)),
+            sliding_window=hf.get("sliding_window") if hf.get("use_sliding_window", True)
+            else None,
         )
 
 

@@ -174,3 +174,12 @@ def test_offline_generate_feeds_more_prompts_than_the_queue_holds(tmp_path) -> N
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     assert [o.prompt_token_ids for o in outs] == prompts
     assert all(len(o.token_ids) == 3 for o in outs)
+
+
+def test_sliding_window_caps_the_context(tmp_path) -> None:
+    path = make_tiny_checkpoint(tmp_path / "m", family="mistral", tokenizer=True,
+                                sliding_window=24)
+    engine = Engine(EngineConfig(model=path, device="cpu", dtype="float32"))
+    assert engine.max_model_len == 24
+    with pytest.raises(ValueError, match="context"):
+        engine.add_request(None, [5] * 30, SamplingParams())

@@ -72,6 +72,12 @@ class Engine:
         self.tokenizer = self._load_tokenizer(config)
         max_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
         self.max_model_len = min(max_len, self.model_config.max_position_embeddings)
+        window = self.model_config.sliding_window
+        if window and window < self.max_model_len:
+            # attention is full, so results are exact only inside the window: cap the context
+            log.warning("model attends over a sliding window of %d tokens; context capped "
+                        "there (sliding-window attention is not implemented)", window)
+            self.max_model_len = window
         self.config = config.replace(scheduler={"max_model_len": self.max_model_len})
         self.drafter = None
         extra_layers = 0
