@@ -40,13 +40,7 @@ def plot_runs(
         runs = list(range(1, len(ys) + 1))
         (line,) = ax.plot(runs, ys, marker="o", label=name)
         ax.axhline(sum(ys) / len(ys), color=line.get_color(), linestyle="--", linewidth=0.8)
-    ax.set_xlabel("run")
-    ax.set_ylabel(ylabel)
-    if title:
-        ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    return _save(fig, path)
+    return _finish(fig, ax, path, "run", ylabel, title)
 
 
 def plot_sweep(
@@ -69,6 +63,11 @@ def plot_sweep(
     ax.set_xscale("log", base=2)
     ax.set_xticks(x)
     ax.set_xticklabels([f"{v:g}" for v in x])
+    return _finish(fig, ax, path, xlabel, ylabel, title)
+
+
+def _finish(fig, ax, path: str, xlabel: str, ylabel: str, title: str) -> str:
+    """Labels, grid and legend shared by every plot, then save."""
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     if title:
