@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks in one invocation (an H200 or any CUDA machine):
 #   bash scripts/gpu_suite.sh OUT_DIR [steps]
-# steps: any of tests,plain,spec,match,serve (default: all). Results and logs go to OUT_DIR;
+# steps: any of tests,profile,plain,spec,match,serve (default: all but profile). Results and logs go to OUT_DIR;
 # benchmark rows are appended to experiments/ (LOG.md, results.jsonl, PNGs).
 set -u
 out=${1:-out}; steps=${2:-tests,plain,spec,match,serve}
@@ -20,6 +20,11 @@ if has tests; then
 fi
 common=(--model llama-3.1-8b --load-format dummy --context-len 1024 --output-len 64 --runs 3
         --warmup 1 --log --exp-dir experiments)
+if has profile; then
+  timeout 200 python scripts/profile_decode.py --model llama-3.1-8b --batch-sizes 1,128 \
+    --out "$out/profile" > "$out/profile.log" 2>&1
+  echo "profile rc=$?"; grep -v "^ " "$out/profile.log" | tail -8
+fi
 if has plain; then
   timeout 200 "${ss[@]}" bench latency "${common[@]}" --batch-sizes 1,8,32,128 --floor --compare-hf \
     --label "llama-3.1-8b plain" --json-out "$out/plain.json" > "$out/plain.log" 2>&1

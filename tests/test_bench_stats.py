@@ -84,9 +84,14 @@ def test_formatting() -> None:
     assert stats.relative_change(1.0, 0.0) == "n/a"
 
 
-def test_environment_info_outside_and_inside_git(tmp_path) -> None:
+def test_environment_info_outside_and_inside_git(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("SPECSERVE_GIT_SHA", raising=False)
     info = log.environment_info(str(tmp_path))
     assert info["git_sha"] == "unknown" and info["git_dirty"] is None
+    monkeypatch.setenv("SPECSERVE_GIT_SHA", "abc123")  # an exported tree names its commit
+    info = log.environment_info(str(tmp_path))
+    assert info["git_sha"] == "abc123" and info["git_dirty"] is None
+    monkeypatch.delenv("SPECSERVE_GIT_SHA")
     assert info["versions"]["python"].count(".") == 2
     assert info["gpu"]  # "cpu" here, a GPU name on a GPU machine
     assert info["date"].endswith("Z")
