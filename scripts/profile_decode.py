@@ -76,7 +76,7 @@ def host_phases(engine, steps: int) -> dict[str, float]:
 
 
 def graph_replay_ms(engine, bs: int, repeats: int) -> float | None:
-    graphs = getattr(engine.runner, "decode_graphs", None)
+    graphs = (getattr(engine.runner, "decode_graphs", None) or {}).get("greedy")
     if graphs is None:
         return None
     b = graphs.bucket(bs)

@@ -54,8 +54,30 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(path)
 
 
-def _code_files() -> tuple[str, ...]:
-    return tuple(str(p) for p in sorted((ROOT / "specserve" / "engine").glob("*.py")))
+def _write_corpus(root: Path, seed: int = 0, num_files: int = 4) -> tuple[str, ...]:
+    """Python-like files from templates: fixed text (not the repository's own sources, which
+    change), regular enough that a few training steps learn something."""
+    rng = random.Random(seed)
+    names = ["value", "count", "items", "total", "index", "result", "buffer", "offset", "size"]
+    root.mkdir(parents=True, exist_ok=True)
+    files = []
+    for f in range(num_files):
+        lines = [f'"""Module {f}."""', "", "import math", ""]
+        for i in range(40):
+            a, b = rng.sample(names, 2)
+            op = rng.choice(["+", "-", "*"])
+            lines += [f"def {a}_{b}_{i}({b}, {a}=None):", f"    if {a} is None:",
+                      f"        {a} = {b} {op} {rng.randint(0, 9)}",
+                      f"    return math.floor({a}) {op} {b}", ""]
+        path = root / f"module_{f}.py"
+        path.write_text("\n".join(lines))
+        files.append(str(path))
+    return tuple(files)
+
+
+@pytest.fixture(scope="module")
+def code_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, ...]:
+    return _write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 # -- draft vocabulary and data ---------------------------------------------------------------------
@@ -112,11 +134,12 @@ def test_chat_loss_mask_covers_assistant_turns_only(tmp_path: Path, target: str)
         D.read_records([str(bad)])
 
 
-def test_regenerated_text_is_the_targets_greedy_continuation(target: str) -> None:
+def test_regenerated_text_is_the_targets_greedy_continuation(target: str,
+                                                            code_files: tuple[str, ...]) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(target)
-    records = [D.Record(text=open(f).read()) for f in _code_files()[:2]]
+    records = [D.Record(text=open(f).read()) for f in code_files[:2]]
     llm = LLM(target, device="cpu", dtype="float32")
     samples = D.regenerate(records, llm, tok, seq_len=24, prompt_tokens=8, temperature=0.0,
                            max_samples=3)
@@ -227,9 +250,10 @@ def test_every_head_parameter_gets_a_gradient(target: str, device: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory, target: str) -> tuple[str, dict]:
+def trained(tmp_path_factory: pytest.TempPathFactory, target: str,
+            code_files: tuple[str, ...]) -> tuple[str, dict]:
     out = tmp_path_factory.mktemp("head") / "head"
-    cfg = TrainConfig(target=target, out=str(out), data=_code_files(), seq_len=48,
+    cfg = TrainConfig(target=target, out=str(out), data=code_files, seq_len=48,
                       batch_size=4, max_steps=40, lr=1e-2, warmup=0.05, draft_vocab_size=200,
                       export_dtype="float32", save_every=20, progress=False)
     trainer = Eagle3Trainer(cfg)
@@ -321,7 +345,8 @@ def test_resume_continues_from_checkpoint(trained: tuple[str, dict], tmp_path: P
     assert torch.equal(resumed["head"]["d2t"], state["head"]["d2t"])
 
 
-def test_cli_rejects_bad_input(tmp_path: Path, target: str, capsys) -> None:
+def test_cli_rejects_bad_input(tmp_path: Path, target: str, code_files: tuple[str, ...],
+                               capsys) -> None:
     from specserve.cli import main
 
     assert main(["train-eagle3", "--target", str(tmp_path), "--out", "x", "--data", "y"]) == 2
@@ -330,7 +355,7 @@ def test_cli_rejects_bad_input(tmp_path: Path, target: str, capsys) -> None:
                  "--data", str(tmp_path / "missing.txt")]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert main(["train-eagle3", "--target", target, "--out", str(tmp_path / "o"),
-                 "--data", *_code_files(), "--aux-layer-ids", "1,9,2"]) == 2
+                 "--data", *code_files, "--aux-layer-ids", "1,9,2"]) == 2
     assert "aux-layer-ids" in capsys.readouterr().err
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -25,12 +26,18 @@ from specserve.layers.attention_metadata import (
     set_forward_context,
 )
 from specserve.layers.rotary import ensure_rope_capacity
-from specserve.layers.sampler import Sampler, SamplingTensors
+from specserve.layers.sampler import (
+    Sampler,
+    SamplingTensors,
+    graph_sampling_inputs,
+    host_fields,
+)
 from specserve.models.loader import build_model, load_model
 from specserve.models.presets import random_init
 
 log = logging.getLogger(__name__)
 
+DECODE_MODES = ("greedy", "sample")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -108,7 +115,9 @@ class ModelRunner:
         ensure_rope_capacity(self.model, self.max_positions)
         self.decode_graphs = self._capture_decode_graphs()
 
-    def _capture_decode_graphs(self) -> BatchGraphs | None:
+    def _capture_decode_graphs(self) -> dict[str, BatchGraphs] | None:
+        """Decode graphs per batch bucket, forward + LM head + sampling, for two modes:
+        all-greedy batches (argmax) and any other mix (the general sampling path)."""
         cfg = self.config
         if self.device.type != "cuda" or cfg.enforce_eager:
             return None
@@ -117,8 +126,16 @@ class ModelRunner:
                         getattr(self.backend, "name", "?"))
             return None
         self.graph_max_bs = min(cfg.cuda_graph_max_bs, cfg.scheduler.max_num_seqs)
-        inputs, pads = self.static_inputs(self.graph_max_bs, 1)
-        return BatchGraphs(self._decode_fn, inputs, pads, self.graph_max_bs, "decode")
+        self.graph_pool = torch.cuda.graph_pool_handle()
+        graphs = {}
+        for mode in DECODE_MODES:
+            inputs, pads = self.static_inputs(self.graph_max_bs, 1)
+            st_inputs, st_pads = graph_sampling_inputs(
+                self.graph_max_bs, self.model_config.vocab_size, self.device)
+            graphs[mode] = BatchGraphs(self._decode_fn(mode), {**inputs, **st_inputs},
+                                       {**pads, **st_pads}, self.graph_max_bs, f"decode {mode}",
+                                       pool=self.graph_pool)
+        return graphs
 
     def static_inputs(self, max_bs: int, q_len: int) -> tuple[dict[str, torch.Tensor], dict]:
         """Batch-major buffers of a forward with q_len tokens per request, and their padding."""
@@ -150,22 +167,35 @@ class ModelRunner:
             seq_lens=seq_lens, page_table=page_table, max_query_len=q_len,
             max_seq_len=self.max_positions, custom_mask=custom_mask)
 
-    def _decode_fn(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                   seq_lens: torch.Tensor, page_table: torch.Tensor) -> tuple[torch.Tensor]:
-        md = self.graph_metadata(slots, seq_lens, page_table, 1)
-        return (self.forward(input_ids.reshape(-1), positions.reshape(-1), md),)
+    def _decode_fn(self, mode: str):
+        assert mode in DECODE_MODES
 
-    def page_table(self, reqs: list) -> torch.Tensor:
-        """[bs, max_pages] int32 host tensor of the requests' block tables, padded with the
-        spare page."""
-        table = torch.full((len(reqs), self.max_pages), self.spare_page, dtype=torch.int32)
+        def fn(input_ids, positions, slots, seq_lens, page_table, temperatures, top_ks, top_ps,
+               min_ps, seeds) -> tuple[torch.Tensor, torch.Tensor]:
+            md = self.graph_metadata(slots, seq_lens, page_table, 1)
+            hidden = self.forward(input_ids.reshape(-1), positions.reshape(-1), md)
+            logits = self.compute_logits(hidden)  # [bs, V] float32
+            if mode == "greedy":
+                return logits.argmax(dim=-1), logits
+            # the noise counter is the position of the token being sampled
+            st = SamplingTensors.general(temperatures, top_ks, top_ps, min_ps, seeds,
+                                         positions.reshape(-1) + 1)
+            return self.sampler.sample(logits, st), logits
+
+        return fn
+
+    def page_table(self, reqs: list) -> tuple[np.ndarray, int]:
+        """[bs, width] int32 host array of the requests' page tables (width: the longest),
+        padded with the spare page; and the width."""
+        width = max(len(r.page_ids) for r in reqs)
+        table = np.full((len(reqs), width), self.spare_page, dtype=np.int32)
         for i, req in enumerate(reqs):
-            table[i, : len(req.page_ids)] = torch.tensor(req.page_ids, dtype=torch.int32)
-        return table
+            table[i, : len(req.page_ids)] = req.page_ids
+        return table, width
 
     @property
     def num_graphs(self) -> int:
-        return len(self.decode_graphs.graphs) if self.decode_graphs else 0
+        return sum(len(g.graphs) for g in (self.decode_graphs or {}).values())
 
     # -- KV memory ---------------------------------------------------------------------------
     def _allocate_kv_pool(self) -> KVPool:
@@ -264,41 +294,41 @@ class ModelRunner:
             [r.num_tokens + extra_offset for r in reqs], self.model_config.vocab_size,
             self.device)
 
-    def _graph_decode(self, scheduled: list[ScheduledRequest]) -> torch.Tensor | None:
-        """Hidden states of an all-decode batch through a CUDA graph, or None."""
+    def _graph_decode(self, scheduled: list[ScheduledRequest]
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(sampled tokens [bs], logits [bs, V]) of an all-decode batch through a CUDA graph,
+        or None when no graph applies. The outputs live in the graph's buffers."""
         graphs = self.decode_graphs
-        if graphs is None or len(scheduled) > graphs.max_bs:
+        if graphs is None or len(scheduled) > self.graph_max_bs:
             return None
         if not all(s.num_new_tokens == 1 and s.samples for s in scheduled):
             return None
-        ps = self.page_size
+        ps, bs = self.page_size, len(scheduled)
         reqs = [s.request for s in scheduled]
-        pos = [s.start for s in scheduled]
-        slots = [r.page_ids[p // ps] * ps + p % ps for r, p in zip(reqs, pos)]
-        long = torch.long
-        (hidden,) = graphs.replay(
-            len(reqs),
-            input_ids=torch.tensor([[r.all_token_ids[p]] for r, p in zip(reqs, pos)], dtype=long),
-            positions=torch.tensor(pos, dtype=long)[:, None],
-            slots=torch.tensor(slots, dtype=long)[:, None],
-            seq_lens=torch.tensor(pos, dtype=torch.int32) + 1,
-            page_table=self.page_table(reqs))
-        return hidden
+        params = [r.params for r in reqs]
+        pos = np.fromiter((s.start for s in scheduled), dtype=np.int64, count=bs)
+        table, width = self.page_table(reqs)
+        slots = table[np.arange(bs), pos // ps].astype(np.int64) * ps + pos % ps
+        ids = np.fromiter((r.all_token_ids[s.start] for r, s in zip(reqs, scheduled)),
+                          dtype=np.int64, count=bs)
+        mode = "greedy" if all(p.greedy for p in params) else "sample"
+        return graphs[mode].replay(
+            bs, widths={"page_table": width}, input_ids=ids[:, None], positions=pos[:, None],
+            slots=slots[:, None], seq_lens=pos + 1, page_table=table,
+            **host_fields(params, [r.seed for r in reqs], self.model_config.vocab_size))
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> list[list[int]]:
         """Plain step: forward, sample the entries that reached their last token."""
-        hidden = self._graph_decode(scheduled)
-        if hidden is not None:
-            index = list(range(len(scheduled)))
-            logits = self.compute_logits(hidden)
-        else:
-            batch = self.prepare(scheduled)
-            hidden = self.forward(batch.input_ids, batch.positions, batch.md)
-            index = batch.sample_index
-            if not index:
-                return [[] for _ in scheduled]
-            logits = self.compute_logits(hidden[batch.sample_rows])
+        graphed = self._graph_decode(scheduled)
+        if graphed is not None:
+            return [[tok] for tok in graphed[0].tolist()]  # the one device-to-host copy
+        batch = self.prepare(scheduled)
+        hidden = self.forward(batch.input_ids, batch.positions, batch.md)
+        index = batch.sample_index
+        if not index:
+            return [[] for _ in scheduled]
+        logits = self.compute_logits(hidden[batch.sample_rows])
         out: list[list[int]] = [[] for _ in scheduled]
         st = self.sampling_tensors(scheduled, index)
         tokens = self.sampler.sample(logits, st).tolist()  # the one device-to-host copy

@@ -60,6 +60,33 @@ def uniform_noise(
     return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
+GRAPH_FIELDS = ("temperatures", "top_ks", "top_ps", "min_ps", "seeds")
+
+
+def host_fields(params: list[SamplingParams], seeds: list[int],
+                vocab_size: int) -> dict[str, list]:
+    """The per-row sampling fields as host lists (no counters): what a captured graph's
+    static inputs take. Top-k 0 (off) becomes vocab_size."""
+    return {
+        "temperatures": [p.temperature for p in params],
+        "top_ks": [vocab_size if p.top_k <= 0 else min(p.top_k, vocab_size) for p in params],
+        "top_ps": [p.top_p for p in params],
+        "min_ps": [p.min_p for p in params],
+        "seeds": list(seeds),
+    }
+
+
+def graph_sampling_inputs(max_bs: int, vocab_size: int, device: torch.device
+                          ) -> tuple[dict[str, torch.Tensor], dict[str, int | float]]:
+    """Static input buffers (and pads) of the sampling fields, for BatchGraphs."""
+    f32, i64 = torch.float32, torch.int64
+    inputs = {name: torch.zeros(max_bs, dtype=f32 if name in ("temperatures", "top_ps",
+                                                               "min_ps") else i64, device=device)
+              for name in GRAPH_FIELDS}
+    pads = {"temperatures": 0.0, "top_ks": vocab_size, "top_ps": 1.0, "min_ps": 0.0, "seeds": 0}
+    return inputs, pads
+
+
 @dataclass
 class SamplingTensors:
     """Per-row sampling parameters on the device, plus host flags that skip unneeded work."""
@@ -88,13 +115,11 @@ class SamplingTensors:
         """Pack every field into one host buffer and copy it to the device once."""
         assert len(params) == len(seeds) == len(counters) and params
         bs = len(params)
-        top_ks = [vocab_size if p.top_k <= 0 else min(p.top_k, vocab_size) for p in params]
+        fields = host_fields(params, seeds, vocab_size)
         sampled = [p for p in params if not p.greedy]
-        ints = torch.tensor([top_ks, seeds, counters], dtype=torch.int64)  # [3, bs]
-        floats = torch.tensor(
-            [[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]],
-            dtype=torch.float32,
-        )  # [3, bs]
+        ints = torch.tensor([fields["top_ks"], seeds, counters], dtype=torch.int64)  # [3, bs]
+        floats = torch.tensor([fields["temperatures"], fields["top_ps"], fields["min_ps"]],
+                              dtype=torch.float32)  # [3, bs]
         # int64 block first keeps the float32 block 4-byte aligned inside the byte buffer
         host = torch.cat([ints.view(torch.uint8).flatten(), floats.view(torch.uint8).flatten()])
         if torch.device(device).type == "cuda":
@@ -115,6 +140,15 @@ class SamplingTensors:
             any_top_p=any(p.top_p < 1.0 for p in sampled),
             any_min_p=any(p.min_p > 0.0 for p in sampled),
         )
+
+    @classmethod
+    def general(cls, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
+                min_ps: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor
+                ) -> SamplingTensors:
+        """Every transform on: the path that is right for any mix of parameters (what a
+        captured graph runs, since host flags cannot change between its replays)."""
+        return cls(temperatures, top_ks, top_ps, min_ps, seeds, counters, all_greedy=False,
+                   any_greedy=True, any_top_k=True, any_top_p=True, any_min_p=True)
 
     def repeat_interleave(self, n: int) -> SamplingTensors:
         """Each row repeated n times (verify: one row per tree node); flags unchanged."""

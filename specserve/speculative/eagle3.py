@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from specserve.config import ModelConfig, SpecConfig
@@ -26,13 +27,10 @@ from specserve.engine.cuda_graph import BatchGraphs
 from specserve.engine.forward_batch import build_attention_metadata
 from specserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from specserve.layers.rotary import ensure_rope_capacity
-from specserve.layers.sampler import SamplingTensors
+from specserve.layers.sampler import SamplingTensors, graph_sampling_inputs, host_fields
 from specserve.models.capture import AuxHiddenCapture, default_aux_layer_ids
 from specserve.models.eagle3 import Eagle3Head, load_eagle3_head
 from specserve.speculative.cycle import MODES, SpecCycle
-
-# sampling fields that are graph inputs (the host flags select the graph instead)
-_ST_FIELDS = ("temperatures", "top_ks", "top_ps", "min_ps", "seeds")
 
 DUMMY = "dummy"  # --spec-draft-model dummy: a random head (cost benchmarks)
 
@@ -100,7 +98,7 @@ class Eagle3Drafter:
         for mode in modes:
             inputs, pads = self._static_inputs(max_bs)
             graphs[mode] = BatchGraphs(self._graph_fn(mode), inputs, pads, max_bs,
-                                       f"speculative {mode}", pool=runner.decode_graphs.pool)
+                                       f"speculative {mode}", pool=runner.graph_pool)
         return graphs
 
     def _static_inputs(self, max_bs: int) -> tuple[dict[str, torch.Tensor], dict]:
@@ -112,16 +110,12 @@ class Eagle3Drafter:
             "root_tokens": torch.zeros(max_bs, dtype=torch.long, device=dev),
             "page_table": torch.zeros(max_bs, runner.max_pages, dtype=torch.int32, device=dev),
             "valid": torch.zeros(max_bs, dtype=torch.bool, device=dev),
-            "temperatures": torch.zeros(max_bs, dtype=torch.float32, device=dev),
-            "top_ks": torch.zeros(max_bs, dtype=torch.long, device=dev),
-            "top_ps": torch.zeros(max_bs, dtype=torch.float32, device=dev),
-            "min_ps": torch.zeros(max_bs, dtype=torch.float32, device=dev),
-            "seeds": torch.zeros(max_bs, dtype=torch.long, device=dev),
         }
         pads = {"last_out": 0.0, "root_pos": 0, "root_tokens": 0,
-                "page_table": runner.spare_page, "valid": False, "temperatures": 0.0,
-                "top_ks": runner.model_config.vocab_size, "top_ps": 1.0, "min_ps": 0.0,
-                "seeds": 0}
+                "page_table": runner.spare_page, "valid": False}
+        st_inputs, st_pads = graph_sampling_inputs(max_bs, runner.model_config.vocab_size, dev)
+        inputs.update(st_inputs)
+        pads.update(st_pads)
         return inputs, pads
 
     def _graph_fn(self, mode: str):
@@ -129,10 +123,7 @@ class Eagle3Drafter:
 
         def fn(last_out, root_pos, root_tokens, page_table, valid, temperatures, top_ks, top_ps,
                min_ps, seeds):
-            # every transform on: the general path is right for any mix of parameters
-            st = SamplingTensors(temperatures, top_ks, top_ps, min_ps, seeds, root_pos,
-                                 all_greedy=False, any_greedy=True, any_top_k=True,
-                                 any_top_p=True, any_min_p=True)
+            st = SamplingTensors.general(temperatures, top_ks, top_ps, min_ps, seeds, root_pos)
             return self.cycle.run(mode, last_out, root_pos, root_tokens, page_table, valid, st)
 
         return fn
@@ -221,23 +212,26 @@ class Eagle3Drafter:
         the step's single device-to-host copy: the emitted tokens."""
         runner = self.runner
         reqs = [s.request for s in entries]
-        st = runner.sampling_tensors(entries, list(range(len(entries))))
+        params = [r.params for r in reqs]
         mode = ("synthetic" if self.spec.synthetic_accept_len
-                else "greedy" if st.all_greedy else "sample")
+                else "greedy" if all(p.greedy for p in params) else "sample")
+        table, width = runner.page_table(reqs)
         inputs = {
             "last_out": torch.stack([self.last_out[r.request_id] for r in reqs]),
-            "root_pos": torch.tensor([s.start for s in entries], dtype=torch.long),
-            "root_tokens": torch.tensor([r.all_token_ids[-1] for r in reqs], dtype=torch.long),
-            "page_table": runner.page_table(reqs),
-            "valid": torch.ones(len(reqs), dtype=torch.bool),
+            "root_pos": np.array([s.start for s in entries], dtype=np.int64),
+            "root_tokens": np.array([r.all_token_ids[-1] for r in reqs], dtype=np.int64),
+            "page_table": table,
+            "valid": np.ones(len(reqs), dtype=bool),
         }
         graphs = self.graphs.get(mode) if self.graphs else None
         if graphs is not None and len(reqs) <= graphs.max_bs:
-            for name in _ST_FIELDS:
-                inputs[name] = getattr(st, name)
-            emitted, num_emitted, new_last = graphs.replay(len(reqs), **inputs)
+            inputs.update(host_fields(params, [r.seed for r in reqs],
+                                      runner.model_config.vocab_size))
+            emitted, num_emitted, new_last = graphs.replay(
+                len(reqs), widths={"page_table": width}, **inputs)
         else:
-            dev = {k: v.to(runner.device) for k, v in inputs.items()}
+            st = runner.sampling_tensors(entries, list(range(len(entries))))
+            dev = {k: torch.as_tensor(v).to(runner.device) for k, v in inputs.items()}
             emitted, num_emitted, new_last = self.cycle.run(
                 mode, dev["last_out"], dev["root_pos"], dev["root_tokens"], dev["page_table"],
                 dev["valid"], st)
