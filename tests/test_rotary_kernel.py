@@ -1,4 +1,5 @@
-"""The in-place rotary kernel against its torch reference (GPU; Triton interpreter on CPU)."""
+"""The in-place rotary kernel, and its fusion with the KV-cache write, against the torch
+references (GPU; Triton interpreter on CPU)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch
 
 CHECK = textwrap.dedent("""
     import torch
-    from specserve.kernels.rotary import rotary_inplace, rotary_ref
+    from specserve.kernels.paged_attention import store_kv_ref
+    from specserve.kernels.rotary import rotary_inplace, rotary_ref, rotary_store_kv
     from specserve.layers.rotary import RotaryEmbedding
 
     dev = DEVICE
@@ -32,6 +34,31 @@ CHECK = textwrap.dedent("""
                 err = ((got.float() - want.float()).norm() / want.float().norm()).item()
                 assert err < tol, (dtype, t, hq, hk, d, err)
             assert torch.equal(qkv[:, (hq + hk) * d :], untouched)  # v is not touched
+
+            # fused: rotate, then write k and v at their slots (-1: skip), in one launch
+            for page_size in (4, 16):
+                qkv = torch.randn(t, (hq + 2 * hk) * d, device=dev).to(dtype)
+                q = qkv[:, : hq * d].view(t, hq, d)
+                k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
+                v = qkv[:, (hq + hk) * d :].view(t, hk, d)
+                pages = t // page_size + 3
+                slots = torch.randperm(pages * page_size, device=dev)[:t]
+                slots[::3] = -1
+                caches = [torch.randn(pages, page_size, hk, d, device=dev).to(dtype)
+                          for _ in range(2)]
+                want_q, want_k = rotary_ref(pos, q.clone(), k.clone(), rope.cos_sin_cache)
+                want_caches = [c.clone() for c in caches]
+                store_kv_ref(want_k, v.clone(), *want_caches, slots)
+                v_before = v.clone()
+                rotary_store_kv(pos, q, k, v, rope.cos_sin_cache, *caches, slots)
+                for got, want in ((q, want_q), (k, want_k), *zip(caches, want_caches)):
+                    err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+                    assert err < tol, ("fused", dtype, t, hq, hk, d, page_size, err)
+                assert torch.equal(v, v_before)
+                untouched = torch.ones(pages * page_size, dtype=torch.bool, device=dev)
+                untouched[slots[slots >= 0]] = False
+                for got, want in zip(caches, want_caches):  # slots not written stay bitwise
+                    assert torch.equal(got.flatten(0, 1)[untouched], want.flatten(0, 1)[untouched])
     print("ok")
 """)
 

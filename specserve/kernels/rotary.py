@@ -3,6 +3,10 @@
     x = [x1 | x2] (halves of head_dim);  out = [x1 cos - x2 sin | x2 cos + x1 sin]
 with cos/sin read from a [max_positions, head_dim] fp32 table (cos in the first half, sin in
 the second) at each token's position. One program per token handles every q and k head.
+
+`rotary_store_kv` is the same pass fused with the KV-cache write of attention: the rotated k
+and the v of each token go to its cache slot from registers (slot -1: no write), saving a
+launch and a re-read of k and v per layer.
 """
 
 from __future__ import annotations
@@ -39,6 +43,79 @@ def _rotary_kernel(
         x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
         tl.store(p1, (x1f * cos - x2f * sin).to(x1.dtype), mask=ok)
         tl.store(p1 + half, (x2f * cos + x1f * sin).to(x1.dtype), mask=ok)
+
+
+@jit
+def _rotary_store_kv_kernel(
+    q_ptr, k_ptr, v_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
+    stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch,
+    num_q_heads, num_k_heads, half, head_dim_v,
+    PAGE_SIZE: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < half
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + d, mask=d_ok, other=0.0)[None, :]
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + half + d, mask=d_ok, other=0.0)[None, :]
+    # q: rotated in place
+    hq = tl.arange(0, BLOCK_HQ)[:, None]
+    ok = (hq < num_q_heads) & d_ok[None, :]
+    p1 = q_ptr + t * stride_qt + hq * stride_qh + d[None, :]
+    x1 = tl.load(p1, mask=ok, other=0.0)
+    x2 = tl.load(p1 + half, mask=ok, other=0.0)
+    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(p1, (x1f * cos - x2f * sin).to(x1.dtype), mask=ok)
+    tl.store(p1 + half, (x2f * cos + x1f * sin).to(x1.dtype), mask=ok)
+    # k: rotated in place and written to the cache slot with v
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    page = slot // PAGE_SIZE
+    offset = slot % PAGE_SIZE
+    heads_written = tl.where(slot >= 0, num_k_heads, 0)  # slot -1: nothing is written
+    hk = tl.arange(0, BLOCK_HK)[:, None]
+    ok = (hk < num_k_heads) & d_ok[None, :]
+    ok_cache = (hk < heads_written) & d_ok[None, :]
+    p1 = k_ptr + t * stride_kt + hk * stride_kh + d[None, :]
+    x1 = tl.load(p1, mask=ok, other=0.0)
+    x2 = tl.load(p1 + half, mask=ok, other=0.0)
+    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    y1 = (x1f * cos - x2f * sin).to(x1.dtype)
+    y2 = (x2f * cos + x1f * sin).to(x1.dtype)
+    tl.store(p1, y1, mask=ok)
+    tl.store(p1 + half, y2, mask=ok)
+    dst = k_cache_ptr + page * stride_kcp + offset * stride_kcs + hk * stride_kch + d[None, :]
+    tl.store(dst, y1, mask=ok_cache)
+    tl.store(dst + half, y2, mask=ok_cache)
+    dv = tl.arange(0, BLOCK_DV)[None, :]
+    v = tl.load(v_ptr + t * stride_vt + hk * stride_vh + dv,
+                mask=(hk < num_k_heads) & (dv < head_dim_v), other=0.0)
+    dst = v_cache_ptr + page * stride_vcp + offset * stride_vcs + hk * stride_vch + dv
+    tl.store(dst, v, mask=(hk < heads_written) & (dv < head_dim_v))
+
+
+def rotary_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
+    """rotary_inplace(positions, q, k, cos_sin), then store_kv(k, v, caches, slot_mapping), in
+    one launch. q [T, Hq, D], k [T, Hk, D], v [T, Hk, Dv]; caches [pages, page_size, Hk, D]."""
+    t, hq, d = q.shape
+    hk, dv = k.shape[1], v.shape[2]
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+    assert cos_sin.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert k_cache.dtype == k.dtype and v_cache.dtype == v.dtype
+    if t == 0:
+        return
+    positions = positions.contiguous()
+    _rotary_store_kv_kernel[(t,)](
+        q, k, v, cos_sin, positions, slot_mapping, k_cache, v_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos_sin.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        hq, hk, d // 2, dv,
+        PAGE_SIZE=k_cache.shape[1], BLOCK_HQ=_next_power_of_2(hq), BLOCK_HK=_next_power_of_2(hk),
+        BLOCK_D=_next_power_of_2(d // 2), BLOCK_DV=_next_power_of_2(dv),
+    )  # fmt: skip
 
 
 def rotary_inplace(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

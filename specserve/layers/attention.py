@@ -52,18 +52,24 @@ class Attention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q [T, num_heads * head_dim] (or [T, num_heads, head_dim]); k, v likewise with kv heads
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                positions: torch.Tensor | None = None, rotary: nn.Module | None = None
+                ) -> torch.Tensor:
+        """q [T, num_heads * head_dim] (or [T, num_heads, head_dim]); k, v likewise with kv
+        heads. With `rotary` (a RotaryEmbedding) q and k are rotated at `positions` first: by
+        the backend, fused with its KV write, where it can (`fuses_rope`), else here."""
         ctx = get_forward_context()
-        out = ctx.backend.forward(
-            q.reshape(-1, self.num_heads, self.head_dim),
-            k.reshape(-1, self.num_kv_heads, self.head_dim),
-            v.reshape(-1, self.num_kv_heads, self.head_dim),
-            self.k_cache,
-            self.v_cache,
-            ctx.metadata,
-            self.scale,
-        )
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        extra = {}
+        if rotary is not None:
+            if getattr(ctx.backend, "fuses_rope", False) and rotary.fusable(q, k):
+                extra["rope"] = (positions, rotary.table())
+            else:
+                q, k = rotary(positions, q, k)
+        out = ctx.backend.forward(q, k, v, self.k_cache, self.v_cache, ctx.metadata, self.scale,
+                                  **extra)
         return out.reshape(-1, self.num_heads * self.head_dim)  # [T, num_heads * head_dim]
 
 

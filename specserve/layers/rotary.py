@@ -141,14 +141,24 @@ class RotaryEmbedding(nn.Module):
         if num_positions > size:
             self.cos_sin_cache = self._build(max(num_positions, 2 * size))
 
+    def table(self) -> torch.Tensor:
+        """The cos/sin table, grown to the current forward's positions."""
+        ctx = attention_metadata._CONTEXT  # None outside a forward
+        if ctx is not None and ctx.metadata is not None:
+            self.ensure_capacity(ctx.metadata.max_seq_len)
+        return self.cos_sin_cache
+
+    @staticmethod
+    def fusable(q: torch.Tensor, k: torch.Tensor) -> bool:
+        """Whether the Triton kernels can rotate these tensors in place."""
+        return use_triton(q, k) and q.stride(-1) == 1 and k.stride(-1) == 1
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # positions [T]; q [T, num_heads, head_dim]; k [T, num_kv_heads, head_dim]
-        ctx = attention_metadata._CONTEXT  # None outside a forward
-        if ctx is not None and ctx.metadata is not None:
-            self.ensure_capacity(ctx.metadata.max_seq_len)
-        if use_triton(q, k) and q.stride(-1) == 1 and k.stride(-1) == 1:
+        self.table()
+        if self.fusable(q, k):
             rotary_inplace(positions, q, k, self.cos_sin_cache)  # one launch for q and k
             return q, k
         cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)

@@ -62,8 +62,8 @@ class Eagle3Layer(nn.Module):
         t = q.shape[0]
         q = q.view(t, -1, self.head_dim)
         k = k.view(t, -1, self.head_dim)
-        q, k = self.rotary(positions, q, k)
-        a = self.o_proj(self.attn(q, k, v.view(t, -1, self.head_dim)).reshape(t, -1))
+        a = self.o_proj(self.attn(q, k, v.view(t, -1, self.head_dim), positions,
+                                  self.rotary).reshape(t, -1))
         r = (normed_g if self.norm_before_residual else g) + a
         return r + self.down_proj(self.act(self.gate_up_proj(self.post_attention_layernorm(r))))
 

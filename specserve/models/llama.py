@@ -69,8 +69,8 @@ class LlamaAttention(nn.Module):
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)  # [T, kv_heads, head_dim]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))  # [T, H]
+        # RoPE is applied by the attention layer (fused with its KV write where it can)
+        return self.o_proj(self.attn(q, k, v, positions, self.rotary))  # [T, H]
 
 
 class LlamaMLP(nn.Module):

@@ -31,12 +31,14 @@ def available() -> tuple[bool, str]:
 
 class TritonBackend:
     name = "triton"
+    fuses_rope = True  # forward(rope=...) rotates q/k in the KV-write launch
 
     def __init__(self) -> None:
         # imported here so that this module loads on machines without triton
-        from specserve.kernels import paged_attention
+        from specserve.kernels import paged_attention, rotary
 
         self._kernels = paged_attention
+        self._rotary = rotary
 
     def forward(
         self,
@@ -47,11 +49,18 @@ class TritonBackend:
         v_cache: torch.Tensor,
         md: AttentionMetadata,
         scale: float,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # (positions [T], cos_sin table)
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         kernels = self._kernels
         if k_cache.numel() == 0:
+            if rope is not None:
+                self._rotary.rotary_inplace(rope[0], q, k, rope[1])
             return self._forward_uncached(q, k, v, md, scale)
-        kernels.store_kv(k, v, k_cache, v_cache, md.slot_mapping)
+        if rope is None:
+            kernels.store_kv(k, v, k_cache, v_cache, md.slot_mapping)
+        else:  # q, k rotated in place; k, v written to the cache in the same launch
+            self._rotary.rotary_store_kv(rope[0], q, k, v, rope[1], k_cache, v_cache,
+                                         md.slot_mapping)
         if md.is_decode and md.custom_mask is None and q.shape[0] == md.batch_size:
             return kernels.paged_decode_attention(
                 q, k_cache, v_cache, md.seq_lens, md.page_table, scale
