@@ -171,6 +171,13 @@ def _paged_attention_kernel(
             mask=n_ok[:, None] & (d[None, :] < HEAD_DIM),
             other=0.0,
         )  # [BLOCK_N, BLOCK_D]
+        # V is issued before the scores are computed: both loads are in flight together
+        base_v = page.to(tl.int64) * stride_vp + (n % PAGE_SIZE) * stride_vs + kv_head * stride_vh
+        v = tl.load(
+            v_cache_ptr + base_v[:, None] + dv[None, :],
+            mask=n_ok[:, None] & (dv[None, :] < HEAD_DIM_V),
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_DV]
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [ROWS, BLOCK_N]
         j = n[None, :] - mask_start  # column in the mask (< 0: always visible)
         if HAS_MASK:
@@ -188,12 +195,6 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_ref)
         p = tl.exp2(qk - m_ref[:, None])  # [ROWS, BLOCK_N]
         l_i = l_i * alpha + tl.sum(p, 1)
-        base = page.to(tl.int64) * stride_vp + (n % PAGE_SIZE) * stride_vs + kv_head * stride_vh
-        v = tl.load(
-            v_cache_ptr + base[:, None] + dv[None, :],
-            mask=n_ok[:, None] & (dv[None, :] < HEAD_DIM_V),
-            other=0.0,
-        )  # [BLOCK_N, BLOCK_DV]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 

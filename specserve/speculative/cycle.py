@@ -130,10 +130,10 @@ class SpecCycle:
         src = self._slots(page_table, root_pos[:, None] + torch.where(keep, nodes, depth))
         dst = self._slots(page_table, root_pos[:, None] + depth)
         src, dst = src.flatten(), dst.flatten()
-        for layer in self.runner.attn_layers:
-            for cache in (layer.k_cache, layer.v_cache):
-                flat = cache.view(-1, *cache.shape[2:])
-                flat[dst] = flat[src]
+        pool, layers = self.runner.kv_pool, len(self.runner.attn_layers)
+        for cache in (pool.k, pool.v):  # every target layer in one gather + one scatter
+            flat = cache[:layers].flatten(1, 2)  # [layers, slots, kv_heads, head_dim]
+            flat[:, dst] = flat[:, src]
 
     def extend(self, result: VerifyResult, feats: torch.Tensor, root_pos: torch.Tensor,
                page_table: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
