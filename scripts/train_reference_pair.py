@@ -225,7 +225,7 @@ def _environment() -> dict:
                              cwd=Path(__file__).parent, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         sha = ""
-    sha = sha or os.environ.get("SPECSERVE_GIT_SHA", "")  # an exported tree names its commit
+    sha = os.environ.get("SPECSERVE_GIT_SHA", "") or sha  # a copied tree names its commit
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)"
     return dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), git_sha=sha or "unknown",
                 gpu=gpu, torch=torch.__version__, python=sys.version.split()[0])

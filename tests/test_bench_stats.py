@@ -105,6 +105,9 @@ def test_environment_info_outside_and_inside_git(tmp_path, monkeypatch) -> None:
     assert info["git_sha"] == head.strip() and info["git_dirty"] is False
     (tmp_path / "a.txt").write_text("b")
     assert log.environment_info(str(tmp_path))["git_dirty"] is True
+    monkeypatch.setenv("SPECSERVE_GIT_SHA", "abc123")  # the override wins over stale metadata
+    info = log.environment_info(str(tmp_path))
+    assert info["git_sha"] == "abc123" and info["git_dirty"] is None
 
 
 def test_append_result_creates_header_once(tmp_path) -> None:

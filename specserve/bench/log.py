@@ -64,14 +64,13 @@ def _gpu_name() -> str:
 
 def environment_info(repo_dir: str | None = None) -> dict[str, Any]:
     """Facts that make a result reproducible. repo_dir defaults to the checkout holding the
-    specserve package. Outside a git repository (an exported tree) the SHA is taken from
-    SPECSERVE_GIT_SHA, naming the commit the tree was exported from, with dirty None;
-    without it the SHA is "unknown"."""
+    specserve package. SPECSERVE_GIT_SHA, when set, names the commit instead (a tree copied
+    to another machine, whose own git metadata may be missing or stale), with dirty None;
+    outside a git repository and without it the SHA is "unknown"."""
     repo = repo_dir or _PACKAGE_DIR
-    sha = _git(repo, "rev-parse", "HEAD")
-    status = _git(repo, "status", "--porcelain") if sha else None
-    if not sha:
-        sha = os.environ.get("SPECSERVE_GIT_SHA", "").strip() or None
+    override = os.environ.get("SPECSERVE_GIT_SHA", "").strip()
+    sha = override or _git(repo, "rev-parse", "HEAD")
+    status = _git(repo, "status", "--porcelain") if sha and not override else None
     return {
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "git_sha": sha or "unknown",
