@@ -66,3 +66,20 @@ def test_graphs_and_eager_agree_on_outputs(target: str, tmp_path, spec: dict) ->
     ref = [o.token_ids for o in plain.generate(prompts, sp)]
     assert outs[True] == ref
     assert outs[False] == ref
+
+
+def test_decode_overlap_matches_no_overlap(target: str) -> None:
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(1, 50))] for _ in range(12)]
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, top_p=0.9, seed=i,
+                             max_tokens=rng.randint(1, 40), ignore_eos=True)
+              for i in range(len(prompts))]
+    outs = {}
+    for overlap in ("off", "on"):
+        llm = LLM(target, device="cuda", dtype="float32", cache=CACHE, decode_overlap=overlap,
+                  scheduler={"max_num_seqs": 5})
+        outs[overlap] = [o.token_ids for o in llm.generate(prompts, params)]
+        launched = llm.engine.runner.rows_launched_ahead
+        assert (launched > 0) == (overlap == "on"), launched
+        assert llm.engine.allocator.num_free == llm.engine.allocator.num_total
+    assert outs["on"] == outs["off"]

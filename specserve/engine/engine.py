@@ -101,6 +101,7 @@ class Engine:
         if self.drafter is not None:
             self.scheduler.lookahead = self.drafter.lookahead
         self._drafter = self.drafter
+        self._set_keep_ahead()
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._text: dict[str, _TextState] = {}
@@ -126,6 +127,13 @@ class Engine:
             raise ValueError("this engine was built without a draft model")
         self.drafter = self._drafter if enabled else None
         self.scheduler.lookahead = self._drafter.lookahead if enabled else 0
+        self.runner.discard_launched()
+        self._set_keep_ahead()
+
+    def _set_keep_ahead(self) -> None:
+        """Plain decoding with overlap launches each next decode step early: its KV slot must
+        stay owned (ModelRunner.execute)."""
+        self.scheduler.keep_ahead = 1 if self.runner.overlap and self.drafter is None else 0
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | list[int],

@@ -86,6 +86,15 @@ class BatchInputs:
     sample_index: list[int]  # which scheduled entries sample, in sample_rows order
 
 
+@dataclass
+class LaunchedStep:
+    """A decode step launched before the host read the step that feeds it (see execute)."""
+
+    requests: list  # the rows' Request objects
+    starts: list[int]  # the position each row decodes (its input token's position)
+    tokens: torch.Tensor  # [rows] sampled tokens on the device (a graph output buffer)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: str | None,
                  extra_kv_layers: int = 0) -> None:
@@ -114,6 +123,10 @@ class ModelRunner:
         self.max_positions = config.scheduler.max_model_len + 256
         ensure_rope_capacity(self.model, self.max_positions)
         self.decode_graphs = self._capture_decode_graphs()
+        overlap = config.decode_overlap
+        self.overlap = overlap == "on" or (overlap == "auto" and self.decode_graphs is not None)
+        self._launched: LaunchedStep | None = None
+        self.rows_launched_ahead = 0  # decode rows whose step ran before the host asked
 
     def _capture_decode_graphs(self) -> dict[str, BatchGraphs] | None:
         """Decode graphs per batch bucket, forward + LM head + sampling, for two modes:
@@ -298,40 +311,141 @@ class ModelRunner:
                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(sampled tokens [bs], logits [bs, V]) of an all-decode batch through a CUDA graph,
         or None when no graph applies. The outputs live in the graph's buffers."""
-        graphs = self.decode_graphs
-        if graphs is None or len(scheduled) > self.graph_max_bs:
+        if self.decode_graphs is None or len(scheduled) > self.graph_max_bs:
             return None
         if not all(s.num_new_tokens == 1 and s.samples for s in scheduled):
             return None
-        ps, bs = self.page_size, len(scheduled)
         reqs = [s.request for s in scheduled]
+        starts = [s.start for s in scheduled]
+        ids = np.fromiter((r.all_token_ids[p] for r, p in zip(reqs, starts)), dtype=np.int64,
+                          count=len(reqs))
+        return self._replay_decode(reqs, starts, ids)
+
+    def _replay_decode(self, reqs: list, starts: list[int], ids: np.ndarray | torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode graph replay: request r's token ids[r] at position starts[r]."""
+        ps, bs = self.page_size, len(reqs)
         params = [r.params for r in reqs]
-        pos = np.fromiter((s.start for s in scheduled), dtype=np.int64, count=bs)
+        pos = np.asarray(starts, dtype=np.int64)
         table, width = self.page_table(reqs)
         slots = table[np.arange(bs), pos // ps].astype(np.int64) * ps + pos % ps
-        ids = np.fromiter((r.all_token_ids[s.start] for r, s in zip(reqs, scheduled)),
-                          dtype=np.int64, count=bs)
         mode = "greedy" if all(p.greedy for p in params) else "sample"
-        return graphs[mode].replay(
-            bs, widths={"page_table": width}, input_ids=ids[:, None], positions=pos[:, None],
-            slots=slots[:, None], seq_lens=pos + 1, page_table=table,
+        return self.decode_graphs[mode].replay(
+            bs, widths={"page_table": width}, input_ids=ids.reshape(bs, 1),
+            positions=pos[:, None], slots=slots[:, None], seq_lens=pos + 1, page_table=table,
             **host_fields(params, [r.seed for r in reqs], self.model_config.vocab_size))
+
+    def _launch(self, scheduled: list[ScheduledRequest]) -> tuple[list[int], torch.Tensor | None]:
+        """Enqueue forward + sampling over `scheduled` without waiting for the device:
+        (indices of the entries that sample, their tokens on the device)."""
+        graphed = self._graph_decode(scheduled)
+        if graphed is not None:
+            return list(range(len(scheduled))), graphed[0]
+        batch = self.prepare(scheduled)
+        hidden = self.forward(batch.input_ids, batch.positions, batch.md)
+        if not batch.sample_index:
+            return [], None
+        logits = self.compute_logits(hidden[batch.sample_rows])
+        st = self.sampling_tensors(scheduled, batch.sample_index)
+        return batch.sample_index, self.sampler.sample(logits, st)
+
+    def _decode_rows(self, reqs: list, starts: list[int], ids: torch.Tensor) -> torch.Tensor:
+        """Sampled tokens [n] of one decode step whose input ids are already on the device."""
+        if self.decode_graphs is not None and len(reqs) <= self.graph_max_bs:
+            return self._replay_decode(reqs, starts, ids)[0]
+        n = len(reqs)
+        md = build_attention_metadata([1] * n, [p + 1 for p in starts],
+                                      [r.page_ids for r in reqs], self.page_size, self.device)
+        hidden = self.forward(ids.reshape(-1), self.tensor(starts), md)
+        st = SamplingTensors.build([r.params for r in reqs], [r.seed for r in reqs],
+                                   [p + 1 for p in starts], self.model_config.vocab_size,
+                                   self.device)
+        return self.sampler.sample(self.compute_logits(hidden), st)
+
+    def discard_launched(self) -> None:
+        """Forget a step launched ahead (its KV writes are harmless: see execute)."""
+        self._launched = None
+
+    @staticmethod
+    def _match(launched: LaunchedStep | None, scheduled: list[ScheduledRequest]) -> dict[int, int]:
+        """{index in scheduled: row of the launched step} for the entries it already decoded."""
+        if launched is None:
+            return {}
+        row_of = {id(r): j for j, r in enumerate(launched.requests)}
+        out = {}
+        for i, s in enumerate(scheduled):
+            j = row_of.get(id(s.request))
+            if j is not None and s.num_new_tokens == 1 and s.samples \
+                    and s.start == launched.starts[j]:
+                out[i] = j
+        return out
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> list[list[int]]:
-        """Plain step: forward, sample the entries that reached their last token."""
-        graphed = self._graph_decode(scheduled)
-        if graphed is not None:
-            return [[tok] for tok in graphed[0].tolist()]  # the one device-to-host copy
-        batch = self.prepare(scheduled)
-        hidden = self.forward(batch.input_ids, batch.positions, batch.md)
-        index = batch.sample_index
-        if not index:
-            return [[] for _ in scheduled]
-        logits = self.compute_logits(hidden[batch.sample_rows])
+        """Plain step: forward, sample the entries that reached their last token.
+
+        With overlap on, the next decode step of every request decoding here is launched
+        before this step's tokens are read (its input ids are this step's sampled tokens, on
+        the device), so the device runs it while the host updates requests and schedules.
+        The next call takes the rows it scheduled unchanged (same request, position + 1) from
+        that launch and runs only the rest. Rows it does not take were decoded for nothing;
+        their KV writes went to slots their requests still held (the scheduler keeps one
+        slot ahead), and any later owner of those pages writes after them in stream order.
+        The device-to-host copy of the tokens is the step's only synchronisation.
+        """
+        launched, self._launched = self._launched, None
+        matched = self._match(launched, scheduled)
+        parts: list[torch.Tensor] = []
+        where: dict[int, int] = {}  # entry index -> row of the step's token vector
+        if matched:  # copied before any replay below overwrites the graph output
+            parts.append(launched.tokens.clone())
+            where.update(matched)
+            self.rows_launched_ahead += len(matched)
+        rest = [i for i in range(len(scheduled)) if i not in matched]
+        if rest:
+            index, tokens = self._launch([scheduled[i] for i in rest])
+            if tokens is not None:
+                base = len(launched.tokens) if matched else 0
+                where.update({rest[j]: base + k for k, j in enumerate(index)})
+                parts.append(tokens)
         out: list[list[int]] = [[] for _ in scheduled]
-        st = self.sampling_tensors(scheduled, index)
-        tokens = self.sampler.sample(logits, st).tolist()  # the one device-to-host copy
-        for i, tok in zip(index, tokens):
-            out[i] = [tok]
+        if not parts:
+            return out
+        step_tokens = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+        host = step_tokens.to("cpu", non_blocking=True)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        if self.overlap:
+            self._launch_next(scheduled, where, step_tokens)
+        if done is not None:
+            done.synchronize()  # this step's tokens only; the next one keeps running
+        values = host.tolist()
+        for i, row in where.items():
+            out[i] = [values[row]]
         return out
+
+    def _launch_next(self, scheduled: list[ScheduledRequest], where: dict[int, int],
+                     step_tokens: torch.Tensor) -> None:
+        """Launch the next decode step of this step's decodes that will still run it."""
+        rows, reqs, starts = [], [], []
+        for i, s in enumerate(scheduled):
+            req, nxt = s.request, s.start + 1
+            if i not in where or s.num_new_tokens != 1:
+                continue
+            if len(req.page_ids) * self.page_size <= nxt:  # no slot for it (yet)
+                continue
+            if req.num_output_tokens + 1 >= req.max_tokens:  # this step's token ends it
+                continue
+            rows.append(where[i])
+            reqs.append(req)
+            starts.append(nxt)
+        if not reqs:
+            return
+        if self.decode_graphs is not None and len(reqs) > self.graph_max_bs:
+            return  # an eager step launched ahead would gain nothing
+        ids = (step_tokens[:len(rows)] if rows == list(range(len(rows)))
+               else step_tokens.index_select(0, self.tensor(rows)))
+        self._launched = LaunchedStep(reqs, starts, self._decode_rows(reqs, starts, ids))
+

@@ -96,6 +96,9 @@ class Scheduler:
         self.running: list[Request] = []  # admission order = priority order
         self._requests: dict[str, Request] = {}  # unfinished requests by id
         self._lookahead = 0
+        # KV slots each decoding request keeps past its valid KV after a step: 1 lets the
+        # runner launch the next decode step before this one's tokens reach the host
+        self.keep_ahead = 0
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -142,9 +145,10 @@ class Scheduler:
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         max_tokens = min(request.params.max_tokens, self.max_model_len - n)
-        need = pages_for(n + max_tokens + self._lookahead, self.page_size)
+        ahead = max(self._lookahead, self.keep_ahead)
+        need = pages_for(n + max_tokens + ahead, self.page_size)
         if need > self.allocator.num_total:
-            fit = self.allocator.num_total * self.page_size - n - self._lookahead
+            fit = self.allocator.num_total * self.page_size - n - ahead
             fix = f"lower max_tokens to at most {fit}" if fit >= 1 else "shorten the prompt"
             raise ValueError(
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs {need} KV "
@@ -183,7 +187,10 @@ class Scheduler:
             la = self._lookahead
             if pages_for(start + 1 + la, self.page_size) > self.allocator.num_total:
                 la = 0  # lookahead raised after admission past what the pool holds: plain decode
-            if 1 + la > budget or not self._reserve(req, start + 1 + la, plan):
+            own = start + 1 + max(la, self.keep_ahead)  # slots held (keep_ahead costs no budget)
+            if pages_for(own, self.page_size) > self.allocator.num_total:
+                own = start + 1 + la
+            if 1 + la > budget or not self._reserve(req, own, plan):
                 return
             self._add_entry(plan, ScheduledRequest(req, 1, start, la, is_decode=True))
             return
@@ -279,8 +286,9 @@ class Scheduler:
                 finished.append(req)
                 continue
             assert req.num_computed_tokens <= req.num_tokens - 1, req
-            # drop pages reserved beyond the valid KV (speculative lookahead)
-            self._trim(req, req.num_computed_tokens)
+            # drop pages reserved beyond the valid KV (speculative lookahead), keeping the
+            # slots of the decode step that may already be launched
+            self._trim(req, req.num_computed_tokens + self.keep_ahead)
         return finished
 
     def _append(self, req: Request, new: list[int]) -> bool:
