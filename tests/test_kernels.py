@@ -111,6 +111,7 @@ def check_attention(
     seq_lens: list[int], q_lens: list[int] | None, group: int, num_kv_heads: int, head_dim: int,
     page_size: int, dtype: torch.dtype, device: str, tol: float, seed: int = 0,
     mask_extra: int | None = None, num_splits: int | None = None, block_n: int = 64,
+    fused_combine: bool = True,
 ) -> None:  # fmt: skip
     """q_lens None = decode (one query per request through `paged_decode_attention`)."""
     decode = q_lens is None
@@ -122,12 +123,13 @@ def check_attention(
     out = torch.full_like(c.q, float("nan"))  # poison: every real row must be written
     if decode:
         pa.paged_decode_attention(
-            c.q, c.k_cache, c.v_cache, c.seq_lens, c.page_table, scale, out, num_splits
-        )
+            c.q, c.k_cache, c.v_cache, c.seq_lens, c.page_table, scale, out, num_splits,
+            fused_combine,
+        )  # fmt: skip
     else:
         pa.paged_attention(
             c.q, c.k_cache, c.v_cache, c.query_start_loc, c.seq_lens, c.page_table,
-            c.max_query_len, scale, c.custom_mask, out, num_splits, block_n,
+            c.max_query_len, scale, c.custom_mask, out, num_splits, block_n, fused_combine,
         )  # fmt: skip
     ref = pa.paged_attention_ref(
         c.q, c.k_cache, c.v_cache, c.query_start_loc, c.seq_lens, c.page_table, scale,
@@ -135,6 +137,47 @@ def check_attention(
     )  # fmt: skip
     err = row_rel_error(out, ref)
     assert err < tol, f"relative error {err:.3g} >= {tol} (seq_lens {seq_lens}, q_lens {q_lens})"
+    check_counters_zeroed(out.device)
+
+
+def check_counters_zeroed(device: torch.device) -> None:
+    """Every launch must leave the split arrival counters all zeros (CUDA-graph replays rely on
+    it)."""
+    counters = pa._split_counters.get(device)
+    if counters is not None:
+        nonzero = counters.nonzero().flatten()[:8].tolist()
+        assert not nonzero, f"split counters left nonzero at {nonzero}"
+
+
+class _NoCombineLaunch:
+    def __getitem__(self, grid: object) -> None:
+        raise AssertionError("the fused path launched _combine_splits_kernel")
+
+
+def check_fused_combine_counters(dtype: torch.dtype, device: str, tol: float) -> None:
+    """The fused path: no second launch, counters zeroed after decode and after extend (whose
+    padding query blocks have no rows), reusable launch after launch, and it is the counter
+    that gates the combine (a counter left nonzero: nobody combines, the output stays unset)."""
+    combine = pa._combine_splits_kernel
+    pa._combine_splits_kernel = _NoCombineLaunch()
+    try:
+        for seed in range(2):  # the second launch reuses the counters the first one reset
+            check_attention([1, 9, 50], None, 2, 2, 16, 4, dtype, device, tol, seed, num_splits=3)
+        check_attention(
+            [30, 12, 70], [2, 12, 7], 2, 1, 16, 4, dtype, device, tol, num_splits=2, block_n=16
+        )
+    finally:
+        pa._combine_splits_kernel = combine
+    c = make_case([20, 40], [1, 1], 2, 1, 16, 4, dtype, device, 0)
+    counters = pa.split_counters(2, torch.device(device))
+    assert counters.dtype == torch.int32 and pa.split_counters(2, counters.device) is counters
+    counters[:2] = 5  # past num_splits - 1: no split program ever sees itself last
+    out = torch.full_like(c.q, float("nan"))
+    try:
+        pa.paged_decode_attention(c.q, c.k_cache, c.v_cache, c.seq_lens, c.page_table, 0.25, out, 2)
+        assert out.isnan().all() and counters[:2].tolist() == [7, 7]  # 2 splits each
+    finally:
+        counters.zero_()
 
 
 def check_store_kv(dtype: torch.dtype, device: str, num_tokens: int, page_size: int) -> None:
@@ -203,6 +246,7 @@ def check_fused_ops(dtype: torch.dtype, device: str, tol: float, hidden: int) ->
 # CPU: tiny fp32 shapes under the Triton interpreter
 
 F32, CPU, TOL32 = torch.float32, "cpu", 1e-4
+UNFUSED_SPLITS3 = {"num_splits": 3, "fused_combine": False}  # splits combined by a 2nd launch
 INTERPRETER_CHECKS = {
     "store_kv": lambda: check_store_kv(F32, CPU, 13, 4),
     "decode_gqa4_splits3": lambda: check_attention(
@@ -220,6 +264,32 @@ INTERPRETER_CHECKS = {
     ),
     "extend_wide_mask": lambda: check_attention(
         [6, 30], [2, 2], 2, 1, 16, 8, F32, CPU, TOL32, mask_extra=5, num_splits=1, block_n=16
+    ),
+    # splits combined in the attention launch (the default) vs by a second kernel
+    "fused_decode_splits2": lambda: check_attention(
+        [1, 7, 33, 70], None, 4, 2, 16, 4, F32, CPU, TOL32, seed=1, num_splits=2
+    ),
+    "fused_decode_splits3_mha": lambda: check_attention(
+        [2, 5, 40], None, 1, 3, 24, 16, F32, CPU, TOL32, num_splits=3
+    ),
+    "fused_extend_causal_splits2": lambda: check_attention(
+        [9, 40, 70], [9, 1, 21], 2, 2, 16, 4, F32, CPU, TOL32, num_splits=2, block_n=16
+    ),
+    "fused_extend_causal_splits3": lambda: check_attention(
+        [9, 40, 70], [9, 1, 21], 3, 1, 16, 16, F32, CPU, TOL32, num_splits=3, block_n=16
+    ),
+    "fused_extend_tree_mask_splits2": lambda: check_attention(
+        [5, 20, 41], [5, 3, 5], 4, 2, 16, 4, F32, CPU, TOL32, seed=2, mask_extra=0, num_splits=2
+    ),
+    "fused_extend_tree_mask_splits3": lambda: check_attention(
+        [6, 30, 33], [2] * 3, 2, 1, 16, 8, F32, CPU, TOL32, mask_extra=5, num_splits=3, block_n=16
+    ),
+    "fused_counters": lambda: check_fused_combine_counters(F32, CPU, TOL32),
+    "unfused_decode_splits3": lambda: check_attention(
+        [1, 7, 33, 70], None, 4, 2, 16, 4, F32, CPU, TOL32, **UNFUSED_SPLITS3
+    ),
+    "unfused_extend_tree_mask_splits3": lambda: check_attention(
+        [5, 20, 41], [5, 3, 5], 4, 2, 16, 4, F32, CPU, TOL32, mask_extra=0, **UNFUSED_SPLITS3
     ),
     "backend_prefill_uncached": lambda: check_backend(F32, CPU, TOL32, tree=False, cached=False),
     "backend_decode": lambda: check_backend(F32, CPU, TOL32, tree=False, cached=True),
@@ -265,15 +335,21 @@ SEQ_LENS = {
 
 
 @gpu_test
+@pytest.mark.parametrize("fused_combine", [True, False])
 @pytest.mark.parametrize("page_size", [16, 64])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("lens", sorted(SEQ_LENS))
-def test_decode_gpu(lens: str, group: int, head_dim: int, page_size: int) -> None:
-    check_attention(SEQ_LENS[lens], None, group, 4, head_dim, page_size, BF16, CUDA, TOL16)
+def test_decode_gpu(lens: str, group: int, head_dim: int, page_size: int, fused_combine: bool
+                    ) -> None:  # fmt: skip
+    check_attention(
+        SEQ_LENS[lens], None, group, 4, head_dim, page_size, BF16, CUDA, TOL16,
+        fused_combine=fused_combine,
+    )  # fmt: skip
 
 
 @gpu_test
+@pytest.mark.parametrize("fused_combine", [True, False])
 @pytest.mark.parametrize("num_splits", [None, 7])
 @pytest.mark.parametrize("page_size", [16, 64])
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -288,26 +364,28 @@ def test_decode_gpu(lens: str, group: int, head_dim: int, page_size: int) -> Non
 )
 def test_extend_causal_gpu(
     seq_lens: list[int], q_lens: list[int], group: int, head_dim: int, page_size: int,
-    num_splits: int | None,
+    num_splits: int | None, fused_combine: bool,
 ) -> None:  # fmt: skip
     check_attention(
         seq_lens, q_lens, group, 2, head_dim, page_size, BF16, CUDA, TOL16,
-        num_splits=num_splits,
+        num_splits=num_splits, fused_combine=fused_combine,
     )  # fmt: skip
 
 
 @gpu_test
+@pytest.mark.parametrize("fused_combine", [True, False])
 @pytest.mark.parametrize("num_splits", [None, 5])
 @pytest.mark.parametrize("mask_extra", [0, 6])  # 0: verify (W = q_len); 6: draft-step width
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("bs,num_draft", [(1, 8), (8, 16), (33, 4)])
 def test_extend_tree_mask_gpu(
-    bs: int, num_draft: int, group: int, mask_extra: int, num_splits: int | None
-) -> None:
+    bs: int, num_draft: int, group: int, mask_extra: int, num_splits: int | None,
+    fused_combine: bool,
+) -> None:  # fmt: skip
     seq_lens = [num_draft + n for n in SEQ_LENS["many"][:bs]]
     check_attention(
         seq_lens, [num_draft] * bs, group, 4, 128, 16, BF16, CUDA, TOL16, seed=bs,
-        mask_extra=mask_extra, num_splits=num_splits,
+        mask_extra=mask_extra, num_splits=num_splits, fused_combine=fused_combine,
     )  # fmt: skip
 
 
@@ -330,9 +408,11 @@ def test_fused_ops_gpu(hidden: int) -> None:
 
 
 @gpu_test
+@pytest.mark.parametrize("fused_combine", [True, False])
 @pytest.mark.parametrize("tree", [False, True])
-def test_cuda_graph_replay_gpu(tree: bool) -> None:
-    """Capture with one batch, replay after rewriting seq_lens / page_table / q in place."""
+def test_cuda_graph_replay_gpu(tree: bool, fused_combine: bool) -> None:
+    """Capture with one batch, replay after rewriting seq_lens / page_table / q in place (twice:
+    the second replay finds the split counters the first one reset)."""
     q_len, page_size = (6 if tree else 1), 16
     c = make_case(
         [300, 50, 4097, 9], [q_len] * 4, 16, 4, 128, page_size, BF16, CUDA, 1,
@@ -344,10 +424,13 @@ def test_cuda_graph_replay_gpu(tree: bool) -> None:
         if tree:
             pa.paged_attention(
                 c.q, c.k_cache, c.v_cache, c.query_start_loc, c.seq_lens, c.page_table,
-                q_len, 0.1, c.custom_mask, out,
+                q_len, 0.1, c.custom_mask, out, fused_combine=fused_combine,
             )  # fmt: skip
         else:
-            pa.paged_decode_attention(c.q, c.k_cache, c.v_cache, c.seq_lens, c.page_table, 0.1, out)
+            pa.paged_decode_attention(
+                c.q, c.k_cache, c.v_cache, c.seq_lens, c.page_table, 0.1, out,
+                fused_combine=fused_combine,
+            )  # fmt: skip
 
     step()  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -365,13 +448,15 @@ def test_cuda_graph_replay_gpu(tree: bool) -> None:
     c.q.copy_(torch.randn(c.q.shape, generator=gen))
     if tree:
         c.custom_mask.copy_(torch.stack([tree_mask(q_len, q_len, gen) for _ in new_lens]))
-    out.fill_(float("nan"))
-    graph.replay()
     ref = pa.paged_attention_ref(
         c.q, c.k_cache, c.v_cache, c.query_start_loc, c.seq_lens, c.page_table, 0.1,
         c.custom_mask,
     )  # fmt: skip
-    assert row_rel_error(out, ref) < TOL16
+    for _ in range(2):
+        out.fill_(float("nan"))
+        graph.replay()
+        assert row_rel_error(out, ref) < TOL16
+        check_counters_zeroed(out.device)
 
 
 if __name__ == "__main__":

@@ -8,10 +8,17 @@ One attention kernel serves decode (one query per request), extend/prefill (caus
 verify (custom mask). A program owns (request, block of BLOCK_M queries, kv head, KV split). Its
 tile rows are the BLOCK_M queries x the GROUP query heads sharing that kv head (GQA), so a K/V
 tile is loaded once for the whole group. The KV range is cut into `num_splits` chunks
-(flash-decoding): each split writes a partial output with its log-sum-exp and a second kernel
-combines them. Launch grids depend only on (batch size, heads, max_query_len, num_splits), never
-on sequence lengths, which the kernels read from device memory: decode and verify launches are
-CUDA-graph capturable.
+(flash-decoding): each split writes a partial output with its log-sum-exp, and by default the
+last split program of each tile to finish combines them (an arrival counter per tile, the
+split-K semaphore pattern), so one launch does it all; `fused_combine=False` combines them in a
+second kernel instead. Launch grids depend only on (batch size, heads, max_query_len,
+num_splits), never on sequence lengths, which the kernels read from device memory: decode and
+verify launches are CUDA-graph capturable.
+
+The arrival counters live in one zero-filled int32 buffer per device (`split_counters`), reused
+by every launch; each launch leaves it all zeros again (the combining program resets its
+counter), which is what a CUDA-graph replay relies on. Launches sharing the buffer must
+therefore not run concurrently: the attention kernels are issued on one stream at a time.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import torch
 from specserve.kernels.dispatch import jit, tl, triton  # noqa: F401
 
 MAX_SPLITS = 16  # upper bound on KV splits per (request, query block, kv head)
+MIN_COUNTERS = 4096  # smallest arrival-counter buffer (int32 entries, one per tile)
 TARGET_ROWS = 64  # tile rows (queries x grouped heads) per extend program
 MIN_DOT = 16  # smallest tl.dot dimension on GPUs
 LOG2E = 1.4426950408889634
@@ -106,7 +114,7 @@ def store_kv_ref(
 
 @jit
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, counter_ptr,
     query_start_loc_ptr, seq_lens_ptr, page_table_ptr, mask_ptr,
     scale_log2, num_m_blocks, mask_width,
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -116,6 +124,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr, FUSED_COMBINE: tl.constexpr,
     IS_DECODE: tl.constexpr, HAS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     req = tl.program_id(0) // num_m_blocks
@@ -206,9 +215,46 @@ def _paged_attention_kernel(
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=o_mask)
     else:
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))  # [ROWS], log2 units
-        mid = token * stride_mot + head * stride_moh + split * stride_mos
-        tl.store(mid_o_ptr + mid[:, None] + dv[None, :], o, mask=o_mask)
-        tl.store(mid_lse_ptr + token * stride_mlt + head * stride_mlh + split, lse, mask=row_ok)
+        mid = token * stride_mot + head * stride_moh  # [ROWS]
+        lse_row = token * stride_mlt + head * stride_mlh  # [ROWS]
+        tl.store(mid_o_ptr + mid[:, None] + split * stride_mos + dv[None, :], o, mask=o_mask)
+        tl.store(mid_lse_ptr + lse_row + split, lse, mask=row_ok)
+        if FUSED_COMBINE:
+            # Every split of the tile (an empty KV range included) counts its arrival; the last
+            # one combines all the splits. A scalar atomic is issued by one thread: the barrier
+            # orders the whole CTA's stores above before that thread's release, and its acquire
+            # reaches the other threads through the barrier that broadcasts the atomic's result.
+            tl.debug_barrier()
+            counter = counter_ptr + tl.program_id(0) * tl.num_programs(1) + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == NUM_SPLITS - 1:
+                # as _combine_splits_kernel: out = sum_s w_s * o_s / sum_s w_s with
+                # w_s = 2^(lse_s - max lse); rows whose lse are all -inf output 0. Loads skip
+                # L1 (.cg): the other splits' data was written by other SMs during this launch.
+                s = tl.arange(0, BLOCK_S)
+                lse_all = tl.load(
+                    mid_lse_ptr + lse_row[:, None] + s[None, :],
+                    mask=row_ok[:, None] & (s[None, :] < NUM_SPLITS),
+                    other=float("-inf"),
+                    cache_modifier=".cg",
+                )  # [ROWS, BLOCK_S]
+                lse_max = tl.max(lse_all, 1)
+                w_all = tl.exp2(lse_all - tl.where(lse_max == float("-inf"), 0.0, lse_max)[:, None])
+                total = tl.sum(w_all, 1)  # [ROWS]
+                o_sum = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_DV], tl.float32)
+                for si in range(NUM_SPLITS):
+                    w = tl.sum(tl.where(s[None, :] == si, w_all, 0.0), 1)  # [ROWS]
+                    o_s = tl.load(
+                        mid_o_ptr + mid[:, None] + si * stride_mos + dv[None, :],
+                        mask=o_mask & (w[:, None] > 0),
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )  # [ROWS, BLOCK_DV]
+                    o_sum += o_s * w[:, None]
+                o_sum = o_sum / tl.where(total > 0, total, 1.0)[:, None]
+                dst = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :]
+                tl.store(dst, o_sum.to(out_ptr.dtype.element_ty), mask=o_mask)
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero for the next launch
 
 
 @jit
@@ -241,6 +287,35 @@ def _combine_splits_kernel(
              mask=dv < HEAD_DIM_V)  # fmt: skip
 
 
+_split_counters: dict[torch.device, torch.Tensor] = {}  # device -> zeroed int32 counters
+_kept_counters: list[torch.Tensor] = []  # buffers a captured CUDA graph may still point at
+
+
+def split_counters(size: int, device: torch.device) -> torch.Tensor:
+    """The device's arrival-counter buffer (int32, all zeros between launches), >= size entries.
+
+    Allocated once and reused: every fused launch resets the counters it used, so the buffer is
+    zeroed again when the launch ends, and a CUDA graph that captured it finds it zeroed at each
+    replay. It only grows (never shrinks) and a replaced buffer is kept alive, since a captured
+    graph may still use it. Growing while a CUDA graph is being captured allocates a buffer of
+    that graph's own (its zero-fill is captured and runs at every replay), kept alive but not
+    cached: outside the graph its contents were never written. Launches sharing the buffer must
+    not overlap (one stream at a time).
+    """
+    buf = _split_counters.get(device)
+    if buf is not None and buf.numel() >= size:
+        return buf
+    size = max(size, MIN_COUNTERS, 2 * buf.numel() if buf is not None else 0)
+    new = torch.zeros(size, dtype=torch.int32, device=device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        _kept_counters.append(new)
+        return new
+    if buf is not None:
+        _kept_counters.append(buf)
+    _split_counters[device] = new
+    return new
+
+
 @functools.lru_cache(maxsize=8)
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
@@ -270,6 +345,7 @@ def paged_attention(
     out: torch.Tensor | None = None,  # [T, num_heads, head_dim_v]
     num_splits: int | None = None,
     block_n: int = 64,
+    fused_combine: bool = True,
 ) -> torch.Tensor:
     """Attention of T new query tokens over the paged KV (already holding their K/V).
 
@@ -277,6 +353,8 @@ def paged_attention(
     [0, seq_len - q_len + i]. With `custom_mask` of width W: query i sees [0, seq_len - W) plus
     KV position seq_len - W + j iff custom_mask[r, i, j]. `query_start_loc=None` means decode:
     request r owns token r. Tokens outside every request's query range are not written.
+    With num_splits > 1, `fused_combine` merges the splits inside the attention launch (the last
+    split of each tile to finish does it); False merges them in a second launch.
     """
     num_tokens, num_heads, head_dim = q.shape
     page_size, num_kv_heads, head_dim_v = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
@@ -300,14 +378,18 @@ def paged_attention(
     if num_tokens == 0:
         return out
     mid_o = mid_lse = out  # unused when num_splits == 1
+    counters = seq_lens  # unused unless the splits are combined in the attention launch
+    fused = fused_combine and num_splits > 1
     if num_splits > 1:
         mid_o = q.new_empty(num_tokens, num_heads, num_splits, head_dim_v, dtype=torch.float32)
         mid_lse = q.new_empty(num_tokens, num_heads, num_splits, dtype=torch.float32)
+    if fused:
+        counters = split_counters(grid_programs, q.device)
     assert custom_mask is None or custom_mask.dtype == torch.bool
     mask = custom_mask.view(torch.uint8) if custom_mask is not None else page_table
     mask_strides = custom_mask.stride() if custom_mask is not None else (0, 0, 0)
     _paged_attention_kernel[(bs * num_m_blocks, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, mid_o, mid_lse,
+        q, k_cache, v_cache, out, mid_o, mid_lse, counters,
         seq_lens if is_decode else query_start_loc, seq_lens, page_table, mask,
         scale * LOG2E, num_m_blocks, custom_mask.shape[-1] if custom_mask is not None else 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -318,10 +400,11 @@ def paged_attention(
         GROUP=group, BLOCK_G=block_g, BLOCK_M=block_m, BLOCK_N=block_n,
         PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
         HEAD_DIM_V=head_dim_v, BLOCK_DV=next_power_of_2(head_dim_v), NUM_SPLITS=num_splits,
+        BLOCK_S=next_power_of_2(num_splits), FUSED_COMBINE=fused,
         IS_DECODE=is_decode, HAS_MASK=custom_mask is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,  # keep fp32 exact
     )  # fmt: skip
-    if num_splits > 1:
+    if num_splits > 1 and not fused:
         _combine_splits_kernel[(num_tokens, num_heads)](
             mid_o, mid_lse, out,
             *mid_o.stride()[:3], *mid_lse.stride()[:2], out.stride(0), out.stride(1),
@@ -340,11 +423,13 @@ def paged_decode_attention(
     scale: float,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    fused_combine: bool = True,
 ) -> torch.Tensor:
     """Flash-decoding: one query token per request over its paged KV."""
     return paged_attention(
-        q, k_cache, v_cache, None, seq_lens, page_table, 1, scale, out=out, num_splits=num_splits
-    )
+        q, k_cache, v_cache, None, seq_lens, page_table, 1, scale, out=out, num_splits=num_splits,
+        fused_combine=fused_combine,
+    )  # fmt: skip
 
 
 def paged_attention_ref(
