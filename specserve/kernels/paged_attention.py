@@ -345,7 +345,7 @@ def paged_attention(
     out: torch.Tensor | None = None,  # [T, num_heads, head_dim_v]
     num_splits: int | None = None,
     block_n: int = 64,
-    fused_combine: bool = True,
+    fused_combine: bool = False,
 ) -> torch.Tensor:
     """Attention of T new query tokens over the paged KV (already holding their K/V).
 
@@ -423,7 +423,7 @@ def paged_decode_attention(
     scale: float,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
-    fused_combine: bool = True,
+    fused_combine: bool = False,
 ) -> torch.Tensor:
     """Flash-decoding: one query token per request over its paged KV."""
     return paged_attention(
