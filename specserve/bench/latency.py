@@ -4,8 +4,10 @@ Method. One engine (one copy of the weights) serves both modes, switched between
 `Engine.set_speculation`. For every (context, batch) point: warm-up runs, then the timed runs
 with the modes interleaved (A B A B ...) on the same prompts. One run adds `bs` requests of the
 context length (greedy, ignore_eos), steps through the prefill until every request holds its
-first token, then times the decode phase alone (synchronize, perf_counter) until each request
-has decoded at least `output_len` tokens, and aborts the requests. Every decode step therefore
+first token, then times the decode phase alone (perf_counter from the return of the last
+untimed step, whose tokens are then on the host, to the return of the step that delivers the
+last needed token) until each request has decoded at least `output_len` tokens, and aborts
+the requests. Every decode step therefore
 runs the full batch. A run gives decode tok/s and ms/step; speculation also gives the accept
 length (tokens per draft-verify cycle, bonus included) and the per-position acceptance from
 counter deltas over the timed phase.
@@ -97,14 +99,16 @@ def run_once(engine: Any, prompts: list[list[int]], output_len: int, spec: bool)
             step()
         start = dict(produced)
         before = _spec_counters(engine) if spec else (0, 0, [])
-        sync(engine.runner.device)
+        # a step returns once its tokens are on the host, so the clock runs from one delivery
+        # to the last: with decode overlap the device may already be computing the step after
+        # either end, and neither that work nor an idle gap belongs to the measured steps
         t0 = time.perf_counter()
         steps = 0
         while min(produced[i] - start[i] for i in ids) < output_len:
             step()
             steps += 1
-        sync(engine.runner.device)
         decode_s = time.perf_counter() - t0
+        sync(engine.runner.device)
         after = _spec_counters(engine) if spec else (0, 0, [])
     finally:  # the engine is left empty either way
         for i in ids:
