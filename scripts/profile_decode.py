@@ -55,7 +55,8 @@ def step_times(engine, steps: int) -> list[float]:
 
 def host_phases(engine, steps: int) -> dict[str, float]:
     """Mean ms of the step's host phases (each ended by a synchronize, so device work is
-    charged to the phase that launched it)."""
+    charged to the phase that launched it; with decode overlap, `execute` also launches the
+    next step, which the synchronize then waits for)."""
     acc: dict[str, list[float]] = defaultdict(list)
     runner = engine.runner
     for _ in range(steps):
@@ -92,7 +93,10 @@ def kernel_table(engine, ids: list[str], repeats: int) -> list[dict]:
 
     runner = engine.runner
     out = engine.scheduler.schedule()
-    graphs, runner.decode_graphs = runner.decode_graphs, None  # eager: kernels one by one
+    runner.discard_launched()
+    # eager (kernels one by one) and without decode overlap (no step launched ahead)
+    graphs, runner.decode_graphs = runner.decode_graphs, None
+    overlap, runner.overlap = runner.overlap, False
     try:
         runner.execute(out.scheduled)  # warm
         torch.cuda.synchronize()
@@ -101,7 +105,7 @@ def kernel_table(engine, ids: list[str], repeats: int) -> list[dict]:
                 runner.execute(out.scheduled)
             torch.cuda.synchronize()
     finally:
-        runner.decode_graphs = graphs
+        runner.decode_graphs, runner.overlap = graphs, overlap
     engine.scheduler.update(out, [[0] for _ in out.scheduled], None)
     rows = defaultdict(lambda: [0, 0.0])
     for ev in prof.events():
