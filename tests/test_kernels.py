@@ -174,7 +174,8 @@ def check_fused_combine_counters(dtype: torch.dtype, device: str, tol: float) ->
     counters[:2] = 5  # past num_splits - 1: no split program ever sees itself last
     out = torch.full_like(c.q, float("nan"))
     try:
-        pa.paged_decode_attention(c.q, c.k_cache, c.v_cache, c.seq_lens, c.page_table, 0.25, out, 2)
+        pa.paged_decode_attention(c.q, c.k_cache, c.v_cache, c.seq_lens, c.page_table, 0.25, out, 2,
+                                  fused_combine=True)
         assert out.isnan().all() and counters[:2].tolist() == [7, 7]  # 2 splits each
     finally:
         counters.zero_()

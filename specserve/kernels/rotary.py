@@ -18,6 +18,35 @@ from specserve.kernels.fused_ops import _next_power_of_2
 
 
 @jit
+def _cos_sin(cos_sin_ptr, pos_ptr, t, stride_cs, half, BLOCK_D: tl.constexpr):
+    """Token t's cos and sin rows, [1, BLOCK_D] fp32 each (0 past half)."""
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + d, mask=d < half, other=0.0)[None, :]
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + half + d, mask=d < half, other=0.0)[None, :]
+    return cos, sin
+
+
+@jit
+def _rotate_in_place(base, t, stride_t, stride_h, heads, half, cos, sin,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    """Rotate heads [0, heads) of token t in place; returns the rotated halves [BLOCK_H,
+    BLOCK_D] in the input dtype."""
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    ok = (h < heads) & (d < half)
+    p1 = base + t * stride_t + h * stride_h + d
+    x1 = tl.load(p1, mask=ok, other=0.0)
+    x2 = tl.load(p1 + half, mask=ok, other=0.0)
+    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    y1 = (x1f * cos - x2f * sin).to(x1.dtype)
+    y2 = (x2f * cos + x1f * sin).to(x1.dtype)
+    tl.store(p1, y1, mask=ok)
+    tl.store(p1 + half, y2, mask=ok)
+    return y1, y2
+
+
+@jit
 def _rotary_kernel(
     q_ptr, k_ptr, cos_sin_ptr, pos_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
@@ -25,24 +54,11 @@ def _rotary_kernel(
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < half
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + d, mask=d_ok, other=0.0)[None, :]
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + half + d, mask=d_ok, other=0.0)[None, :]
-    h = tl.arange(0, BLOCK_H)[:, None]
-    for which in tl.static_range(2):
-        if which == 0:
-            base, stride_t, stride_h, heads = q_ptr, stride_qt, stride_qh, num_q_heads
-        else:
-            base, stride_t, stride_h, heads = k_ptr, stride_kt, stride_kh, num_k_heads
-        ok = (h < heads) & d_ok[None, :]
-        p1 = base + t * stride_t + h * stride_h + d[None, :]
-        x1 = tl.load(p1, mask=ok, other=0.0)
-        x2 = tl.load(p1 + half, mask=ok, other=0.0)
-        x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
-        tl.store(p1, (x1f * cos - x2f * sin).to(x1.dtype), mask=ok)
-        tl.store(p1 + half, (x2f * cos + x1f * sin).to(x1.dtype), mask=ok)
+    cos, sin = _cos_sin(cos_sin_ptr, pos_ptr, t, stride_cs, half, BLOCK_D)
+    _rotate_in_place(q_ptr, t, stride_qt, stride_qh, num_q_heads, half, cos, sin, BLOCK_H,
+                     BLOCK_D)
+    _rotate_in_place(k_ptr, t, stride_kt, stride_kh, num_k_heads, half, cos, sin, BLOCK_H,
+                     BLOCK_D)
 
 
 @jit
@@ -55,37 +71,20 @@ def _rotary_store_kv_kernel(
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < half
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + d, mask=d_ok, other=0.0)[None, :]
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + half + d, mask=d_ok, other=0.0)[None, :]
-    # q: rotated in place
-    hq = tl.arange(0, BLOCK_HQ)[:, None]
-    ok = (hq < num_q_heads) & d_ok[None, :]
-    p1 = q_ptr + t * stride_qt + hq * stride_qh + d[None, :]
-    x1 = tl.load(p1, mask=ok, other=0.0)
-    x2 = tl.load(p1 + half, mask=ok, other=0.0)
-    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
-    tl.store(p1, (x1f * cos - x2f * sin).to(x1.dtype), mask=ok)
-    tl.store(p1 + half, (x2f * cos + x1f * sin).to(x1.dtype), mask=ok)
-    # k: rotated in place and written to the cache slot with v
+    cos, sin = _cos_sin(cos_sin_ptr, pos_ptr, t, stride_cs, half, BLOCK_D)
+    _rotate_in_place(q_ptr, t, stride_qt, stride_qh, num_q_heads, half, cos, sin, BLOCK_HQ,
+                     BLOCK_D)
+    y1, y2 = _rotate_in_place(k_ptr, t, stride_kt, stride_kh, num_k_heads, half, cos, sin,
+                              BLOCK_HK, BLOCK_D)
+    # the rotated k and the v go to the token's cache slot (slot -1: nothing is written)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     page = slot // PAGE_SIZE
     offset = slot % PAGE_SIZE
-    heads_written = tl.where(slot >= 0, num_k_heads, 0)  # slot -1: nothing is written
+    heads_written = tl.where(slot >= 0, num_k_heads, 0)
     hk = tl.arange(0, BLOCK_HK)[:, None]
-    ok = (hk < num_k_heads) & d_ok[None, :]
-    ok_cache = (hk < heads_written) & d_ok[None, :]
-    p1 = k_ptr + t * stride_kt + hk * stride_kh + d[None, :]
-    x1 = tl.load(p1, mask=ok, other=0.0)
-    x2 = tl.load(p1 + half, mask=ok, other=0.0)
-    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
-    y1 = (x1f * cos - x2f * sin).to(x1.dtype)
-    y2 = (x2f * cos + x1f * sin).to(x1.dtype)
-    tl.store(p1, y1, mask=ok)
-    tl.store(p1 + half, y2, mask=ok)
-    dst = k_cache_ptr + page * stride_kcp + offset * stride_kcs + hk * stride_kch + d[None, :]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    ok_cache = (hk < heads_written) & (d < half)
+    dst = k_cache_ptr + page * stride_kcp + offset * stride_kcs + hk * stride_kch + d
     tl.store(dst, y1, mask=ok_cache)
     tl.store(dst + half, y2, mask=ok_cache)
     dv = tl.arange(0, BLOCK_DV)[None, :]
