@@ -8,10 +8,11 @@ One attention kernel serves decode (one query per request), extend/prefill (caus
 verify (custom mask). A program owns (request, block of BLOCK_M queries, kv head, KV split). Its
 tile rows are the BLOCK_M queries x the GROUP query heads sharing that kv head (GQA), so a K/V
 tile is loaded once for the whole group. The KV range is cut into `num_splits` chunks
-(flash-decoding): each split writes a partial output with its log-sum-exp, and by default the
-last split program of each tile to finish combines them (an arrival counter per tile, the
-split-K semaphore pattern), so one launch does it all; `fused_combine=False` combines them in a
-second kernel instead. Launch grids depend only on (batch size, heads, max_query_len,
+(flash-decoding): each split writes a partial output with its log-sum-exp and a second kernel
+combines them; with `fused_combine=True` the last split program of each tile to finish
+combines them instead (an arrival counter per tile, the split-K semaphore pattern), in one
+launch. The fused form is not the default: on the H200 it measured slower at batch 1 (its
+combining program reads the splits one after another; experiments/2026-11-30-h200-624f8f1.md). Launch grids depend only on (batch size, heads, max_query_len,
 num_splits), never on sequence lengths, which the kernels read from device memory: decode and
 verify launches are CUDA-graph capturable.
 
@@ -353,8 +354,8 @@ def paged_attention(
     [0, seq_len - q_len + i]. With `custom_mask` of width W: query i sees [0, seq_len - W) plus
     KV position seq_len - W + j iff custom_mask[r, i, j]. `query_start_loc=None` means decode:
     request r owns token r. Tokens outside every request's query range are not written.
-    With num_splits > 1, `fused_combine` merges the splits inside the attention launch (the last
-    split of each tile to finish does it); False merges them in a second launch.
+    With num_splits > 1 the splits are merged by a second launch, or with `fused_combine` inside
+    the attention launch (the last split of each tile to finish does it).
     """
     num_tokens, num_heads, head_dim = q.shape
     page_size, num_kv_heads, head_dim_v = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
