@@ -24,6 +24,9 @@ if has profile; then
   timeout 200 python scripts/profile_decode.py --model llama-3.1-8b --batch-sizes 1,128 \
     --out "$out/profile" > "$out/profile.log" 2>&1
   echo "profile rc=$?"; grep -v "^ " "$out/profile.log" | tail -8
+  timeout 200 python scripts/profile_decode.py --model llama-3.1-8b --batch-sizes 1,16 \
+    --spec-topk 4 --spec-num-draft-tokens 16 --out "$out/profile-tree" > "$out/profile-tree.log" 2>&1
+  echo "profile tree rc=$?"; grep -v "^ " "$out/profile-tree.log" | tail -6
 fi
 if has plain; then
   timeout 200 "${ss[@]}" bench latency "${common[@]}" --batch-sizes 1,8,32,128 --floor --compare-hf \
