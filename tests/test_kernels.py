@@ -27,6 +27,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from specserve.kernels import fused_ops as fo  # noqa: E402
+from specserve.kernels import kv_store  # noqa: E402
 from specserve.kernels import paged_attention as pa  # noqa: E402
 from specserve.layers.attention_metadata import AttentionMetadata  # noqa: E402
 
@@ -192,8 +193,8 @@ def check_store_kv(dtype: torch.dtype, device: str, num_tokens: int, page_size: 
     k, v = kv.to(device, dtype).split(num_kv_heads, dim=1)  # strided views, as after a qkv split
     k_cache, v_cache = k_cache.to(device, dtype), v_cache.to(device, dtype)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    pa.store_kv(k, v, k_cache, v_cache, slots.to(device))
-    pa.store_kv_ref(k, v, k_ref, v_ref, slots.to(device))
+    kv_store.store_kv(k, v, k_cache, v_cache, slots.to(device))
+    kv_store.store_kv_ref(k, v, k_ref, v_ref, slots.to(device))
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
 
 
@@ -217,7 +218,7 @@ def check_backend(dtype: torch.dtype, device: str, tol: float, tree: bool, cache
         max(q_lens), max(seq_lens), c.custom_mask,
     )  # fmt: skip
     k_ref, v_ref = c.k_cache.clone(), c.v_cache.clone()
-    pa.store_kv_ref(k, v, k_ref, v_ref, md.slot_mapping)
+    kv_store.store_kv_ref(k, v, k_ref, v_ref, md.slot_mapping)
     ref = pa.paged_attention_ref(
         q, k_ref, v_ref, c.query_start_loc, c.seq_lens, c.page_table, 0.3, c.custom_mask
     )

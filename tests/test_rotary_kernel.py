@@ -13,7 +13,7 @@ import torch
 
 CHECK = textwrap.dedent("""
     import torch
-    from specserve.kernels.paged_attention import store_kv_ref
+    from specserve.kernels.kv_store import store_kv_ref
     from specserve.kernels.rotary import rotary_inplace, rotary_ref, rotary_store_kv
     from specserve.layers.rotary import RotaryEmbedding
 

@@ -251,7 +251,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from specserve.bench.floor import measure_copy_bandwidth, measure_references
     from specserve.cli import engine_config_from_args
-    from specserve.engine.model_runner import resolve_device
+    from specserve.engine.device import resolve_device
     from specserve.llm import LLM
     from specserve.models.presets import PRESETS
 

@@ -16,9 +16,10 @@ from torch import nn
 
 from specserve.config import EngineConfig, ModelConfig
 from specserve.engine.cuda_graph import BatchGraphs
+from specserve.engine.device import resolve_device, resolve_dtype, select_backend
 from specserve.engine.forward_batch import build_attention_metadata, to_device
 from specserve.engine.scheduler import ScheduledRequest
-from specserve.kv_cache.pool import KVPool
+from specserve.kv_cache.pool import KVPool, plan_num_pages
 from specserve.layers.attention import Attention
 from specserve.layers.attention_metadata import (
     AttentionMetadata,
@@ -38,43 +39,6 @@ from specserve.models.presets import random_init
 log = logging.getLogger(__name__)
 
 DECODE_MODES = ("greedy", "sample")
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for but no CUDA GPU is visible; use --device cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
-    """'auto': float32 on the CPU; on a GPU the checkpoint's half dtype (bf16 for fp32 ones)."""
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32
-    return torch.float16 if model_config.torch_dtype == "float16" else torch.bfloat16
-
-
-def select_backend(device: torch.device) -> object:
-    """The fastest attention backend usable here; the torch reference otherwise (reason logged)."""
-    from specserve.layers.backends.torch_ref import TorchRefBackend
-
-    if device.type == "cuda":
-        try:
-            from specserve.layers.backends.triton_backend import TritonBackend, available
-
-            ok, reason = available()
-        except ImportError as exc:  # pragma: no cover - depends on the install
-            ok, reason = False, f"triton backend not importable: {exc}"
-        if ok:
-            return TritonBackend()
-        log.warning("GPU attention kernels unavailable (%s); using the torch reference", reason)
-    return TorchRefBackend()
-
-
 @dataclass
 class BatchInputs:
     """Device tensors for one forward over a set of scheduled requests."""
@@ -214,26 +178,12 @@ class ModelRunner:
     def _allocate_kv_pool(self) -> KVPool:
         mc, cc = self.model_config, self.config.cache
         num_layers = len(self.attn_layers) + self.extra_kv_layers
-        per_page = KVPool.bytes_per_page(num_layers, cc.page_size, mc.num_kv_heads // self.tp_size,
-                                         mc.head_dim, self.dtype)
-        if cc.num_pages > 0:
-            num_pages = cc.num_pages
-        elif self.device.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(self.device)
-            # leave room for activations, logits and graph pools
-            budget = int(free * cc.gpu_memory_utilization) - (2 << 30)
-            num_pages = budget // per_page
-        else:
-            num_pages = cc.kv_cache_bytes // per_page
-        if num_pages < 2:
-            raise ValueError(
-                f"the KV-cache budget holds {num_pages} pages of {cc.page_size} tokens "
-                f"({per_page} bytes each); raise --kv-cache-bytes / --gpu-memory-utilization or "
-                "lower --page-size")
+        kv_heads = mc.num_kv_heads // self.tp_size
+        num_pages = plan_num_pages(cc, num_layers, kv_heads, mc.head_dim, self.dtype, self.device)
         # one spare page past the allocator's range: CUDA-graph padding rows point at it
         self.spare_page = num_pages
-        return KVPool(num_layers, num_pages + 1, cc.page_size, mc.num_kv_heads // self.tp_size,
-                      mc.head_dim, self.dtype, self.device)
+        return KVPool(num_layers, num_pages + 1, cc.page_size, kv_heads, mc.head_dim, self.dtype,
+                      self.device)
 
     @property
     def tp_size(self) -> int:

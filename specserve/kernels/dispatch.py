@@ -19,6 +19,11 @@ except ImportError:  # CPU-only install: kernel modules still import; their refe
         return fn
 
 
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1): Triton block sizes."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 @functools.cache
 def triton_usable() -> bool:
     return importlib.util.find_spec("triton") is not None and torch.cuda.is_available()

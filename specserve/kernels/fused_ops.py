@@ -9,11 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.kernels.dispatch import jit, tl, triton  # noqa: F401
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
+from specserve.kernels.dispatch import jit, next_power_of_2, tl, triton  # noqa: F401
 
 
 @jit
@@ -52,7 +48,7 @@ def _launch_rms_norm(
         _rms_norm_kernel[(x2.shape[0],)](
             x2, res2, weight, out, res_out,
             x2.stride(0), res2.stride(0), out.stride(0), res_out.stride(0), hidden, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=_next_power_of_2(hidden),
+            HAS_RESIDUAL=residual is not None, BLOCK=next_power_of_2(hidden),
         )  # fmt: skip
     if residual is None:
         return out.view(x.shape), None
@@ -108,7 +104,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, 2 * inter)
     assert x2.stride(-1) == 1
     out = x2.new_empty(x2.shape[0], inter)
-    block = min(1024, _next_power_of_2(inter))
+    block = min(1024, next_power_of_2(inter))
     if x2.shape[0]:
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
             x2, out, x2.stride(0), out.stride(0), inter, BLOCK=block

@@ -29,84 +29,13 @@ import math
 
 import torch
 
-from specserve.kernels.dispatch import jit, tl, triton  # noqa: F401
+from specserve.kernels.dispatch import jit, next_power_of_2, tl, triton  # noqa: F401
 
 MAX_SPLITS = 16  # upper bound on KV splits per (request, query block, kv head)
 MIN_COUNTERS = 4096  # smallest arrival-counter buffer (int32 entries, one per tile)
 TARGET_ROWS = 64  # tile rows (queries x grouped heads) per extend program
 MIN_DOT = 16  # smallest tl.dot dimension on GPUs
 LOG2E = 1.4426950408889634
-
-
-def next_power_of_2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-# --------------------------------------------------------------------------------------------
-# store_kv
-
-
-@jit
-def _store_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch,
-    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-):  # fmt: skip
-    # one program per (token, kv head); slot -1 means "do not write"
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    page = slot // PAGE_SIZE
-    offset = slot % PAGE_SIZE
-    d = tl.arange(0, BLOCK_D)
-    d_end = tl.where(slot >= 0, HEAD_DIM, 0)  # nothing is written for slot -1
-    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=d < HEAD_DIM)
-    dst = k_cache_ptr + page * stride_kcp + offset * stride_kcs + h * stride_kch + d
-    tl.store(dst, k, mask=d < d_end)
-    dv = tl.arange(0, BLOCK_DV)
-    dv_end = tl.where(slot >= 0, HEAD_DIM_V, 0)
-    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + dv, mask=dv < HEAD_DIM_V)
-    dst = v_cache_ptr + page * stride_vcp + offset * stride_vcs + h * stride_vch + dv
-    tl.store(dst, v, mask=dv < dv_end)
-
-
-def store_kv(
-    k: torch.Tensor,  # [T, num_kv_heads, head_dim]
-    v: torch.Tensor,  # [T, num_kv_heads, head_dim_v]
-    k_cache: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim_v]
-    slot_mapping: torch.Tensor,  # [T] int; -1 = skip
-) -> None:
-    """Write the new tokens' K/V into their cache slots."""
-    num_tokens, num_kv_heads, head_dim = k.shape
-    assert k.stride(-1) == 1 and v.stride(-1) == 1
-    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-    assert k_cache.dtype == k.dtype and v_cache.dtype == v.dtype
-    if num_tokens == 0:
-        return
-    _store_kv_kernel[(num_tokens, num_kv_heads)](
-        k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        *k_cache.stride()[:3], *v_cache.stride()[:3],
-        PAGE_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, HEAD_DIM_V=v.shape[2],
-        BLOCK_D=next_power_of_2(head_dim), BLOCK_DV=next_power_of_2(v.shape[2]),
-    )  # fmt: skip
-
-
-def store_kv_ref(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Reference for `store_kv`: scatter through a [num_slots, heads, dim] view of the cache."""
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
 
 
 # --------------------------------------------------------------------------------------------

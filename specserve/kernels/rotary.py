@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.kernels.dispatch import jit, tl
-from specserve.kernels.fused_ops import _next_power_of_2
+from specserve.kernels.dispatch import jit, next_power_of_2, tl
 
 
 @jit
@@ -112,8 +111,8 @@ def rotary_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3],
         hq, hk, d // 2, dv,
-        PAGE_SIZE=k_cache.shape[1], BLOCK_HQ=_next_power_of_2(hq), BLOCK_HK=_next_power_of_2(hk),
-        BLOCK_D=_next_power_of_2(d // 2), BLOCK_DV=_next_power_of_2(dv),
+        PAGE_SIZE=k_cache.shape[1], BLOCK_HQ=next_power_of_2(hq), BLOCK_HK=next_power_of_2(hk),
+        BLOCK_D=next_power_of_2(d // 2), BLOCK_DV=next_power_of_2(dv),
     )  # fmt: skip
 
 
@@ -130,7 +129,7 @@ def rotary_inplace(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         q, k, cos_sin, positions,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0),
         hq, k.shape[1], half,
-        BLOCK_H=_next_power_of_2(max(hq, k.shape[1])), BLOCK_D=_next_power_of_2(half),
+        BLOCK_H=next_power_of_2(max(hq, k.shape[1])), BLOCK_D=next_power_of_2(half),
     )  # fmt: skip
 
 

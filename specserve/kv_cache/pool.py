@@ -36,6 +36,33 @@ def pages_for_budget(
     )
 
 
+GPU_RESERVE_BYTES = 2 << 30  # left free for activations, logits and CUDA-graph pools
+
+
+def plan_num_pages(cache, num_layers: int, num_kv_heads: int, head_dim: int,
+                   dtype: torch.dtype, device: torch.device) -> int:
+    """Pages the allocator may hand out under a CacheConfig: `num_pages` when given, else what
+    fits in `gpu_memory_utilization` of the free GPU memory (less GPU_RESERVE_BYTES) or in
+    `kv_cache_bytes` on the CPU. ValueError (what to change) below two pages."""
+    if cache.num_pages > 0:
+        num_pages = cache.num_pages
+    else:
+        if device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(device)
+            budget = int(free * cache.gpu_memory_utilization) - GPU_RESERVE_BYTES
+        else:
+            budget = cache.kv_cache_bytes
+        num_pages = pages_for_budget(budget, num_layers, cache.page_size, num_kv_heads,
+                                     head_dim, dtype)
+    if num_pages < 2:
+        per_page = bytes_per_page(num_layers, cache.page_size, num_kv_heads, head_dim, dtype)
+        raise ValueError(
+            f"the KV-cache budget holds {num_pages} pages of {cache.page_size} tokens "
+            f"({per_page} bytes each); raise --kv-cache-bytes / --gpu-memory-utilization or "
+            "lower --page-size")
+    return num_pages
+
+
 class KVPool:
     bytes_per_page = staticmethod(bytes_per_page)
     pages_for_budget = staticmethod(pages_for_budget)

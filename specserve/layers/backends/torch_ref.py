@@ -13,22 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from specserve.kernels.kv_store import store_kv_ref
 from specserve.layers.attention_metadata import AttentionMetadata
-
-
-def write_kv(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """k_cache.flat[slot_mapping[t]] = k[t] for every t with slot_mapping[t] >= 0."""
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k[valid].to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v[valid].to(v_cache.dtype))
 
 
 def gather_kv_slots(page_table_row: torch.Tensor, seq_len: int, page_size: int) -> torch.Tensor:
@@ -80,7 +66,7 @@ class TorchRefBackend:
         # q [T, num_heads, d]; k, v [T, num_kv_heads, d]; caches [pages, page_size, kv, d]
         cached = k_cache.numel() > 0
         if cached:
-            write_kv(k, v, k_cache, v_cache, md.slot_mapping)
+            store_kv_ref(k, v, k_cache, v_cache, md.slot_mapping)
         q_lens = md.query_lens_cpu
         if q_lens is None:
             q_lens = md.query_start_loc.diff().tolist()

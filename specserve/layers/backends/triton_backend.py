@@ -35,9 +35,10 @@ class TritonBackend:
 
     def __init__(self) -> None:
         # imported here so that this module loads on machines without triton
-        from specserve.kernels import paged_attention, rotary
+        from specserve.kernels import kv_store, paged_attention, rotary
 
         self._kernels = paged_attention
+        self._kv_store = kv_store
         self._rotary = rotary
 
     def forward(
@@ -57,7 +58,7 @@ class TritonBackend:
                 self._rotary.rotary_inplace(rope[0], q, k, rope[1])
             return self._forward_uncached(q, k, v, md, scale)
         if rope is None:
-            kernels.store_kv(k, v, k_cache, v_cache, md.slot_mapping)
+            self._kv_store.store_kv(k, v, k_cache, v_cache, md.slot_mapping)
         else:  # q, k rotated in place; k, v written to the cache in the same launch
             self._rotary.rotary_store_kv(rope[0], q, k, v, rope[1], k_cache, v_cache,
                                          md.slot_mapping)
