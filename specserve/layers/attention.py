@@ -27,7 +27,9 @@ class AttentionBackend(Protocol):
         md: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        """Write k/v at md.slot_mapping (skip -1 slots), then attend (causal or custom mask)."""
+        """Write k/v at md.slot_mapping (skip -1 slots), then attend (causal or custom mask).
+        A backend with `fuses_rope = True` also takes rope=(positions, cos_sin table) and
+        rotates q/k itself, in its KV-write launch."""
         ...
 
 
