@@ -25,8 +25,11 @@ if has profile; then
     --out "$out/profile" > "$out/profile.log" 2>&1
   echo "profile rc=$?"; grep -v "^ " "$out/profile.log" | tail -8
   timeout 200 python scripts/profile_decode.py --model llama-3.1-8b --batch-sizes 1,16 \
-    --spec-topk 4 --spec-num-draft-tokens 16 --out "$out/profile-tree" > "$out/profile-tree.log" 2>&1
+    --spec-topk 4 --spec-num-draft-tokens 16 --trace --out "$out/profile-tree" > "$out/profile-tree.log" 2>&1
   echo "profile tree rc=$?"; grep -v "^ " "$out/profile-tree.log" | tail -6
+  timeout 150 python scripts/profile_decode.py --model llama-3.1-8b --batch-sizes 1 \
+    --spec-topk 1 --out "$out/profile-chain" > "$out/profile-chain.log" 2>&1
+  echo "profile chain rc=$?"; grep -v "^ " "$out/profile-chain.log" | tail -6
 fi
 if has plain; then
   timeout 200 "${ss[@]}" bench latency "${common[@]}" --batch-sizes 1,8,32,128 --floor --compare-hf \
