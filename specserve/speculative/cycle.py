@@ -21,7 +21,7 @@ from specserve.layers.sampler import (
     probs_from_logits,
     uniform_noise,
 )
-from specserve.speculative.tree import DraftTree, TreeAccumulator
+from specserve.speculative.tree import DraftTree, TreeAccumulator, top_log_probs
 from specserve.speculative.verify import VerifyResult, synthetic_accept, verify, walk_tree
 
 MODES = ("greedy", "sample", "synthetic")
@@ -72,7 +72,7 @@ class SpecCycle:
         each query sees the draft prefix plus its ancestors among the scratch."""
         head, k, runner = self.head, self.k, self.runner
         bs, hidden = last_out.shape
-        logp, draft_ids = head.compute_logits(last_out).log_softmax(-1).topk(k, dim=-1)
+        logp, draft_ids = top_log_probs(head.compute_logits(last_out), k)
         acc = TreeAccumulator(logp, draft_ids, self.drafter.d2t)
         parent_out = last_out[:, None, :].expand(bs, k, hidden)  # [bs, k, H]
         arange_k = torch.arange(k, device=last_out.device)
@@ -86,8 +86,7 @@ class SpecCycle:
             positions = (root_pos + s - 1)[:, None].expand(bs, k)
             y = self._head(acc.frontier_tokens.reshape(-1), positions.reshape(-1),
                            parent_out.reshape(bs * k, hidden), md).view(bs, k, hidden)
-            child_logp, child_ids = head.compute_logits(y.flatten(0, 1)).log_softmax(-1).topk(
-                k, dim=-1)
+            child_logp, child_ids = top_log_probs(head.compute_logits(y.flatten(0, 1)), k)
             acc.extend(child_logp.view(bs, k, k), child_ids.view(bs, k, k))
             # each new frontier slot continues from its parent's output
             parent = acc.frontier_path[:, :, -2:-1].expand(-1, -1, hidden)
