@@ -124,9 +124,9 @@ def _oracle_propose(llm: LLM, reference: dict, decoys: bool):
     stash: list = []
     speculate = drafter._speculate
 
-    def spy(entries, *args):
+    def spy(entries, *args, **kw):
         stash[:] = entries
-        return speculate(entries, *args)
+        return speculate(entries, *args, **kw)
 
     drafter._speculate = spy
 

@@ -128,12 +128,17 @@ class Engine:
         self.drafter = self._drafter if enabled else None
         self.scheduler.lookahead = self._drafter.lookahead if enabled else 0
         self.runner.discard_launched()
+        if self._drafter is not None:
+            self._drafter.discard_launched()
         self._set_keep_ahead()
 
     def _set_keep_ahead(self) -> None:
-        """Plain decoding with overlap launches each next decode step early: its KV slot must
-        stay owned (ModelRunner.execute)."""
-        self.scheduler.keep_ahead = 1 if self.runner.overlap and self.drafter is None else 0
+        """With overlap the next decode step (ModelRunner.execute) or speculative cycle
+        (Eagle3Drafter._speculate) is launched early: the slots it may write stay owned."""
+        if self.drafter is not None:
+            self.scheduler.keep_ahead = self.drafter.keep_ahead
+        else:
+            self.scheduler.keep_ahead = 1 if self.runner.overlap else 0
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | list[int],

@@ -63,6 +63,15 @@ class SpecCounters:
     accepted_per_pos: list[int] = field(default_factory=list)
 
 
+@dataclass
+class LaunchedCycle:
+    """A cycle launched before the host read the cycle that feeds it (see _speculate)."""
+
+    requests: list  # the rows' Request objects
+    starts: list[int]  # each row's root position, known once the feeding cycle is read
+    outputs: tuple[torch.Tensor, ...]  # _cycle's outputs (graph buffers on GPUs)
+
+
 class Eagle3Drafter:
     def __init__(self, spec: SpecConfig, runner) -> None:  # runner: ModelRunner
         self.spec = spec
@@ -86,6 +95,13 @@ class Eagle3Drafter:
         self.draft_len: dict[str, int] = {}  # request id -> positions the draft KV covers
         self.cycle = SpecCycle(self)
         self.graphs = self._capture_graphs()
+        # overlap: the next cycle is launched before this one is read (see _speculate); its
+        # requests keep the slots it may write, up to W + lookahead past their valid KV
+        self.overlap = runner.overlap
+        self.keep_ahead = self.num_steps + 1 + self.lookahead if self.overlap else 0
+        self._launched: LaunchedCycle | None = None
+        self.cycles_launched = 0  # cycles launched ahead
+        self.cycles_launched_ahead = 0  # of those, taken by the next step
 
     def _capture_graphs(self) -> dict[str, BatchGraphs] | None:
         """One graph per batch bucket for each verification mode this config can use."""
@@ -124,9 +140,19 @@ class Eagle3Drafter:
         def fn(last_out, root_pos, root_tokens, page_table, valid, temperatures, top_ks, top_ps,
                min_ps, seeds):
             st = SamplingTensors.general(temperatures, top_ks, top_ps, min_ps, seeds, root_pos)
-            return self.cycle.run(mode, last_out, root_pos, root_tokens, page_table, valid, st)
+            return self._cycle(mode, last_out, root_pos, root_tokens, page_table, valid, st)
 
         return fn
+
+    def _cycle(self, mode: str, last_out: torch.Tensor, root_pos: torch.Tensor,
+               root_tokens: torch.Tensor, page_table: torch.Tensor, valid: torch.Tensor,
+               st: SamplingTensors) -> tuple[torch.Tensor, ...]:
+        """The cycle plus the inputs of the cycle after it, on the device: (emitted,
+        num_emitted, new_last, next root position, next root token)."""
+        emitted, num, new_last = self.cycle.run(mode, last_out, root_pos, root_tokens,
+                                                page_table, valid, st)
+        last = emitted.gather(1, (num - 1).clamp(min=0)[:, None]).squeeze(1)
+        return emitted, num, new_last, root_pos + num, last
 
     @staticmethod
     def _load_head(spec: SpecConfig, runner) -> Eagle3Head:
@@ -180,7 +206,12 @@ class Eagle3Drafter:
             self._prefill([entries[i] for i in prefills], prefills, tokens, extend)
             self._draft_extend(extend)
         if decodes:
-            self._speculate([entries[i] for i in decodes], decodes, tokens, computed)
+            # requests finishing their prefill here speculate next step: no launch ahead
+            joining = any(entries[i].samples for i in prefills)
+            self._speculate([entries[i] for i in decodes], decodes, tokens, computed,
+                            launch_next=not joining)
+        else:
+            self._launched = None
         return tokens, computed
 
     def _prefill(self, entries: list[ScheduledRequest], index: list[int],
@@ -207,43 +238,110 @@ class Eagle3Drafter:
             offset += s.num_new_tokens
 
     def _speculate(self, entries: list[ScheduledRequest], index: list[int],
-                   tokens: list[list[int]], computed: list[int]) -> None:
+                   tokens: list[list[int]], computed: list[int], launch_next: bool) -> None:
         """One device cycle for every speculating request (a CUDA graph when captured), then
-        the step's single device-to-host copy: the emitted tokens."""
-        runner = self.runner
+        the step's single device-to-host copy: the emitted tokens.
+
+        With overlap on (and no request joining the decodes next step) the cycle after this
+        one is launched before this one's tokens are read: its inputs (the head's new last
+        output, root position + tokens emitted, the last emitted token) never leave the
+        device. The next step takes that launch when every request it speculates has a row
+        there at the same root (a request that finished just drops its row); otherwise the
+        launch is forgotten. Its KV writes went to slots past each request's valid KV that the
+        request still owned (the scheduler keeps W + lookahead slots ahead), which a fresh
+        cycle rewrites before reading and a later owner of freed pages writes after, in
+        stream order.
+        """
         reqs = [s.request for s in entries]
-        params = [r.params for r in reqs]
-        mode = ("synthetic" if self.spec.synthetic_accept_len
-                else "greedy" if all(p.greedy for p in params) else "sample")
-        table, width = runner.page_table(reqs)
-        inputs = {
-            "last_out": torch.stack([self.last_out[r.request_id] for r in reqs]),
-            "root_pos": np.array([s.start for s in entries], dtype=np.int64),
-            "root_tokens": np.array([r.all_token_ids[-1] for r in reqs], dtype=np.int64),
-            "page_table": table,
-            "valid": np.ones(len(reqs), dtype=bool),
-        }
-        graphs = self.graphs.get(mode) if self.graphs else None
-        if graphs is not None and len(reqs) <= graphs.max_bs:
-            inputs.update(host_fields(params, [r.seed for r in reqs],
-                                      runner.model_config.vocab_size))
-            emitted, num_emitted, new_last = graphs.replay(
-                len(reqs), widths={"page_table": width}, **inputs)
+        starts = [s.start for s in entries]
+        launched, self._launched = self._launched, None
+        rows = self._match(launched, reqs, starts)
+        if rows is None:
+            out = self._run(reqs, self._fresh_inputs(reqs, starts))
         else:
-            st = runner.sampling_tensors(entries, list(range(len(entries))))
-            dev = {k: torch.as_tensor(v).to(runner.device) for k, v in inputs.items()}
-            emitted, num_emitted, new_last = self.cycle.run(
-                mode, dev["last_out"], dev["root_pos"], dev["root_tokens"], dev["page_table"],
-                dev["valid"], st)
+            out = launched.outputs
+            self.cycles_launched_ahead += 1
+            if rows != list(range(len(launched.requests))):
+                idx = torch.tensor(rows, dtype=torch.long, pin_memory=self.runner.device.type
+                                   == "cuda").to(self.runner.device, non_blocking=True)
+                out = tuple(t.index_select(0, idx) for t in out)
+        emitted, num_emitted, new_last, next_root, next_token = out
         new_last = new_last.clone()  # graph outputs are overwritten by the next replay
-        host = torch.cat([num_emitted[:, None], emitted], dim=1).tolist()  # the one copy
-        for j, (s, row) in enumerate(zip(entries, host)):
+        host = torch.cat([num_emitted[:, None], emitted], dim=1).to("cpu", non_blocking=True)
+        done = torch.cuda.Event() if self.runner.device.type == "cuda" else None
+        if done is not None:
+            done.record()
+        if launch_next and self.overlap:
+            self._launch_next(entries, new_last, next_root, next_token)
+        if done is not None:
+            done.synchronize()  # this cycle's tokens only; the next cycle keeps running
+        for j, (s, row) in enumerate(zip(entries, host.tolist())):
             m = row[0]
             tokens[index[j]] = row[1:1 + m]
             computed[index[j]] = m
             self.last_out[s.request.request_id] = new_last[j]
             self.draft_len[s.request.request_id] = s.start + m
             self._count(s.request, m - 1, self.n - 1)
+            if self._launched is not None:
+                self._launched.starts[j] = s.start + m
+
+    def _fresh_inputs(self, reqs: list, starts: list[int]) -> dict[str, object]:
+        return {
+            "last_out": torch.stack([self.last_out[r.request_id] for r in reqs]),
+            "root_pos": np.array(starts, dtype=np.int64),
+            "root_tokens": np.array([r.all_token_ids[-1] for r in reqs], dtype=np.int64),
+        }
+
+    def _run(self, reqs: list, inputs: dict[str, object]) -> tuple[torch.Tensor, ...]:
+        """Launch one cycle over reqs (inputs: last_out, root_pos, root_tokens, host or
+        device values); returns its device outputs (see _cycle)."""
+        runner = self.runner
+        params, seeds = [r.params for r in reqs], [r.seed for r in reqs]
+        mode = ("synthetic" if self.spec.synthetic_accept_len
+                else "greedy" if all(p.greedy for p in params) else "sample")
+        table, width = runner.page_table(reqs)
+        inputs.update(page_table=table, valid=np.ones(len(reqs), dtype=bool))
+        graphs = self.graphs.get(mode) if self.graphs else None
+        if graphs is not None and len(reqs) <= graphs.max_bs:
+            inputs.update(host_fields(params, seeds, runner.model_config.vocab_size))
+            return graphs.replay(len(reqs), widths={"page_table": width}, **inputs)
+        # counters are unused: verification keys its noise by root position
+        st = SamplingTensors.build(params, seeds, [0] * len(reqs),
+                                   runner.model_config.vocab_size, runner.device)
+        dev = {k: torch.as_tensor(v).to(runner.device) for k, v in inputs.items()}
+        return self._cycle(mode, dev["last_out"], dev["root_pos"], dev["root_tokens"],
+                           dev["page_table"], dev["valid"], st)
+
+    @staticmethod
+    def _match(launched: LaunchedCycle | None, reqs: list, starts: list[int]) -> list[int] | None:
+        """Rows of the launched cycle for reqs, or None unless it holds every one of them."""
+        if launched is None:
+            return None
+        row_of = {id(r): j for j, r in enumerate(launched.requests)}
+        rows = [row_of.get(id(r)) for r in reqs]
+        if any(j is None or launched.starts[j] != p for j, p in zip(rows, starts)):
+            return None
+        return rows
+
+    def _launch_next(self, entries: list[ScheduledRequest], new_last: torch.Tensor,
+                     next_root: torch.Tensor, next_token: torch.Tensor) -> None:
+        """Launch the next cycle of these requests from this one's device outputs, if every
+        request owns the slots it may need (root up to W past this one, plus lookahead)."""
+        reqs = [s.request for s in entries]
+        runner, w = self.runner, self.num_steps + 1
+        for s in entries:
+            need = s.start + w + self.lookahead + 1
+            if len(s.request.page_ids) * runner.page_size < need or need > runner.max_positions:
+                return
+        if all(r.num_output_tokens + 1 >= r.max_tokens for r in reqs):
+            return  # this cycle ends every one of them
+        out = self._run(reqs, {"last_out": new_last, "root_pos": next_root,
+                               "root_tokens": next_token})
+        self._launched = LaunchedCycle(reqs, [-1] * len(reqs), out)
+        self.cycles_launched += 1
+
+    def discard_launched(self) -> None:
+        self._launched = None
 
     def _count(self, req, accepted: int, proposed: int) -> None:
         c = self.counters
