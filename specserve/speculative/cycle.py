@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from specserve.kernels.kv_compact import compact_kv
 from specserve.layers.attention_metadata import ForwardContext, set_forward_context
 from specserve.layers.sampler import (
     ACCEPT_SALT,
@@ -128,11 +129,8 @@ class SpecCycle:
         keep = (nodes >= 0) & valid[:, None]
         src = self._slots(page_table, root_pos[:, None] + torch.where(keep, nodes, depth))
         dst = self._slots(page_table, root_pos[:, None] + depth)
-        src, dst = src.flatten(), dst.flatten()
         pool, layers = self.runner.kv_pool, len(self.runner.attn_layers)
-        for cache in (pool.k, pool.v):  # every target layer in one gather + one scatter
-            flat = cache[:layers].flatten(1, 2)  # [layers, slots, kv_heads, head_dim]
-            flat[:, dst] = flat[:, src]
+        compact_kv(pool.k, pool.v, layers, src, dst)  # every target layer, k and v: one launch
 
     def extend(self, result: VerifyResult, feats: torch.Tensor, root_pos: torch.Tensor,
                page_table: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
