@@ -276,6 +276,8 @@ def paged_attention(
     num_splits: int | None = None,
     block_n: int = 64,
     fused_combine: bool = False,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Attention of T new query tokens over the paged KV (already holding their K/V).
 
@@ -285,6 +287,8 @@ def paged_attention(
     request r owns token r. Tokens outside every request's query range are not written.
     With num_splits > 1 the splits are merged by a second launch, or with `fused_combine` inside
     the attention launch (the last split of each tile to finish does it).
+    `num_warps` / `num_stages` tune the attention launch (None: Triton's defaults); the combine
+    launch keeps its defaults.
     """
     num_tokens, num_heads, head_dim = q.shape
     page_size, num_kv_heads, head_dim_v = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
@@ -318,6 +322,11 @@ def paged_attention(
     assert custom_mask is None or custom_mask.dtype == torch.bool
     mask = custom_mask.view(torch.uint8) if custom_mask is not None else page_table
     mask_strides = custom_mask.stride() if custom_mask is not None else (0, 0, 0)
+    launch: dict[str, int] = {}  # only what was asked: None keeps Triton's defaults
+    if num_warps is not None:
+        launch["num_warps"] = num_warps
+    if num_stages is not None:
+        launch["num_stages"] = num_stages
     _paged_attention_kernel[(bs * num_m_blocks, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, mid_o, mid_lse, counters,
         seq_lens if is_decode else query_start_loc, seq_lens, page_table, mask,
@@ -333,6 +342,7 @@ def paged_attention(
         BLOCK_S=next_power_of_2(num_splits), FUSED_COMBINE=fused,
         IS_DECODE=is_decode, HAS_MASK=custom_mask is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,  # keep fp32 exact
+        **launch,
     )  # fmt: skip
     if num_splits > 1 and not fused:
         _combine_splits_kernel[(num_tokens, num_heads)](
@@ -354,11 +364,13 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     fused_combine: bool = False,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Flash-decoding: one query token per request over its paged KV."""
     return paged_attention(
         q, k_cache, v_cache, None, seq_lens, page_table, 1, scale, out=out, num_splits=num_splits,
-        fused_combine=fused_combine,
+        fused_combine=fused_combine, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
 
 

@@ -1,0 +1,45 @@
+"""scripts/bench_attention.py runs end to end (CPU smoke test under the Triton interpreter; its
+numbers matter on a GPU). A subprocess: TRITON_INTERPRET must be set before triton is imported."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_attention.py"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_bench_attention_script_writes_rows(tmp_path: Path) -> None:
+    out = tmp_path / "attn.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    res = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--num-heads", "4", "--num-kv-heads", "2",
+         "--head-dim", "16", "--page-size", "4", "--context-len", "8", "--batch-sizes", "1",
+         "--num-warps", "4", "--block-n", "16", "--num-splits", "default,2", "--replays", "1",
+         "--json-out", str(out)],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "best per case" in res.stdout
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    cases = ["decode", "verify4_mask", "verify16_tree", "causal16"]
+    assert [c for c in cases if any(r["case"] == c for r in rows)] == cases
+    for case in cases:
+        group = [r for r in rows if r["case"] == case]
+        assert sum(r["is_default"] for r in group) == 1
+        # the default, plus block_n 16 with the default splits and with 2 splits
+        assert {(r["block_n"], r["num_splits"]) for r in group} == {(64, None), (16, None),
+                                                                     (16, 2)}
+        for r in group:
+            assert r["ok"] and r["error"] is None and r["us"] > 0, r
+            assert r["max_abs_err"] < 1e-4 and r["active_splits"] <= r["splits"]
+    assert set(report["best"]) == {f"{c}/bs1" for c in cases}
+    assert report["meta"]["graphs"] is False and report["meta"]["distinct_kernels"] > 0
