@@ -32,7 +32,6 @@ from a cold Triton cache (38 s of it compiling), 21 s warm; expect ~6 min with 0
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import os
@@ -64,7 +63,6 @@ FULL_GRID: dict[str, list[int | None]] = {
 QUICK_GRID: dict[str, list[int | None]] = {
     "num_warps": [4, 8], "num_stages": [None], "block_n": [32, 64], "num_splits": [None, 8, 16],
 }  # fmt: skip
-DEFAULT_BLOCK_N: int = inspect.signature(pa.paged_attention).parameters["block_n"].default
 ATOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2e-2}  # max abs error
 RTOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 1e-2}  # worst row's rel. L2
 
@@ -88,11 +86,11 @@ CASES = [
 class Config:
     num_warps: int | None  # None: Triton's default
     num_stages: int | None  # None: Triton's default
-    block_n: int
+    block_n: int | None  # None: paged_attention's default (128 under a custom mask, else 64)
     num_splits: int | None  # None: default_num_splits (depends on the grid)
 
 
-DEFAULT_CONFIG = Config(None, None, DEFAULT_BLOCK_N, None)
+DEFAULT_CONFIG = Config(None, None, None, None)
 
 
 @dataclass
@@ -201,10 +199,11 @@ def triton_launch_defaults(device: torch.device) -> tuple[int | None, int | None
 def resolved(cfg: Config, spec: CaseSpec, bs: int, s: Shapes,
              launch_defaults: tuple[int | None, int | None]) -> tuple:  # fmt: skip
     """What the launch actually uses: configs with equal keys are the same kernel launch."""
+    masked = spec.mask is not None  # paged_attention's own defaults under a custom mask
     return (
         cfg.num_warps if cfg.num_warps is not None else launch_defaults[0],
-        cfg.num_stages if cfg.num_stages is not None else launch_defaults[1],
-        cfg.block_n,
+        cfg.num_stages if cfg.num_stages is not None else 1 if masked else launch_defaults[1],
+        cfg.block_n if cfg.block_n is not None else 128 if masked else 64,
         cfg.num_splits if cfg.num_splits is not None else default_splits(spec, bs, s),
     )
 
@@ -376,7 +375,7 @@ def time_group(spec: CaseSpec, bs: int, cfgs: list[Config], s: Shapes,
         row: dict[str, Any] = {
             "case": spec.name, "batch_size": bs, "q_len": spec.q_len, "mask": spec.mask,
             "seq_len": seq_len, **asdict(cfg), "num_warps_eff": eff[0], "num_stages_eff": eff[1],
-            "splits": eff[3], "active_splits": active_splits(seq_len, eff[3], cfg.block_n),
+            "splits": eff[3], "active_splits": active_splits(seq_len, eff[3], eff[2]),
             "is_default": cfg == DEFAULT_CONFIG, "device": s.device.type, "us": None,
             "us_replays": None, "graphed": False, "max_abs_err": None, "max_rel_err": None,
             "ok": False, "error": None, "first_call_s": None,
@@ -434,7 +433,7 @@ def print_table(rows: list[dict[str, Any]], top: int) -> None:
             note += " (eager timing)"
         print(f"{mark}{ok.index(r) + 1:>4} {r['us']:>8.2f} {speed:>7} "
               f"{fmt_opt(r['num_warps'], r['num_warps_eff']):>6} "
-              f"{fmt_opt(r['num_stages'], r['num_stages_eff']):>6} {r['block_n']:>7} "
+              f"{fmt_opt(r['num_stages'], r['num_stages_eff']):>6} {str(r['block_n']):>7} "
               f"{fmt_opt(r['num_splits'], r['splits']):>6} {r['active_splits']:>6} "
               f"{r['max_abs_err']:>8.1e}  {note}")  # fmt: skip
     if len(shown) < len(ok):

@@ -35,8 +35,9 @@ def test_bench_attention_script_writes_rows(tmp_path: Path) -> None:
     for case in cases:
         group = [r for r in rows if r["case"] == case]
         assert sum(r["is_default"] for r in group) == 1
-        # the default, plus block_n 16 with the default splits and with 2 splits
-        assert {(r["block_n"], r["num_splits"]) for r in group} == {(64, None), (16, None),
+        # the default (block_n None: the wrapper's), plus block_n 16 with the default splits
+        # and with 2 splits
+        assert {(r["block_n"], r["num_splits"]) for r in group} == {(None, None), (16, None),
                                                                      (16, 2)}
         for r in group:
             assert r["ok"] and r["error"] is None and r["us"] > 0, r

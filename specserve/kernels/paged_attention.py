@@ -274,7 +274,7 @@ def paged_attention(
     custom_mask: torch.Tensor | None = None,  # [bs, max_query_len, W] bool, W >= max_query_len
     out: torch.Tensor | None = None,  # [T, num_heads, head_dim_v]
     num_splits: int | None = None,
-    block_n: int = 64,
+    block_n: int | None = None,
     fused_combine: bool = False,
     num_warps: int | None = None,
     num_stages: int | None = None,
@@ -287,9 +287,16 @@ def paged_attention(
     request r owns token r. Tokens outside every request's query range are not written.
     With num_splits > 1 the splits are merged by a second launch, or with `fused_combine` inside
     the attention launch (the last split of each tile to finish does it).
-    `num_warps` / `num_stages` tune the attention launch (None: Triton's defaults); the combine
-    launch keeps its defaults.
+    `block_n` / `num_warps` / `num_stages` tune the attention launch; the combine launch keeps
+    its defaults. None: KV blocks of 64 and Triton's defaults, except under a custom mask (tree
+    or chain verify), where blocks of 128 without software pipelining measured fastest on the
+    H200 (q_len 16 tree at batch 1: 23.3 -> 14.3 us, batch 16: 94 -> 56 us; q_len 4: 12.0 ->
+    9.0 us; scripts/bench_attention.py, experiments/2026-11-30-attention-sweep.json).
     """
+    if block_n is None:
+        block_n = 128 if custom_mask is not None else 64
+    if num_stages is None and custom_mask is not None:
+        num_stages = 1
     num_tokens, num_heads, head_dim = q.shape
     page_size, num_kv_heads, head_dim_v = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
     bs = seq_lens.shape[0]
