@@ -14,7 +14,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv > "$o
 "${ss[@]}" doctor > "$out/doctor.txt" 2>&1
 
 if has tests; then
-  timeout 140 python -m pytest -q -m gpu -n 4 -rfE --tb=short -p no:cacheprovider tests \
+  timeout 220 python -m pytest -q -m gpu -n 4 -rfE --tb=short -p no:cacheprovider tests \
     --ignore-glob="tests/test_server*" --ignore=tests/test_bench_serving.py > "$out/gpu_tests.log" 2>&1
   echo "gpu tests rc=$?"; tail -4 "$out/gpu_tests.log"
 fi
