@@ -252,3 +252,22 @@ def test_cuda_graph_capture_matches_cpu() -> None:
         assert torch.equal(getattr(tree_gpu, name).cpu(), getattr(tree_cpu, name)), name
     for name in ("accepted_nodes", "num_accepted", "emitted", "num_emitted"):
         assert torch.equal(getattr(res_gpu, name).cpu(), getattr(res_cpu, name)), name
+
+
+def test_walk_takes_the_first_of_twin_children() -> None:
+    """Siblings carrying the same token: the walk descends into the first one only, even when
+    the second one's subtree would accept more (choosing by depth would bias sampling)."""
+    from specserve.speculative.tree import _ancestor_mask
+    from specserve.speculative.verify import walk_tree
+
+    parents = torch.tensor([[-1, 0, 0, 2, 1, 3]])
+    tokens = torch.tensor([[9, 5, 5, 7, 8, 4]])
+    depth = torch.tensor([[0, 1, 1, 2, 2, 3]])
+    tree = DraftTree(tokens, parents, depth, _ancestor_mask(parents, 3),
+                     torch.zeros(1, 6), max_depth=3)
+    # after the root 5; after node 1 -> 8 (node 4); after node 2 -> 7 (node 3) -> 4 (node 5)
+    for target in ([5, 8, 7, 4, 1, 2], [5, 3, 7, 4, 1, 2], [6, 8, 7, 4, 1, 2]):
+        res = walk_tree(tree, torch.tensor([target]))
+        check_row(res, tree, 0, target)
+    res = walk_tree(tree, torch.tensor([[5, 8, 7, 4, 1, 2]]), max_accept=1)
+    assert res.accepted_nodes.tolist() == [[0, 1, -1, -1]] and res.emitted.tolist() == [[5, 8, -1, -1]]

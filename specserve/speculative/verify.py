@@ -46,31 +46,31 @@ def walk_tree(
     """Accept the path of children that match the target's token at each node.
 
     target_tokens [bs, n]: the token the target emits after node i (its draw or argmax).
-    Stops after max_accept accepted nodes when given. Loops at most max_depth + 1 times on the
-    device, with no host sync.
+    Stops after max_accept accepted nodes when given. The walk descends from each node to
+    its first child carrying the target's token; that is computed for all nodes at once (a
+    node is on the walk iff every node of its root path is such a child), in a few dozen
+    fixed-shape kernels with no loop and no host sync.
     """
-    bs, device = tree.batch_size, tree.tokens.device
+    bs, n = tree.tokens.shape
     width = tree.max_depth + 1
-    accepted = torch.full((bs, width), -1, dtype=torch.int64, device=device)
-    accepted[:, 0] = 0
-    emitted = torch.full((bs, width), -1, dtype=torch.int64, device=device)
-    num_accepted = torch.zeros(bs, dtype=torch.int64, device=device)
-    cur = torch.zeros(bs, dtype=torch.int64, device=device)  # current node
-    alive = torch.ones(bs, dtype=torch.bool, device=device)  # still walking
-    target_tokens = target_tokens.long()
-    steps = tree.max_depth if max_accept is None else min(max_accept, tree.max_depth)
-    for d in range(steps + 1):
-        x = target_tokens.gather(1, cur[:, None])  # [bs, 1] token emitted after cur
-        emitted[:, d] = torch.where(alive, x[:, 0], -1)
-        if d == steps:
-            break
-        match = (tree.parents == cur[:, None]) & (tree.tokens == x)  # [bs, n] child == x
-        found = alive & match.any(dim=1)
-        child = match.to(torch.int8).argmax(dim=1)  # first matching child
-        accepted[:, d + 1] = torch.where(found, child, -1)
-        num_accepted += found.long()
-        cur = torch.where(found, child, cur)
-        alive = found
+    limit = tree.max_depth if max_accept is None else min(max_accept, tree.max_depth)
+    x = target_tokens.long()
+    parents, tokens = tree.parents, tree.tokens
+    idx = torch.arange(n, device=tokens.device)
+    hit = tokens == x.gather(1, parents.clamp(min=0))  # [bs, n] the token after its parent
+    # an earlier sibling with the same token takes the walk instead
+    earlier_twin = ((parents[:, :, None] == parents[:, None, :])
+                    & (tokens[:, :, None] == tokens[:, None, :])
+                    & (idx[None, None, :] < idx[None, :, None])).any(dim=2)  # [bs, n]
+    step_ok = ((hit & ~earlier_twin) | (parents < 0)) & (tree.depth <= limit)
+    on_walk = ~(tree.mask & ~step_ok[:, None, :]).any(dim=2)  # [bs, n] whole root path ok
+    last = torch.where(on_walk, tree.depth, -1).argmax(dim=1)  # [bs] deepest node walked
+    num_accepted = tree.depth.gather(1, last[:, None]).squeeze(1)
+    path = tree.mask.gather(1, last[:, None, None].expand(-1, 1, n)).squeeze(1)  # [bs, n]
+    column = torch.where(path, tree.depth, width)  # path node -> its depth, others dumped
+    accepted = torch.full((bs, width + 1), -1, dtype=torch.int64, device=tokens.device)
+    accepted = accepted.scatter(1, column, idx.expand(bs, n))[:, :width]
+    emitted = torch.where(accepted >= 0, x.gather(1, accepted.clamp(min=0)), -1)
     return VerifyResult(accepted, num_accepted, emitted, num_accepted + 1)
 
 
