@@ -169,12 +169,17 @@ def make_batch(spec: CaseSpec, bs: int, s: Shapes, sets: int, seed: int = 0) -> 
     )  # fmt: skip
 
 
-def default_splits(spec: CaseSpec, bs: int, s: Shapes) -> int:
-    """The num_splits `paged_attention` picks for None (its block_m rule, repeated here)."""
+def grid_tiles(spec: CaseSpec, bs: int, s: Shapes) -> int:
+    """(request, query block, kv head) tiles of the launch (paged_attention's block_m rule)."""
     block_g = next_power_of_2(s.num_heads // s.num_kv_heads)
     block_m = min(next_power_of_2(spec.q_len), max(1, pa.TARGET_ROWS // block_g))
     block_m = max(block_m, pa.MIN_DOT // block_g, 1)
-    return pa.default_num_splits(bs * math.ceil(spec.q_len / block_m) * s.num_kv_heads, s.device)
+    return bs * math.ceil(spec.q_len / block_m) * s.num_kv_heads
+
+
+def default_splits(spec: CaseSpec, bs: int, s: Shapes) -> int:
+    """The num_splits `paged_attention` picks for None."""
+    return pa.default_num_splits(grid_tiles(spec, bs, s), s.device)
 
 
 def active_splits(seq_len: int, splits: int, block_n: int) -> int:
@@ -200,8 +205,9 @@ def resolved(cfg: Config, spec: CaseSpec, bs: int, s: Shapes,
              launch_defaults: tuple[int | None, int | None]) -> tuple:  # fmt: skip
     """What the launch actually uses: configs with equal keys are the same kernel launch."""
     masked = spec.mask is not None  # paged_attention's own defaults under a custom mask
+    wide = masked and grid_tiles(spec, bs, s) <= pa.SMALL_GRID
     return (
-        cfg.num_warps if cfg.num_warps is not None else launch_defaults[0],
+        cfg.num_warps if cfg.num_warps is not None else 8 if wide else launch_defaults[0],
         cfg.num_stages if cfg.num_stages is not None else 1 if masked else launch_defaults[1],
         cfg.block_n if cfg.block_n is not None else 128 if masked else 64,
         cfg.num_splits if cfg.num_splits is not None else default_splits(spec, bs, s),

@@ -35,6 +35,7 @@ MAX_SPLITS = 16  # upper bound on KV splits per (request, query block, kv head)
 MIN_COUNTERS = 4096  # smallest arrival-counter buffer (int32 entries, one per tile)
 TARGET_ROWS = 64  # tile rows (queries x grouped heads) per extend program
 MIN_DOT = 16  # smallest tl.dot dimension on GPUs
+SMALL_GRID = 16  # masked launches of at most this many (request, query block, kv head) tiles
 LOG2E = 1.4426950408889634
 
 
@@ -312,6 +313,8 @@ def paged_attention(
     block_m = max(block_m, MIN_DOT // block_g, 1)
     num_m_blocks = math.ceil(max_query_len / block_m)
     grid_programs = bs * num_m_blocks * num_kv_heads
+    if num_warps is None and custom_mask is not None and grid_programs <= SMALL_GRID:
+        num_warps = 8  # few tiles: wider programs (q_len 16 tree, batch 1: 14.3 -> 13.8 us)
     if num_splits is None:
         num_splits = default_num_splits(grid_programs, q.device)
     if out is None:

@@ -60,10 +60,13 @@ class SpecCycle:
         page_table [bs, max_pages]; valid [bs]. Returns emitted [bs, W] (-1 padded),
         num_emitted [bs] and the head's new last output [bs, H]."""
         tree = self.propose(last_out, root_pos, root_tokens, page_table, valid)
-        result, feats = self.verify(mode, tree, root_pos, page_table, valid, st)
+        # KV slots of positions P .. P + lookahead (every slot the cycle writes past P), once
+        span = torch.arange(self.drafter.lookahead + 1, device=root_pos.device)
+        window = self._slots(page_table, root_pos[:, None] + span)  # [bs, L]
+        result, feats = self.verify(mode, tree, root_pos, page_table, valid, st, window)
         if self.k > 1:
-            self.compact_kv(result, page_table, root_pos, valid)
-        new_last = self.extend(result, feats, root_pos, page_table, valid)
+            self.compact_kv(result, window, valid)
+        new_last = self.extend(result, feats, root_pos, page_table, valid, window)
         return result.emitted, result.num_emitted, new_last
 
     def propose(self, last_out: torch.Tensor, root_pos: torch.Tensor, root_tokens: torch.Tensor,
@@ -73,17 +76,18 @@ class SpecCycle:
         each query sees the draft prefix plus its ancestors among the scratch."""
         head, k, runner = self.head, self.k, self.runner
         bs, hidden = last_out.shape
+        scratch_span = torch.arange(max(self.num_steps - 1, 1) * k, device=last_out.device)
+        scratch_slots = self._slots(page_table, root_pos[:, None] + scratch_span, valid)
         logp, draft_ids = top_log_probs(head.compute_logits(last_out), k)
         acc = TreeAccumulator(logp, draft_ids, self.drafter.d2t)
         parent_out = last_out[:, None, :].expand(bs, k, hidden)  # [bs, k, H]
-        arange_k = torch.arange(k, device=last_out.device)
         for s in range(1, self.num_steps):
             cols = torch.arange(s, device=last_out.device) * k + acc.frontier_path  # [bs, k, s]
             mask = torch.zeros(bs, k, s * k, dtype=torch.bool, device=last_out.device)
             mask.scatter_(2, cols, True)
-            scratch = root_pos[:, None] + (s - 1) * k + arange_k  # [bs, k]
-            md = runner.graph_metadata(self._slots(page_table, scratch, valid),
-                                       (root_pos + s * k).int(), page_table, k, mask)
+            scratch = scratch_slots[:, (s - 1) * k:s * k]  # slots of P + (s-1)k .. P + sk - 1
+            md = runner.graph_metadata(scratch.contiguous(), (root_pos + s * k).int(),
+                                       page_table, k, mask)
             positions = (root_pos + s - 1)[:, None].expand(bs, k)
             y = self._head(acc.frontier_tokens.reshape(-1), positions.reshape(-1),
                            parent_out.reshape(bs * k, hidden), md).view(bs, k, hidden)
@@ -95,16 +99,15 @@ class SpecCycle:
         return acc.build(root_tokens, self.n)
 
     def verify(self, mode: str, tree: DraftTree, root_pos: torch.Tensor,
-               page_table: torch.Tensor, valid: torch.Tensor,
-               st: SamplingTensors) -> tuple[VerifyResult, torch.Tensor]:
+               page_table: torch.Tensor, valid: torch.Tensor, st: SamplingTensors,
+               window: torch.Tensor) -> tuple[VerifyResult, torch.Tensor]:
         """Target forward over the n tree nodes (node i at slot P + i, RoPE position
         P + depth, the ancestor mask), then acceptance. Returns the result and the aux
         features of every node [bs, n, 3H]."""
         runner, capture = self.runner, self.drafter.capture
         bs, n = tree.tokens.shape
-        nodes = root_pos[:, None] + torch.arange(n, device=root_pos.device)
-        md = runner.graph_metadata(self._slots(page_table, nodes, valid),
-                                   (root_pos + n).int(), page_table, n, tree.mask)
+        slots = torch.where(valid[:, None], window[:, :n], -1)
+        md = runner.graph_metadata(slots, (root_pos + n).int(), page_table, n, tree.mask)
         capture.enable()
         hidden = runner.forward(tree.tokens.reshape(-1), tree.positions(root_pos).reshape(-1),
                                 md)
@@ -120,20 +123,22 @@ class SpecCycle:
         uniforms = uniform_noise(st.seeds, root_pos, n, ACCEPT_SALT)
         return verify(tree, probs, uniforms), feats
 
-    def compact_kv(self, result: VerifyResult, page_table: torch.Tensor,
-                   root_pos: torch.Tensor, valid: torch.Tensor) -> None:
+    def compact_kv(self, result: VerifyResult, window: torch.Tensor, valid: torch.Tensor) -> None:
         """Move the accepted nodes' target K/V from P + node to P + depth (fixed shapes: rows
-        and path entries with nothing to move copy a slot onto itself)."""
+        and path entries with nothing to move copy a slot onto itself). window [bs, L]: the
+        slots of P .. P + L - 1."""
         nodes = result.accepted_nodes  # [bs, w], -1 padded
-        depth = torch.arange(nodes.shape[1], device=nodes.device).expand_as(nodes)
+        w = nodes.shape[1]
+        depth = torch.arange(w, device=nodes.device).expand_as(nodes)
         keep = (nodes >= 0) & valid[:, None]
-        src = self._slots(page_table, root_pos[:, None] + torch.where(keep, nodes, depth))
-        dst = self._slots(page_table, root_pos[:, None] + depth)
+        src = window.gather(1, torch.where(keep, nodes, depth))
+        dst = window[:, :w].contiguous()
         pool, layers = self.runner.kv_pool, len(self.runner.attn_layers)
         compact_kv(pool.k, pool.v, layers, src, dst)  # every target layer, k and v: one launch
 
     def extend(self, result: VerifyResult, feats: torch.Tensor, root_pos: torch.Tensor,
-               page_table: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+               page_table: torch.Tensor, valid: torch.Tensor,
+               window: torch.Tensor) -> torch.Tensor:
         """Draft KV over the emitted tokens: pairs (feature of accepted node j, emitted token j)
         at positions P + j, padded to W tokens per request (padding writes nothing)."""
         bs, w = result.emitted.shape
@@ -141,7 +146,7 @@ class SpecCycle:
         j = torch.arange(w, device=root_pos.device)
         pos = root_pos[:, None] + j  # [bs, W]
         live = valid[:, None] & (j[None, :] < result.num_emitted[:, None])
-        slots = torch.where(live, self._slots(page_table, pos, valid), -1)
+        slots = torch.where(live, window[:, :w], -1)
         md = self.runner.graph_metadata(slots, (root_pos + w).int(), page_table, w)
         nodes = result.accepted_nodes.clamp(min=0)
         f = feats.gather(1, nodes[:, :, None].expand(-1, -1, feats.shape[-1]))  # [bs, W, 3H]
