@@ -185,8 +185,8 @@ class EngineConfig:
     enforce_eager: bool = _f(False, "disable CUDA graphs")
     cuda_graph_max_bs: int = _f(128, "largest decode batch captured in a CUDA graph")
     decode_overlap: str = _f(
-        "auto", "launch the next decode step before the host reads this one (hides the "
-        "scheduler's host work); auto: on where decode CUDA graphs are captured",
+        "auto", "launch the next decode step (or speculative cycle) before the host reads "
+        "this one (hides the host's work); auto: on where decode CUDA graphs are captured",
         choices=("auto", "on", "off"))
     cpu_threads: int = _f(
         0, "torch threads on the CPU (0 = auto: 1 for small models, whose matmuls are too "

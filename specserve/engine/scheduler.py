@@ -97,7 +97,8 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # unfinished requests by id
         self._lookahead = 0
         # KV slots each decoding request keeps past its valid KV after a step: 1 lets the
-        # runner launch the next decode step before this one's tokens reach the host
+        # runner launch the next decode step before this one's tokens reach the host, W +
+        # lookahead the drafter its next speculative cycle
         self.keep_ahead = 0
 
     # -- state ---------------------------------------------------------------------------------
