@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from specserve.kernels.kv_compact import compact_kv
+from specserve.kernels.topk import top_log_probs
 from specserve.layers.attention_metadata import ForwardContext, set_forward_context
 from specserve.layers.sampler import (
     ACCEPT_SALT,
@@ -22,7 +23,7 @@ from specserve.layers.sampler import (
     probs_from_logits,
     uniform_noise,
 )
-from specserve.speculative.tree import DraftTree, TreeAccumulator, top_log_probs
+from specserve.speculative.tree import DraftTree, TreeAccumulator
 from specserve.speculative.verify import VerifyResult, synthetic_accept, verify, walk_tree
 
 MODES = ("greedy", "sample", "synthetic")

@@ -48,28 +48,6 @@ def map_draft_tokens(tokens: torch.Tensor, d2t: torch.Tensor | None) -> torch.Te
     return tokens if d2t is None else tokens + d2t[tokens]
 
 
-def top_log_probs(logits: torch.Tensor, k: int, chunks: int = 32
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[rows, V] logits -> the k best log-probs [rows, k] (descending) and their ids [rows, k].
-
-    Two-stage top-k: the best k of each of `chunks` column blocks, then the best k of those.
-    Over a draft vocabulary (32k-128k columns, a few rows) one torch.topk runs a multi-pass
-    radix select of ~20 kernels; two top-k over short rows take a few. log p = logit - lse.
-    """
-    rows, v = logits.shape
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-    width = -(-v // chunks)
-    if chunks == 1 or width < k:
-        values, ids = logits.topk(k, dim=-1)
-        return values - lse, ids
-    if width * chunks != v:
-        logits = torch.nn.functional.pad(logits, (0, width * chunks - v), value=float("-inf"))
-    values, index = logits.view(rows, chunks, width).topk(k, dim=-1)  # [rows, chunks, k]
-    best, flat = values.flatten(1).topk(k, dim=-1)  # [rows, k]
-    ids = index.flatten(1).gather(1, flat) + (flat // k) * width
-    return best - lse, ids
-
-
 def cumulative_scores(scores: torch.Tensor, child_logp: torch.Tensor) -> torch.Tensor:
     """[bs, k] parent scores + [bs, k, c] child log-probs -> [bs, k * c] child scores.
 
