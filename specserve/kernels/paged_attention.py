@@ -12,9 +12,10 @@ tile is loaded once for the whole group. The KV range is cut into `num_splits` c
 combines them; with `fused_combine=True` the last split program of each tile to finish
 combines them instead (an arrival counter per tile, the split-K semaphore pattern), in one
 launch. The fused form is not the default: on the H200 it measured slower at batch 1 (its
-combining program reads the splits one after another; experiments/2026-11-30-h200-624f8f1.md). Launch grids depend only on (batch size, heads, max_query_len,
-num_splits), never on sequence lengths, which the kernels read from device memory: decode and
-verify launches are CUDA-graph capturable.
+combining program reads the splits one after another; experiments/2026-11-30-h200-624f8f1.md).
+Launch grids depend only on (batch size, heads, max_query_len, num_splits), never on sequence
+lengths, which the kernels read from device memory: decode and verify launches are CUDA-graph
+capturable. The combine kernel and the split count live in kernels/split_kv.py.
 
 The arrival counters live in one zero-filled int32 buffer per device (`split_counters`), reused
 by every launch; each launch leaves it all zeros again (the combining program resets its
@@ -24,15 +25,19 @@ therefore not run concurrently: the attention kernels are issued on one stream a
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
 from specserve.kernels.dispatch import jit, next_power_of_2, tl, triton  # noqa: F401
+from specserve.kernels.split_kv import (  # noqa: F401  (MAX_SPLITS, _split_counters: API/tests)
+    MAX_SPLITS,
+    _combine_splits_kernel,
+    _split_counters,
+    default_num_splits,
+    split_counters,
+)
 
-MAX_SPLITS = 16  # upper bound on KV splits per (request, query block, kv head)
-MIN_COUNTERS = 4096  # smallest arrival-counter buffer (int32 entries, one per tile)
 TARGET_ROWS = 64  # tile rows (queries x grouped heads) per extend program
 MIN_DOT = 16  # smallest tl.dot dimension on GPUs
 SMALL_GRID = 16  # masked launches of at most this many (request, query block, kv head) tiles
@@ -186,81 +191,6 @@ def _paged_attention_kernel(
                 dst = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :]
                 tl.store(dst, o_sum.to(out_ptr.dtype.element_ty), mask=o_mask)
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero for the next launch
-
-
-@jit
-def _combine_splits_kernel(
-    mid_o_ptr, mid_lse_ptr, out_ptr,
-    stride_mot, stride_moh, stride_mos, stride_mlt, stride_mlh, stride_ot, stride_oh,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
-):  # fmt: skip
-    # out = sum_s w_s * o_s / sum_s w_s with w_s = 2^(lse_s - max lse); one program per (t, h)
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    s = tl.arange(0, BLOCK_S)
-    dv = tl.arange(0, BLOCK_DV)
-    lse = tl.load(
-        mid_lse_ptr + t * stride_mlt + h * stride_mlh + s,
-        mask=s < NUM_SPLITS,
-        other=float("-inf"),
-    )  # [BLOCK_S]
-    lse_max = tl.max(lse, 0)
-    w = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
-    o = tl.load(
-        mid_o_ptr + t * stride_mot + h * stride_moh + s[:, None] * stride_mos + dv[None, :],
-        mask=(s[:, None] < NUM_SPLITS) & (w[:, None] > 0) & (dv[None, :] < HEAD_DIM_V),
-        other=0.0,
-    )  # [BLOCK_S, BLOCK_DV]
-    total = tl.sum(w, 0)
-    o = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + dv, o.to(out_ptr.dtype.element_ty),
-             mask=dv < HEAD_DIM_V)  # fmt: skip
-
-
-_split_counters: dict[torch.device, torch.Tensor] = {}  # device -> zeroed int32 counters
-_kept_counters: list[torch.Tensor] = []  # buffers a captured CUDA graph may still point at
-
-
-def split_counters(size: int, device: torch.device) -> torch.Tensor:
-    """The device's arrival-counter buffer (int32, all zeros between launches), >= size entries.
-
-    Allocated once and reused: every fused launch resets the counters it used, so the buffer is
-    zeroed again when the launch ends, and a CUDA graph that captured it finds it zeroed at each
-    replay. It only grows (never shrinks) and a replaced buffer is kept alive, since a captured
-    graph may still use it. Growing while a CUDA graph is being captured allocates a buffer of
-    that graph's own (its zero-fill is captured and runs at every replay), kept alive but not
-    cached: outside the graph its contents were never written. Launches sharing the buffer must
-    not overlap (one stream at a time).
-    """
-    buf = _split_counters.get(device)
-    if buf is not None and buf.numel() >= size:
-        return buf
-    size = max(size, MIN_COUNTERS, 2 * buf.numel() if buf is not None else 0)
-    new = torch.zeros(size, dtype=torch.int32, device=device)
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        _kept_counters.append(new)
-        return new
-    if buf is not None:
-        _kept_counters.append(buf)
-    _split_counters[device] = new
-    return new
-
-
-@functools.lru_cache(maxsize=8)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def default_num_splits(num_programs: int, device: torch.device) -> int:
-    """KV splits so that about two waves of programs cover the GPU.
-
-    Depends only on the grid (batch size, heads, query blocks), never on sequence lengths, so a
-    captured CUDA graph keeps a valid split count; splits past a short sequence exit at once.
-    """
-    return max(1, min(MAX_SPLITS, 2 * _num_sms(device) // max(num_programs, 1)))
 
 
 def paged_attention(

@@ -1,0 +1,94 @@
+"""Flash-decoding split helpers for the paged-attention kernel (kernels/paged_attention.py).
+
+The attention launch cuts each tile's KV range into `num_splits` chunks; each split writes a
+partial output and its log-sum-exp, and `_combine_splits_kernel` merges them (or, with
+`fused_combine`, the last split of each tile does, through the arrival counters kept here).
+`default_num_splits` picks the split count from the grid alone, so captured CUDA graphs keep a
+valid one.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from specserve.kernels.dispatch import jit, tl
+
+MAX_SPLITS = 16  # upper bound on KV splits per (request, query block, kv head)
+MIN_COUNTERS = 4096  # smallest arrival-counter buffer (int32 entries, one per tile)
+
+
+@jit
+def _combine_splits_kernel(
+    mid_o_ptr, mid_lse_ptr, out_ptr,
+    stride_mot, stride_moh, stride_mos, stride_mlt, stride_mlh, stride_ot, stride_oh,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    # out = sum_s w_s * o_s / sum_s w_s with w_s = 2^(lse_s - max lse); one program per (t, h)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    dv = tl.arange(0, BLOCK_DV)
+    lse = tl.load(
+        mid_lse_ptr + t * stride_mlt + h * stride_mlh + s,
+        mask=s < NUM_SPLITS,
+        other=float("-inf"),
+    )  # [BLOCK_S]
+    lse_max = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
+    o = tl.load(
+        mid_o_ptr + t * stride_mot + h * stride_moh + s[:, None] * stride_mos + dv[None, :],
+        mask=(s[:, None] < NUM_SPLITS) & (w[:, None] > 0) & (dv[None, :] < HEAD_DIM_V),
+        other=0.0,
+    )  # [BLOCK_S, BLOCK_DV]
+    total = tl.sum(w, 0)
+    o = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + dv, o.to(out_ptr.dtype.element_ty),
+             mask=dv < HEAD_DIM_V)  # fmt: skip
+
+
+_split_counters: dict[torch.device, torch.Tensor] = {}  # device -> zeroed int32 counters
+_kept_counters: list[torch.Tensor] = []  # buffers a captured CUDA graph may still point at
+
+
+def split_counters(size: int, device: torch.device) -> torch.Tensor:
+    """The device's arrival-counter buffer (int32, all zeros between launches), >= size entries.
+
+    Allocated once and reused: every fused launch resets the counters it used, so the buffer is
+    zeroed again when the launch ends, and a CUDA graph that captured it finds it zeroed at each
+    replay. It only grows (never shrinks) and a replaced buffer is kept alive, since a captured
+    graph may still use it. Growing while a CUDA graph is being captured allocates a buffer of
+    that graph's own (its zero-fill is captured and runs at every replay), kept alive but not
+    cached: outside the graph its contents were never written. Launches sharing the buffer must
+    not overlap (one stream at a time).
+    """
+    buf = _split_counters.get(device)
+    if buf is not None and buf.numel() >= size:
+        return buf
+    size = max(size, MIN_COUNTERS, 2 * buf.numel() if buf is not None else 0)
+    new = torch.zeros(size, dtype=torch.int32, device=device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        _kept_counters.append(new)
+        return new
+    if buf is not None:
+        _kept_counters.append(buf)
+    _split_counters[device] = new
+    return new
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_num_splits(num_programs: int, device: torch.device) -> int:
+    """KV splits so that about two waves of programs cover the GPU.
+
+    Depends only on the grid (batch size, heads, query blocks), never on sequence lengths, so a
+    captured CUDA graph keeps a valid split count; splits past a short sequence exit at once.
+    """
+    return max(1, min(MAX_SPLITS, 2 * _num_sms(device) // max(num_programs, 1)))
