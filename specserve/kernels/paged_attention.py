@@ -193,6 +193,32 @@ def _paged_attention_kernel(
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero for the next launch
 
 
+def launch_plan(bs: int, max_query_len: int, group: int, num_kv_heads: int, masked: bool,
+                device: torch.device, num_splits: int | None = None, block_n: int | None = None,
+                num_warps: int | None = None, num_stages: int | None = None) -> tuple:
+    """(block_m, num_m_blocks, num_splits, block_n, num_warps, num_stages) of an attention
+    launch, each None argument replaced by its default (num_warps / num_stages may stay None:
+    Triton's own). Tile rows are queries x grouped heads: at least MIN_DOT, about TARGET_ROWS
+    for longer queries. Under a custom mask (tree or chain verify) KV blocks of 128 without
+    software pipelining, and 8 warps over at most SMALL_GRID tiles, measured fastest on the
+    H200 (q_len 16 tree at batch 1: 23.3 -> 13.8 us, batch 16: 94 -> 56 us; q_len 4: 12.0 ->
+    9.0 us; scripts/bench_attention.py, experiments/2026-11-30-attention-sweep.json)."""
+    block_g = next_power_of_2(group)
+    block_m = min(next_power_of_2(max_query_len), max(1, TARGET_ROWS // block_g))
+    block_m = max(block_m, MIN_DOT // block_g, 1)
+    num_m_blocks = math.ceil(max_query_len / block_m)
+    tiles = bs * num_m_blocks * num_kv_heads
+    if num_splits is None:
+        num_splits = default_num_splits(tiles, device)
+    if block_n is None:
+        block_n = 128 if masked else 64
+    if num_stages is None and masked:
+        num_stages = 1
+    if num_warps is None and masked and tiles <= SMALL_GRID:
+        num_warps = 8
+    return block_m, num_m_blocks, num_splits, block_n, num_warps, num_stages
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim]
@@ -218,35 +244,22 @@ def paged_attention(
     request r owns token r. Tokens outside every request's query range are not written.
     With num_splits > 1 the splits are merged by a second launch, or with `fused_combine` inside
     the attention launch (the last split of each tile to finish does it).
-    `block_n` / `num_warps` / `num_stages` tune the attention launch; the combine launch keeps
-    its defaults. None: KV blocks of 64 and Triton's defaults, except under a custom mask (tree
-    or chain verify), where blocks of 128 without software pipelining measured fastest on the
-    H200 (q_len 16 tree at batch 1: 23.3 -> 14.3 us, batch 16: 94 -> 56 us; q_len 4: 12.0 ->
-    9.0 us; scripts/bench_attention.py, experiments/2026-11-30-attention-sweep.json).
+    `block_n` / `num_warps` / `num_stages` tune the attention launch (defaults: launch_plan);
+    the combine launch keeps its defaults.
     """
-    if block_n is None:
-        block_n = 128 if custom_mask is not None else 64
-    if num_stages is None and custom_mask is not None:
-        num_stages = 1
     num_tokens, num_heads, head_dim = q.shape
     page_size, num_kv_heads, head_dim_v = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
     bs = seq_lens.shape[0]
     assert num_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-    assert block_n >= MIN_DOT and block_n == next_power_of_2(block_n)
     is_decode = query_start_loc is None
     assert not is_decode or (max_query_len == 1 and num_tokens == bs and custom_mask is None)
     group = num_heads // num_kv_heads
-    block_g = next_power_of_2(group)
-    # rows = queries x grouped heads: at least MIN_DOT, about TARGET_ROWS for longer queries
-    block_m = min(next_power_of_2(max_query_len), max(1, TARGET_ROWS // block_g))
-    block_m = max(block_m, MIN_DOT // block_g, 1)
-    num_m_blocks = math.ceil(max_query_len / block_m)
+    plan = launch_plan(bs, max_query_len, group, num_kv_heads, custom_mask is not None, q.device,
+                       num_splits, block_n, num_warps, num_stages)
+    block_m, num_m_blocks, num_splits, block_n, num_warps, num_stages = plan
     grid_programs = bs * num_m_blocks * num_kv_heads
-    if num_warps is None and custom_mask is not None and grid_programs <= SMALL_GRID:
-        num_warps = 8  # few tiles: wider programs (q_len 16 tree, batch 1: 14.3 -> 13.8 us)
-    if num_splits is None:
-        num_splits = default_num_splits(grid_programs, q.device)
+    assert block_n >= MIN_DOT and block_n == next_power_of_2(block_n)
     if out is None:
         out = q.new_empty(num_tokens, num_heads, head_dim_v)
     if num_tokens == 0:
@@ -276,7 +289,7 @@ def paged_attention(
         page_table.stride(0), *mask_strides,
         *(mid_o.stride()[:3] if num_splits > 1 else (0, 0, 0)),
         *(mid_lse.stride()[:2] if num_splits > 1 else (0, 0)),
-        GROUP=group, BLOCK_G=block_g, BLOCK_M=block_m, BLOCK_N=block_n,
+        GROUP=group, BLOCK_G=next_power_of_2(group), BLOCK_M=block_m, BLOCK_N=block_n,
         PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
         HEAD_DIM_V=head_dim_v, BLOCK_DV=next_power_of_2(head_dim_v), NUM_SPLITS=num_splits,
         BLOCK_S=next_power_of_2(num_splits), FUSED_COMBINE=fused,
