@@ -46,12 +46,6 @@ def test_kernel_interpreter() -> None:
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout + res.stderr
 
 
-def test_reference_path_on_cpu() -> None:
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("the interpreter would run the kernel")
-    check("cpu", torch.float32)
-
-
 @pytest.mark.gpu
 def test_kernel_cuda() -> None:
     if not torch.cuda.is_available():

@@ -7,7 +7,6 @@ import struct
 import pytest
 import torch
 
-from specserve.kernels.topk import top_log_probs_ref
 from specserve.speculative.tree import TreeAccumulator, expand_frontier
 
 
@@ -175,15 +174,3 @@ def test_positions_and_root_only_tree() -> None:
     root_only, _ = run_tree(steps, torch.tensor([3, 4]), 1)
     assert root_only.tokens.tolist() == [[3], [4]] and root_only.max_depth == 0
 
-
-@pytest.mark.parametrize("rows,v,k,chunks", [(4, 32000, 4, 32), (3, 1000, 2, 32), (2, 37, 4, 32),
-                                             (5, 50, 1, 8), (1, 7, 4, 32), (2, 64, 4, 1)])
-def test_top_log_probs_is_log_softmax_top_k(rows: int, v: int, k: int, chunks: int) -> None:
-    # distinct logits, so the top-k set and its order are unique
-    logits = torch.randperm(rows * v, generator=torch.Generator().manual_seed(v)).float()
-    logits = (logits.view(rows, v) * (20.0 / (rows * v))).contiguous()
-    want_logp, want_ids = logits.log_softmax(-1).topk(k, dim=-1)
-    logp, ids = top_log_probs_ref(logits, k, chunks)
-    assert ids.dtype == torch.int64 and ids.shape == (rows, k)
-    assert torch.equal(ids, want_ids)
-    torch.testing.assert_close(logp, want_logp)
