@@ -5,14 +5,11 @@ ahead); the GPU form replays decode graphs through the same code."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
-from tiny_models import make_tiny_checkpoint, record_preemptions
+from tiny_models import make_tiny_checkpoint, random_workload, record_preemptions
 
 from specserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from specserve.engine.engine import Engine
-from specserve.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -28,33 +25,7 @@ def drive(path: str, overlap: str, seed: int) -> tuple[dict, Engine, list]:
         cache=CacheConfig(page_size=4, num_pages=48),
         scheduler=SchedulerConfig(max_num_batched_tokens=40, max_num_seqs=6)))
     preempted = record_preemptions(engine.scheduler)
-    rng = random.Random(seed)
-    outputs: dict[str, list[int]] = {}
-    finished: dict[str, str] = {}
-    for step in range(400):
-        if step < 120 and rng.random() < 0.25:
-            rid = f"r{step}"
-            prompt = [rng.randrange(3, 500) for _ in range(rng.randint(1, 40))]
-            greedy = rng.random() < 0.5
-            params = SamplingParams(
-                temperature=0.0 if greedy else 0.9, top_k=0 if greedy else 40,
-                seed=rng.randrange(1 << 30), max_tokens=rng.randint(1, 40),
-                stop_token_ids=[rng.randrange(3, 500) for _ in range(3)], ignore_eos=True)
-            engine.add_request(rid, prompt, params)
-            outputs[rid] = []
-        if rng.random() < 0.03 and outputs:
-            victim = rng.choice(sorted(outputs))
-            if victim not in finished and engine.get_request(victim) is not None:
-                engine.abort_request(victim)
-                finished[victim] = "abort"
-        for out in engine.step():
-            outputs[out.request_id].extend(out.new_token_ids)
-            if out.finished:
-                finished[out.request_id] = out.finish_reason
-        if step >= 120 and not engine.has_unfinished():
-            break
-    assert not engine.has_unfinished()
-    return {k: (v, finished.get(k)) for k, v in outputs.items()}, engine, preempted
+    return random_workload(engine, seed, max_tokens=40, arrival_p=0.25), engine, preempted
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

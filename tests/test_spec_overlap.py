@@ -6,16 +6,13 @@ cycles are graph replays."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from tiny_eagle import make_tiny_eagle3_head
-from tiny_models import make_tiny_checkpoint, record_preemptions
+from tiny_models import make_tiny_checkpoint, random_workload, record_preemptions
 
 from specserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from specserve.engine.engine import Engine
-from specserve.sampling_params import SamplingParams
 
 NUM_PAGES = 64  # small enough to force preemptions
 CONFIGS = {
@@ -54,33 +51,7 @@ def drive(pair: tuple[str, str], spec: dict, overlap: str, seed: int, device: st
     assert engine.scheduler.keep_ahead == (0 if overlap == "off" else keep_ahead(engine))
     engine.scheduler.keep_ahead = keep_ahead(engine)
     preempted = record_preemptions(engine.scheduler)
-    rng = random.Random(seed)
-    outputs: dict[str, list[int]] = {}
-    finished: dict[str, str] = {}
-    for step in range(600):
-        if step < 80 and rng.random() < 0.2:
-            rid = f"r{step}"
-            prompt = [rng.randrange(3, 500) for _ in range(rng.randint(1, 40))]
-            greedy = rng.random() < 0.5
-            params = SamplingParams(
-                temperature=0.0 if greedy else 0.9, top_k=0 if greedy else 40,
-                seed=rng.randrange(1 << 30), max_tokens=rng.randint(1, 48),
-                stop_token_ids=[rng.randrange(3, 500) for _ in range(3)], ignore_eos=True)
-            engine.add_request(rid, prompt, params)
-            outputs[rid] = []
-        if rng.random() < 0.03 and outputs:
-            victim = rng.choice(sorted(outputs))
-            if victim not in finished and engine.get_request(victim) is not None:
-                engine.abort_request(victim)
-                finished[victim] = "abort"
-        for out in engine.step():
-            outputs[out.request_id].extend(out.new_token_ids)
-            if out.finished:
-                finished[out.request_id] = out.finish_reason
-        if step >= 80 and not engine.has_unfinished():
-            break
-    assert not engine.has_unfinished()
-    return {k: (v, finished.get(k)) for k, v in outputs.items()}, engine, preempted
+    return random_workload(engine, seed, max_tokens=48, arrival_p=0.2, arrivals_until=80), engine, preempted
 
 
 def keep_ahead(engine: Engine) -> int:

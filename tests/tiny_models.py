@@ -182,3 +182,39 @@ def record_preemptions(scheduler) -> list:
 
     scheduler.schedule = spy
     return preempted
+
+
+def random_workload(engine, seed: int, max_tokens: int, arrival_p: float,
+                    arrivals_until: int = 120, max_steps: int = 600) -> dict:
+    """A scripted random workload: greedy and sampled requests (seeded, with stop tokens)
+    arrive over the first `arrivals_until` steps, some are aborted; stepped until all end.
+    Returns {request id: (tokens, finish reason)}."""
+    from specserve.sampling_params import SamplingParams
+
+    rng = random.Random(seed)
+    outputs: dict[str, list[int]] = {}
+    finished: dict[str, str] = {}
+    for step in range(max_steps):
+        if step < arrivals_until and rng.random() < arrival_p:
+            rid = f"r{step}"
+            prompt = [rng.randrange(3, 500) for _ in range(rng.randint(1, 40))]
+            greedy = rng.random() < 0.5
+            params = SamplingParams(
+                temperature=0.0 if greedy else 0.9, top_k=0 if greedy else 40,
+                seed=rng.randrange(1 << 30), max_tokens=rng.randint(1, max_tokens),
+                stop_token_ids=[rng.randrange(3, 500) for _ in range(3)], ignore_eos=True)
+            engine.add_request(rid, prompt, params)
+            outputs[rid] = []
+        if rng.random() < 0.03 and outputs:
+            victim = rng.choice(sorted(outputs))
+            if victim not in finished and engine.get_request(victim) is not None:
+                engine.abort_request(victim)
+                finished[victim] = "abort"
+        for out in engine.step():
+            outputs[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                finished[out.request_id] = out.finish_reason
+        if step >= arrivals_until and not engine.has_unfinished():
+            break
+    assert not engine.has_unfinished()
+    return {k: (v, finished.get(k)) for k, v in outputs.items()}
