@@ -12,7 +12,6 @@ from tiny_models import LLAMA3_ROPE
 
 from specserve.config import CacheConfig
 from specserve.distributed import parallel_state
-from specserve.engine.forward_batch import build_attention_metadata, build_positions
 from specserve.kv_cache.pool import KVPool, bytes_per_page, pages_for_budget, plan_num_pages
 from specserve.layers.activation import SiluAndMul
 from specserve.layers.attention import Attention
@@ -27,6 +26,7 @@ from specserve.layers.linear import (
 )
 from specserve.layers.norm import RMSNorm
 from specserve.layers.rotary import RotaryEmbedding, ensure_rope_capacity
+from specserve.worker.forward_batch import build_attention_metadata, build_positions
 
 ROPE_CASES = {
     "default": None,

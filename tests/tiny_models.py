@@ -143,8 +143,8 @@ class PagedSession:
     def step(self, new_tokens: dict[int, list[int]], logits: bool = True) -> list[torch.Tensor]:
         """Run new_tokens[req] for each request; returns per request its logits [n, vocab]
         (or its final hidden states [n, H] with logits=False)."""
-        from specserve.engine.forward_batch import build_attention_metadata, build_positions
         from specserve.layers.attention_metadata import ForwardContext, set_forward_context
+        from specserve.worker.forward_batch import build_attention_metadata, build_positions
 
         reqs = list(new_tokens)
         q_lens = [len(new_tokens[r]) for r in reqs]
