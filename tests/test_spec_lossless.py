@@ -122,15 +122,15 @@ def _oracle_propose(llm: LLM, reference: dict, decoys: bool):
         return torch.tensor(rows_lp, device=device), torch.tensor(rows_id, device=device)
 
     stash: list = []
-    speculate = drafter._speculate
+    speculate = drafter.cycles.speculate
 
     def spy(rows, *args, **kw):
         stash[:] = [rows]
         return speculate(rows, *args, **kw)
 
-    drafter._speculate = spy
+    drafter.cycles.speculate = spy
 
-    def propose(last_out, root_pos, root_tokens, page_table, valid):
+    def propose(shape, state, root_pos, root_tokens, page_table, valid):
         reqs = [llm.engine.get_request(rid) for rid in stash[0].request_ids]
         roots = stash[0].starts.tolist()
         lp, ids = logp_and_ids([truth(r, p, 1) for r, p in zip(reqs, roots)], decoys)
@@ -153,7 +153,7 @@ def test_oracle_chain_accept_length_is_exact(pair, reference, steps: int) -> Non
     # eager: the oracle replaces a Python method, which a captured graph would not call
     llm = _llm(pair[0], dict(algorithm="eagle3", draft_model=pair[1], num_steps=steps, topk=1),
                enforce_eager=True)
-    llm.engine.drafter.cycle.propose = _oracle_propose(llm, reference, decoys=False)
+    llm.engine.drafter.proposer.propose = _oracle_propose(llm, reference, decoys=False)
     prompts = [list(p) for p in reference][:4]
     cycles = 3
     # one token from the prefill, then `cycles` full cycles of steps + 1 tokens
@@ -177,7 +177,7 @@ def test_oracle_tree_with_decoys_compacts_kv(pair, reference, topk: int, n: int)
     nodes' KV is moved into place."""
     llm = _llm(pair[0], dict(algorithm="eagle3", draft_model=pair[1], num_steps=3, topk=topk,
                              num_draft_tokens=n), enforce_eager=True)
-    llm.engine.drafter.cycle.propose = _oracle_propose(llm, reference, decoys=True)
+    llm.engine.drafter.proposer.propose = _oracle_propose(llm, reference, decoys=True)
     prompts = [list(p) for p in reference][:4]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
                                                 ignore_eos=True))
