@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from specserve.config import EngineConfig, ModelConfig
+from specserve.distributed.parallel_state import min_over_ranks
 from specserve.kv_cache.pool import KVPool, plan_num_pages
 from specserve.layers.attention import Attention
 from specserve.layers.attention_metadata import (
@@ -182,6 +183,8 @@ class ModelRunner:
         num_layers = len(self.attn_layers) + self.extra_kv_layers
         kv_heads = mc.num_kv_heads // self.tp_size
         num_pages = plan_num_pages(cc, num_layers, kv_heads, mc.head_dim, self.dtype, self.device)
+        # every rank holds the same pages (one allocator on rank 0): the least free memory wins
+        num_pages = min_over_ranks(num_pages)
         # one spare page past the allocator's range: CUDA-graph padding rows point at it
         self.spare_page = num_pages
         return KVPool(num_layers, num_pages + 1, cc.page_size, kv_heads, mc.head_dim, self.dtype,
