@@ -21,6 +21,7 @@ import torch
 
 from specserve.kernels import mla_attention as mla_ref
 from specserve.kernels.kv_store import store_kv_ref
+from specserve.kernels.mla_store import mla_store_ref
 from specserve.layers.attention_metadata import AttentionMetadata
 
 
@@ -63,7 +64,7 @@ class TorchMLA:
     def rope_and_store(self, positions: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor,
                        k_pe: torch.Tensor, cos_sin: torch.Tensor, interleaved: bool,
                        latent_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        mla_ref.mla_store_ref(positions, q_pe, c_kv, k_pe, cos_sin, latent_cache, slot_mapping,
+        mla_store_ref(positions, q_pe, c_kv, k_pe, cos_sin, latent_cache, slot_mapping,
                               interleaved)
 
     def absorbed(self, q_lat: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor,
