@@ -332,7 +332,7 @@ SEQ_LENS = {
 
 
 @gpu_test
-@pytest.mark.parametrize("num_splits", [None, 1, 7])
+@pytest.mark.parametrize("num_splits", [None, 7])
 @pytest.mark.parametrize("page_size", [16, 64])
 @pytest.mark.parametrize("heads", [16, 64, 128])
 @pytest.mark.parametrize("lens", sorted(SEQ_LENS))
