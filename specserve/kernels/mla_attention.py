@@ -81,7 +81,7 @@ def _mla_attention_kernel(
 
     # KV positions this query block can see (kernels/attention_tiles.py)
     lo, hi, mask_start = _kv_range(seq_len, q_len, m_block, split, mask_width, BLOCK_M, BLOCK_N,
-                                   NUM_SPLITS, HAS_MASK)
+                                   NUM_SPLITS, HAS_MASK)  # fmt: skip
 
     m_i = tl.full([BLOCK_M * BLOCK_H], float("-inf"), tl.float32)  # running max (log2 units)
     l_i = tl.zeros([BLOCK_M * BLOCK_H], tl.float32)
@@ -105,7 +105,7 @@ def _mla_attention_kernel(
         qk += tl.dot(q_pe, tl.trans(pe), input_precision=DOT_PRECISION)
         qk = qk * scale_log2  # [ROWS, BLOCK_N]
         qk = _mask_scores(qk, n, n_ok, qi, row_ok, mask_start, mask_ptr, req, stride_mr,
-                          stride_mi, stride_mj, HAS_MASK)
+                          stride_mi, stride_mj, HAS_MASK)  # fmt: skip
         p, alpha, l_i, m_i = _softmax_step(qk, m_i, l_i)
         acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT_PRECISION)
 
