@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks in one invocation (an H200 or any CUDA machine):
 #   bash scripts/gpu_suite.sh OUT_DIR [steps]
-# steps: any of tests,profile,plain,spec,match,serve (default: all but profile). Results and logs go to OUT_DIR;
+# steps: any of tests,profile,plain,spec,match,serve,mla (default: all but profile). Results and logs go to OUT_DIR;
 # benchmark rows are appended to experiments/ (LOG.md, results.jsonl, PNGs).
 set -u
-out=${1:-out}; steps=${2:-tests,plain,spec,match,serve}
+out=${1:-out}; steps=${2:-tests,plain,spec,match,serve,mla}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -15,7 +15,8 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv > "$o
 
 if has tests; then
   timeout 220 python -m pytest -q -m gpu -n 4 -rfE --tb=short -p no:cacheprovider tests \
-    --ignore-glob="tests/test_server*" --ignore=tests/test_bench_serving.py > "$out/gpu_tests.log" 2>&1
+    --ignore-glob="tests/test_server*" --ignore=tests/test_bench_serving.py \
+    --ignore=tests/test_mla.py --ignore=tests/test_mla_kernels.py > "$out/gpu_tests.log" 2>&1
   echo "gpu tests rc=$?"; tail -4 "$out/gpu_tests.log"
 fi
 common=(--model llama-3.1-8b --load-format dummy --context-len 1024 --output-len 64 --runs 3
@@ -58,4 +59,11 @@ if has serve && [ -d "$pair" ]; then
     --num-requests 64 --repeats 1 --max-tokens 128 --log --exp-dir experiments \
     --label "tiny-code eagle3 chain5" > "$out/serve.log" 2>&1
   echo "serve rc=$?"; grep -v INFO "$out/serve.log" | tail -6
+fi
+if has mla; then  # MLA kernels and layer (bf16 at 512/64 dims; fp32 layer vs transformers)
+  timeout 300 python -m pytest -q -m gpu -rfE --tb=short -p no:cacheprovider tests/test_mla.py \
+    tests/test_mla_kernels.py tests/test_kv_compact.py > "$out/mla_tests.log" 2>&1
+  echo "mla tests rc=$?"; tail -4 "$out/mla_tests.log"
+  timeout 400 python scripts/bench_mla.py --json-out "$out/mla_bench.json" > "$out/mla_bench.log" 2>&1
+  echo "mla bench rc=$?"; grep -v "^ " "$out/mla_bench.log" | tail -26
 fi

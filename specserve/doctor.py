@@ -217,7 +217,7 @@ def evaluate_fast_paths(facts: dict[str, Any]) -> list[FastPath]:
     if not facts["cuda_available"] or not facts["gpus"]:
         why = "no CUDA GPU visible (torch.cuda.is_available() is False)"
         return [FastPath(name, False, why) for name in FAST_PATHS]
-    n, cc = len(facts["gpus"]), _min_cc(facts)
+    cc = _min_cc(facts)
     return [
         _attention(facts),
         FastPath("CUDA graphs", True, ""),

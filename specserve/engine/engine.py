@@ -16,19 +16,17 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from specserve.config import EngineConfig
 from specserve.engine.executor import Executor
-from specserve.engine.local_worker import resolve_model
+from specserve.engine.local_worker import ProposerFactory, resolve_model
 from specserve.engine.request import Request
 from specserve.engine.scheduler import Scheduler, SchedulerOutput
 from specserve.engine.spec_policy import SpecPolicy, StaticPolicy
 from specserve.engine.step_builder import build_step_input
 from specserve.kv_cache.allocator import PageAllocator
 from specserve.sampling_params import SamplingParams
-from specserve.speculative.proposer import Proposer
 from specserve.speculative.worker import SpecWorker
 from specserve.tokenizer import (
     IncrementalDetokenizer,
@@ -65,7 +63,7 @@ class _TextState:
 
 class Engine:
     def __init__(self, config: EngineConfig,
-                 proposer: Callable[[ModelRunner], Proposer] | None = None) -> None:
+                 proposer: ProposerFactory | None = None) -> None:
         """proposer: builds the drafter from the runner (a class with a `num_kv_layers`
         attribute); default: the one config.spec.algorithm names. With one, the engine
         speculates with the draft shape of config.spec."""

@@ -67,14 +67,18 @@ def build_local_worker(config: EngineConfig, model_path: str | None,
         model_config = ModelConfig.from_hf(PRESETS[config.model])
     else:
         model_config = ModelConfig.from_hf(model_path)
-    extra_layers = 0
+    draft_kv = []  # the proposer's own KV layers, after the target's in one pool
     if proposer is not None:
-        extra_layers = proposer.num_kv_layers
+        draft_kv = list(getattr(proposer, "kv_specs", ()))
+        if len(draft_kv) != proposer.num_kv_layers:
+            raise ValueError("a proposer with KV layers of its own lists their KVCacheSpecs as "
+                             "`kv_specs` (one per layer)")
     elif config.spec.enabled:
+        from specserve.models.eagle3 import eagle3_kv_specs
         from specserve.speculative.eagle3 import load_draft_config
 
-        extra_layers = load_draft_config(config.spec, model_config).num_layers
-    runner = ModelRunner(config, model_config, model_path, extra_layers)
+        draft_kv = eagle3_kv_specs(load_draft_config(config.spec, model_config))
+    runner = ModelRunner(config, model_config, model_path, draft_kv)
     if proposer is None and config.spec.enabled:
         from specserve.speculative.eagle3 import Eagle3Proposer
 

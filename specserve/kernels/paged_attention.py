@@ -29,6 +29,7 @@ import math
 
 import torch
 
+from specserve.kernels.attention_tiles import _kv_range, _mask_scores, _normalize, _softmax_step
 from specserve.kernels.dispatch import jit, next_power_of_2, tl, triton  # noqa: F401
 from specserve.kernels.split_kv import (  # noqa: F401  (MAX_SPLITS, _split_counters: API/tests)
     MAX_SPLITS,
@@ -74,7 +75,6 @@ def _paged_attention_kernel(
         q_start = tl.load(query_start_loc_ptr + req)
         q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + req)
-    prefix_len = seq_len - q_len  # KV positions every new token sees
 
     # tile row i <-> (query qi, head g of the group): i = (qi - m_block * BLOCK_M) * BLOCK_G + g
     rows = tl.arange(0, BLOCK_M * BLOCK_G)
@@ -90,18 +90,9 @@ def _paged_attention_kernel(
         other=0.0,
     )  # [ROWS, BLOCK_D]
 
-    # KV positions this query block can see: causal stops at its last query; a custom mask of
-    # width W governs the last W positions and everything before them is visible
-    if HAS_MASK:
-        kv_end = seq_len
-        mask_start = seq_len - mask_width
-    else:
-        kv_end = tl.minimum(seq_len, prefix_len + (m_block + 1) * BLOCK_M)
-        mask_start = prefix_len
-    kv_end = tl.where(m_block * BLOCK_M < q_len, kv_end, 0)
-    split_len = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * split_len
-    hi = tl.minimum(lo + split_len, kv_end)
+    # KV positions this query block can see (kernels/attention_tiles.py)
+    lo, hi, mask_start = _kv_range(seq_len, q_len, m_block, split, mask_width, BLOCK_M, BLOCK_N,
+                                   NUM_SPLITS, HAS_MASK)
 
     m_i = tl.full([BLOCK_M * BLOCK_G], float("-inf"), tl.float32)  # running max (log2 units)
     l_i = tl.zeros([BLOCK_M * BLOCK_G], tl.float32)  # running softmax denominator
@@ -124,33 +115,17 @@ def _paged_attention_kernel(
             other=0.0,
         )  # [BLOCK_N, BLOCK_DV]
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [ROWS, BLOCK_N]
-        j = n[None, :] - mask_start  # column in the mask (< 0: always visible)
-        if HAS_MASK:
-            tree = tl.load(
-                mask_ptr + req * stride_mr + qi[:, None] * stride_mi + j * stride_mj,
-                mask=row_ok[:, None] & n_ok[None, :] & (j >= 0),
-                other=0,
-            )
-            seen = n_ok[None, :] & ((j < 0) | (tree != 0))
-        else:
-            seen = n_ok[None, :] & (j <= qi[:, None])
-        qk = tl.where(seen, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(qk - m_ref[:, None])  # [ROWS, BLOCK_N]
-        l_i = l_i * alpha + tl.sum(p, 1)
+        qk = _mask_scores(qk, n, n_ok, qi, row_ok, mask_start, mask_ptr, req, stride_mr,
+                          stride_mi, stride_mj, HAS_MASK)
+        p, alpha, l_i, m_i = _softmax_step(qk, m_i, l_i)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
 
-    l_safe = tl.where(l_i > 0, l_i, 1.0)  # a row that saw nothing outputs 0
-    o = acc / l_safe[:, None]
+    o, lse = _normalize(acc, m_i, l_i)  # a row that saw nothing outputs 0
     o_mask = row_ok[:, None] & (dv[None, :] < HEAD_DIM_V)
     if NUM_SPLITS == 1:
         dst = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :]
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=o_mask)
     else:
-        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))  # [ROWS], log2 units
         mid = token * stride_mot + head * stride_moh  # [ROWS]
         lse_row = token * stride_mlt + head * stride_mlh  # [ROWS]
         tl.store(mid_o_ptr + mid[:, None] + split * stride_mos + dv[None, :], o, mask=o_mask)

@@ -5,11 +5,17 @@ decode form (one query per request, flash-decoding splits) when md.max_query_len
 is no custom mask, else the extend form (causal, or the tree mask for verify). Launch shapes
 depend only on host values fixed for a captured batch (bs, heads, max_query_len), so both forms
 can be recorded in CUDA graphs; no per-step host state is kept, so no graph hooks are needed.
+
+MLA layers use `TritonBackend.mla`: the latent write (kernels/mla_store.py), the absorbed form
+(kernels/mla_attention.py, decode / causal / tree mask, graph-capturable) and the compute form
+(latent rows gathered and expanded to per-head K/V, then the paged-attention kernel above over
+them as a cache of one-token pages; eager batches only: it is sized by host lengths).
 """
 
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 
 import torch
 
@@ -29,6 +35,50 @@ def available() -> tuple[bool, str]:
     return True, "ok"
 
 
+class TritonMLA:
+    """MLA ops on the Triton kernels (the MLABackend protocol of layers/mla.py)."""
+
+    def __init__(self) -> None:
+        from specserve.kernels import mla_attention, mla_store, paged_attention
+
+        self._attention = mla_attention
+        self._store = mla_store
+        self._paged = paged_attention
+
+    def rope_and_store(self, positions: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor,
+                       k_pe: torch.Tensor, cos_sin: torch.Tensor, interleaved: bool,
+                       latent_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        self._store.mla_store(positions, q_pe, c_kv, k_pe, cos_sin, latent_cache, slot_mapping,
+                              interleaved)
+
+    def absorbed(self, q_lat: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor,
+                 md: AttentionMetadata, scale: float) -> torch.Tensor:
+        decode = md.is_decode and md.custom_mask is None and q_lat.shape[0] == md.batch_size
+        return self._attention.mla_attention(
+            q_lat, q_pe, latent_cache, None if decode else md.query_start_loc, md.seq_lens,
+            md.page_table, md.max_query_len, scale, custom_mask=md.custom_mask)
+
+    def compute(self, q: torch.Tensor, latent_cache: torch.Tensor, md: AttentionMetadata,
+                scale: float, kv_lora_rank: int,
+                expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+                ) -> torch.Tensor:
+        # q [T, N, P + R] -> [T, N, V]. Every request's rows [0, seq_len), request after
+        # request, expanded to K [S, N, P + R] and V [S, N, V]; request r's K/V start at
+        # kv_start[r], read as one-token pages: page_table[r, i] = kv_start[r] + i
+        assert md.seq_lens_cpu is not None, "the compute form needs host sequence lengths"
+        rows = self._attention.latent_rows(latent_cache, md.page_table, md.seq_lens,
+                                           md.seq_lens_cpu)  # [S, L + R]
+        k_nope, v = expand(rows[:, :kv_lora_rank])  # [S, N, P], [S, N, V] (views)
+        k_pe = rows[:, None, kv_lora_rank:].expand(-1, k_nope.shape[1], -1)
+        k = torch.cat([k_nope, k_pe], dim=-1)  # [S, N, P + R]
+        seq_lens = md.seq_lens.long()
+        kv_start = (torch.cumsum(seq_lens, 0) - seq_lens).int()
+        offsets = torch.arange(max(md.seq_lens_cpu), device=q.device, dtype=torch.int32)
+        return self._paged.paged_attention(
+            q, k.unsqueeze(1), v.unsqueeze(1), md.query_start_loc, md.seq_lens,
+            kv_start[:, None] + offsets, md.max_query_len, scale, custom_mask=md.custom_mask)
+
+
 class TritonBackend:
     name = "triton"
     fuses_rope = True  # forward(rope=...) rotates q/k in the KV-write launch
@@ -40,6 +90,7 @@ class TritonBackend:
         self._kernels = paged_attention
         self._kv_store = kv_store
         self._rotary = rotary
+        self.mla = TritonMLA()
 
     def forward(
         self,

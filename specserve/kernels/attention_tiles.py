@@ -1,0 +1,90 @@
+"""Pieces of one flash-attention program shared by the paged MHA kernel
+(kernels/paged_attention.py) and the MLA kernel (kernels/mla_attention.py): which KV positions
+a (query block, KV split) program reads, the causal or custom mask on a score tile, the online
+softmax step, and the final normalisation. Triton inlines them: each kernel compiles as if
+written out.
+
+Masking (layers/attention_metadata.py): the new tokens of a request are the last q_len of its
+KV. Causal: query i sees [0, seq_len - q_len + i]. Custom mask of width W: query i sees
+[0, seq_len - W) plus position seq_len - W + j iff mask[req, i, j].
+"""
+
+from __future__ import annotations
+
+from specserve.kernels.dispatch import jit, tl
+
+
+@jit
+def _kv_range(
+    seq_len,
+    q_len,
+    m_block,
+    split,
+    mask_width,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+):
+    """(lo, hi, mask_start): the KV positions [lo, hi) of this program's split, and the first
+    position the mask governs (the causal diagonal's origin without a custom mask). Causal
+    ranges stop at the query block's last query; a block past q_len reads nothing."""
+    if HAS_MASK:
+        kv_end = seq_len
+        mask_start = seq_len - mask_width
+    else:
+        kv_end = tl.minimum(seq_len, seq_len - q_len + (m_block + 1) * BLOCK_M)
+        mask_start = seq_len - q_len
+    kv_end = tl.where(m_block * BLOCK_M < q_len, kv_end, 0)
+    split_len = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, kv_end)
+    return lo, hi, mask_start
+
+
+@jit
+def _mask_scores(
+    qk,
+    n,
+    n_ok,
+    qi,
+    row_ok,
+    mask_start,
+    mask_ptr,
+    req,
+    stride_mr,
+    stride_mi,
+    stride_mj,
+    HAS_MASK: tl.constexpr,
+):
+    """qk [ROWS, BLOCK_N] with -inf where tile row (query qi) may not see KV position n."""
+    j = n[None, :] - mask_start  # column in the mask (< 0: always visible)
+    if HAS_MASK:
+        tree = tl.load(
+            mask_ptr + req * stride_mr + qi[:, None] * stride_mi + j * stride_mj,
+            mask=row_ok[:, None] & n_ok[None, :] & (j >= 0),
+            other=0,
+        )
+        seen = n_ok[None, :] & ((j < 0) | (tree != 0))
+    else:
+        seen = n_ok[None, :] & (j <= qi[:, None])
+    return tl.where(seen, qk, float("-inf"))
+
+
+@jit
+def _softmax_step(qk, m_i, l_i):
+    """One online-softmax step over a masked score tile (log2 units): (p, alpha, l_i, m_i)
+    with p = 2^(qk - new max), alpha = the factor rescaling what was accumulated so far."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(qk - m_ref[:, None])  # [ROWS, BLOCK_N]
+    return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
+
+
+@jit
+def _normalize(acc, m_i, l_i):
+    """(out, lse): acc / l (rows that saw nothing output 0) and the rows' log2-sum-exp
+    (-inf for those rows), what a split hands to the combine."""
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    return acc / l_safe[:, None], tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
