@@ -94,19 +94,26 @@ class ModelConfig:
     sliding_window: int | None = None
     # multi-head latent attention dims; None = MHA/GQA attention
     mla: MLAConfig | None = None
+    # the checkpoint's quantization: config.json `quantization_config`, or ModelOpt's
+    # hf_quant_config.json (tagged {"quant_method": "modelopt", ...}); None = unquantized.
+    # Parsed by specserve.layers.quantization; an EAGLE-3 head never inherits it.
+    quantization: dict | None = field(default=None, hash=False, compare=False)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any] | str | os.PathLike) -> ModelConfig:
         """Build from a config.json dict, a file path, or a model directory."""
+        quant_file = None
         if not isinstance(hf, dict):
             path = os.fspath(hf)
             if os.path.isdir(path):
+                quant_file = os.path.join(path, "hf_quant_config.json")
                 path = os.path.join(path, "config.json")
             if not os.path.isfile(path):
                 raise ValueError(f"no config.json at {path}: pass a model directory holding one")
             with open(path) as fh:
                 hf = json.load(fh)
         hf = dict(hf)
+        quantization = _read_quantization(hf, quant_file)
         if "text_config" in hf and "hidden_size" not in hf:  # wrapper (e.g. vision-language)
             inner = dict(hf["text_config"])
             inner.setdefault("architectures", hf.get("architectures"))
@@ -160,7 +167,23 @@ class ModelConfig:
             sliding_window=hf.get("sliding_window") if hf.get("use_sliding_window", True)
             else None,
             mla=MLAConfig.from_hf(hf),
+            quantization=quantization,
         )
+
+
+def _read_quantization(hf: dict[str, Any], quant_file: str | None) -> dict | None:
+    """config.json's quantization_config (also a wrapper's, e.g. a vision-language model's
+    top level), else ModelOpt's hf_quant_config.json beside it."""
+    inline = hf.get("quantization_config") or (hf.get("text_config") or {}).get(
+        "quantization_config")
+    if inline:
+        return dict(inline)
+    if quant_file and os.path.isfile(quant_file):
+        with open(quant_file) as fh:
+            data = json.load(fh)
+        return {"quant_method": "modelopt", **dict(data.get("quantization") or {}),
+                "producer": data.get("producer")}
+    return None
 
 
 @dataclass(frozen=True)
@@ -225,6 +248,11 @@ class EngineConfig:
         "auto", "auto: read the checkpoint; dummy: random weights (cost benchmarks; --model may "
         "then name a preset such as llama-3.1-8b)", choices=("auto", "dummy"))
     dtype: str = _f("auto", "weight/activation dtype", choices=DTYPES)
+    quantization: str = _f(
+        "auto", "weight format: auto = what the checkpoint declares (quantization_config or "
+        "hf_quant_config.json); fp8 (128x128 blocks, W8A8) | w4a16 (int4, group 128) | nvfp4 "
+        "(weight-only) must match the checkpoint, or give --load-format dummy random weights "
+        "in that format", choices=("auto", "fp8", "w4a16", "nvfp4"))
     device: str = _f("auto", "auto | cpu | cuda")
     seed: int = _f(0, "engine seed for requests without their own")
     enforce_eager: bool = _f(False, "disable CUDA graphs")

@@ -4,6 +4,12 @@ Each parameter carries `weight_loader(param, loaded, shard_id=None)`: given the 
 tensor it checks the shape and copies this rank's shard, so model code reads like single-GPU
 code. Weights are [out_features, in_features] like nn.Linear.
 
+A layer's tensors and its matmul belong to its quantization method (layers/quantization/):
+dense (`F.linear`, the default), FP8, INT4 or NVFP4, picked per layer by the checkpoint's
+quantization config from the layer's checkpoint name (`prefix`). The layer describes its
+sharding (`out_shards`, `out_split`, `in_split`); one loader shards every tensor of every
+method along it (`quantization.base.load_shard`).
+
     ColumnParallel   W [out, in] split on out: rank r holds rows [r*out/tp, (r+1)*out/tp)
     RowParallel      W [out, in] split on in:  partial outputs summed by all_reduce
     Merged / QKV     several column-parallel matrices stacked along out, each split per rank
@@ -17,6 +23,8 @@ from torch import nn
 
 from specserve.distributed.comm import all_reduce
 from specserve.distributed.parallel_state import get_tp_rank, get_tp_size
+from specserve.layers.quantization.base import ParamSpec, QuantConfig, add_param, load_shard
+from specserve.layers.quantization.unquantized import UNQUANTIZED
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -66,78 +74,100 @@ def default_weight_loader(
 
 
 class LinearBase(nn.Module):
-    """y = x W^T (+ b) with W [output_size, input_size] already local to this rank."""
+    """y = x W^T (+ b), W [output_size, input_size] local to this rank, held by the quant method.
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+    out_shards[i] = (full size, local offset, local size) of fused shard i along the output
+    (one entry for an unfused layer); out_split / in_split: whether TP splits that axis.
+    """
+
+    out_split = False
+    in_split = False
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 quant_config: QuantConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         self.tp_rank = get_tp_rank()
         self.tp_size = get_tp_size()
-        self.input_size = input_size
-        self.output_size = output_size
-        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        self.full_input_size = input_size
+        self.input_size = divide(input_size, self.tp_size, "input size") if self.in_split \
+            else input_size
+        locals_ = [divide(s, self.tp_size, "output size") if self.out_split else s
+                   for s in output_sizes]
+        offsets = [sum(locals_[:i]) for i in range(len(locals_))]
+        self.out_shards = list(zip(output_sizes, offsets, locals_))
+        self.output_size = sum(locals_)
+        self.prefix = prefix
+        method = UNQUANTIZED if quant_config is None else quant_config.linear_method(prefix)
+        self.quant_method = method
+        method.create_weights(self, torch.get_default_dtype())
         if bias:
-            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
+            add_param(self, "bias", torch.empty(self.output_size), ParamSpec(in_dim=None))
         else:
             self.register_parameter("bias", None)
+
+    def shard_index(self, shard_id: int | str | None) -> int:
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} takes no shard_id, got {shard_id!r}")
+        return 0
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None
     ) -> None:
-        raise NotImplementedError
+        load_shard(self, param, loaded, shard_id)
+
+    def process_weights_after_loading(self) -> None:
+        self.quant_method.process_weights_after_loading(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
     """Every rank holds the whole matrix."""
 
-    def weight_loader(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None
-    ) -> None:
-        default_weight_loader(param, loaded, shard_id)
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 quant_config: QuantConfig | None = None, prefix: str = "") -> None:
+        super().__init__(input_size, [output_size], bias, quant_config, prefix)
 
 
 class ColumnParallelLinear(LinearBase):
     """Output features split over ranks; the output stays sharded (no communication)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
-        super().__init__(input_size, divide(output_size, get_tp_size(), "output size"), bias)
+    out_split = True
 
-    def weight_loader(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None
-    ) -> None:
-        assert shard_id is None
-        copy_shard(param, loaded, dim=0)
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 quant_config: QuantConfig | None = None, prefix: str = "") -> None:
+        super().__init__(input_size, [output_size], bias, quant_config, prefix)
 
 
-class MergedColumnParallelLinear(ColumnParallelLinear):
+class MergedColumnParallelLinear(LinearBase):
     """Several column-parallel matrices stacked along out (gate_up: shard_id 0 = gate, 1 = up).
 
     Local layout: [gate shard | up shard], each output_sizes[i] / tp rows.
     """
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+    out_split = True
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 quant_config: QuantConfig | None = None, prefix: str = "") -> None:
         self.output_sizes = list(output_sizes)
-        super().__init__(input_size, sum(output_sizes), bias)
-        self.local_sizes = [divide(s, self.tp_size, "output size") for s in output_sizes]
+        super().__init__(input_size, self.output_sizes, bias, quant_config, prefix)
+        self.local_sizes = [size for _, _, size in self.out_shards]
 
-    def weight_loader(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None
-    ) -> None:
-        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.local_sizes):
-            raise ValueError(f"merged linear needs shard_id in 0..{len(self.local_sizes) - 1}")
-        offset = sum(self.local_sizes[:shard_id])
-        copy_shard(param, loaded, dim=0, param_offset=offset, shard_size=self.local_sizes[shard_id])
+    def shard_index(self, shard_id: int | str | None) -> int:
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(f"merged linear needs shard_id in 0..{len(self.output_sizes) - 1}")
+        return shard_id
 
 
-class QKVParallelLinear(ColumnParallelLinear):
+class QKVParallelLinear(LinearBase):
     """q, k and v projections in one matrix, heads split over ranks (GQA aware).
 
     Local layout along out: [q: num_heads/tp * head_dim | k: kv/tp * head_dim | v: same].
     """
+
+    out_split = True
+    SHARDS = ("q", "k", "v")
 
     def __init__(
         self,
@@ -146,6 +176,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         total_num_heads: int,
         total_num_kv_heads: int,
         bias: bool = False,
+        quant_config: QuantConfig | None = None,
+        prefix: str = "",
     ) -> None:
         tp = get_tp_size()
         self.head_dim = head_dim
@@ -153,21 +185,13 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_kv_heads = divide(total_num_kv_heads, tp, "num_kv_heads")
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
-        total_out = (total_num_heads + 2 * total_num_kv_heads) * head_dim
-        super().__init__(hidden_size, total_out, bias)
+        sizes = [total_num_heads * head_dim] + [total_num_kv_heads * head_dim] * 2
+        super().__init__(hidden_size, sizes, bias, quant_config, prefix)
 
-    def weight_loader(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None
-    ) -> None:
-        offsets = {
-            "q": (0, self.q_size),
-            "k": (self.q_size, self.kv_size),
-            "v": (self.q_size + self.kv_size, self.kv_size),
-        }
-        if shard_id not in offsets:
+    def shard_index(self, shard_id: int | str | None) -> int:
+        if shard_id not in self.SHARDS:
             raise ValueError(f"qkv linear needs shard_id 'q', 'k' or 'v', got {shard_id!r}")
-        offset, size = offsets[shard_id]
-        copy_shard(param, loaded, dim=0, param_offset=offset, shard_size=size)
+        return self.SHARDS.index(shard_id)
 
 
 class RowParallelLinear(LinearBase):
@@ -176,16 +200,13 @@ class RowParallelLinear(LinearBase):
     The bias is replicated and added once: by rank 0, before the sum.
     """
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
-        super().__init__(divide(input_size, get_tp_size(), "input size"), output_size, bias)
+    in_split = True
 
-    def weight_loader(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None
-    ) -> None:
-        assert shard_id is None
-        copy_shard(param, loaded, dim=1 if param.dim() == 2 else None)
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 quant_config: QuantConfig | None = None, prefix: str = "") -> None:
+        super().__init__(input_size, [output_size], bias, quant_config, prefix)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, input_size / tp] -> partial [T, output_size], summed over ranks
         bias = self.bias if self.tp_rank == 0 else None
-        return all_reduce(F.linear(x, self.weight, bias))
+        return all_reduce(self.quant_method.apply(self, x, bias))

@@ -1,0 +1,200 @@
+"""FP8 (e4m3) W8A8 GEMM: dynamic activation quantization and a scaled matmul on FP8 operands.
+
+    x [M, K] -> x_q fp8 [M, K], x_s fp32 [M, ceil(K / group)]   per row and group of `group`
+                s = max|x| / 448 over the group, x_q = clamp(x / s) rounded to nearest even
+    y [M, N] = sum over K steps of (x_q . w_q^T) * x_s[m, k / gk] * w_s[n / gn, k / gk]
+
+`w_s` is indexed through its strides, so one kernel serves 128x128 block scales
+([ceil(N/128), ceil(K/128)]), per-channel ([N, 1], stride 0 along K) and per-tensor scales
+(strides 0), and per-token activation scales (group = K). The dot runs on FP8 operands with
+fp32 accumulation (FP8 tensor cores on Hopper); scales that are constant along K are applied
+once after the K loop. The torch functions here are the CPU path and define the numerics.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.kernels.dispatch import jit, next_power_of_2, tl, triton
+from specserve.kernels.gemm_split import launch_plan, reduce_splits
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+AMAX_EPS = 1e-10  # an all-zero group gets a tiny scale instead of a division by zero
+
+
+# -- activation quantization ------------------------------------------------------------------
+
+
+def quant_fp8_torch(x: torch.Tensor, group: int,
+                    static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (x_q fp8 [M, K], scales fp32 [M, ceil(K / group)]); static_scale (a
+    scalar tensor) replaces the dynamic per-group scales."""
+    m, k = x.shape
+    xf = x.float()
+    if static_scale is not None:
+        s = static_scale.float().reshape(1, 1).expand(m, 1)
+        return (xf / s).clamp(-FP8_MAX, FP8_MAX).to(FP8), s.contiguous()
+    groups = -(-k // group)
+    pad = groups * group - k
+    xg = torch.nn.functional.pad(xf, (0, pad)).view(m, groups, group)
+    s = xg.abs().amax(-1).clamp(min=AMAX_EPS) / FP8_MAX  # [M, groups]
+    q = (xg / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.view(m, groups * group)[:, :k], s
+
+
+@jit
+def _round_to_e4m3(v):
+    # v (fp32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, as an fp32 that the
+    # cast to fp8 then takes exactly (Triton's interpreter cast does not round correctly)
+    bits = v.to(tl.int32, bitcast=True)
+    exp = ((bits >> 23) & 0xFF) - 127
+    ulp_exp = tl.maximum(exp, -6) - 3  # 3 mantissa bits; subnormals below 2^-6
+    ulp = ((ulp_exp + 127) << 23).to(tl.float32, bitcast=True)
+    y = v * ((127 - ulp_exp) << 23).to(tl.float32, bitcast=True)  # v / ulp, exact; |y| <= 16
+    magic = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds to an integer (RNE)
+    return ((y + magic) - magic) * ulp
+
+
+@jit
+def _quant_fp8_kernel(
+    x_ptr, q_ptr, s_ptr, static_ptr, K, stride_x, stride_q, stride_s, fp8_max, eps,
+    GROUP: tl.constexpr, BLOCK: tl.constexpr, STATIC: tl.constexpr,
+):  # fmt: skip
+    # program (row, group): one scale, GROUP quantized elements
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    cols = g * GROUP + tl.arange(0, BLOCK)
+    ok = (tl.arange(0, BLOCK) < GROUP) & (cols < K)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    if STATIC:
+        s = tl.load(static_ptr).to(tl.float32)
+    else:
+        s = tl.maximum(tl.max(tl.abs(x), 0), eps) / fp8_max
+        tl.store(s_ptr + row * stride_s + g, s)
+    q = _round_to_e4m3(tl.clamp(tl.math.div_rn(x, s), -fp8_max, fp8_max))
+    tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
+
+
+def quant_fp8(x: torch.Tensor, group: int,
+              static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """quant_fp8_torch on the GPU (same numerics: true division, round to nearest even)."""
+    m, k = x.shape
+    assert x.stride(-1) == 1
+    q = torch.empty(m, k, dtype=FP8, device=x.device)
+    if static_scale is not None:
+        s = static_scale.float().reshape(1, 1).expand(m, 1)
+        groups, group = 1, k
+    else:
+        groups = -(-k // group)
+        s = torch.empty(m, groups, dtype=torch.float32, device=x.device)
+    if m:
+        block = next_power_of_2(group)
+        _quant_fp8_kernel[(m, groups)](
+            x, q, s, static_scale if static_scale is not None else s, k, x.stride(0),
+            q.stride(0), s.stride(0), FP8_MAX, AMAX_EPS, GROUP=group, BLOCK=block,
+            STATIC=static_scale is not None, num_warps=4 if block >= 1024 else 1,
+        )  # fmt: skip
+    return q, s
+
+
+# -- the scaled matmul ------------------------------------------------------------------------
+
+
+def _scale_index(k: int, group: int, n: int) -> torch.Tensor:
+    return torch.arange(k) // group if n > 1 else torch.zeros(k, dtype=torch.long)
+
+
+def expand_scale(scale: torch.Tensor, rows: int, cols: int, block_rows: int,
+                 block_cols: int) -> torch.Tensor:
+    """A [ceil(rows/br), ceil(cols/bc)] (or broadcastable) scale grid as a [rows, cols] tensor."""
+    s = scale.float().reshape(scale.shape[0] if scale.dim() else 1, -1)
+    r = _scale_index(rows, block_rows, s.shape[0]).to(s.device)
+    c = _scale_index(cols, block_cols, s.shape[1]).to(s.device)
+    return s[r][:, c]
+
+
+def fp8_mm_torch(xq: torch.Tensor, xs: torch.Tensor, act_group: int, w: torch.Tensor,
+                 ws: torch.Tensor, block_n: int, block_k: int,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+    """The CPU path: dequantize both operands in fp32, one fp32 matmul."""
+    m, k = xq.shape
+    x = xq.float() * expand_scale(xs, m, k, 1, act_group)
+    wf = w.float() * expand_scale(ws, w.shape[0], k, block_n, block_k)
+    return (x @ wf.t()).to(out_dtype)
+
+
+@jit
+def _fp8_mm_kernel(
+    a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, k_per_split,
+    stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_bsk,
+    stride_cs, stride_cm,
+    A_GROUP: tl.constexpr, B_GROUP_N: tl.constexpr, B_GROUP_K: tl.constexpr,
+    SCALE_AT_END: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # program (m tile, n tile, K split): acc [BM, BN] over K in [split * kps, (split+1) * kps)
+    pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok, n_ok = rm < M, rn < N
+    a_rows = a_ptr + rm.to(tl.int64)[:, None] * stride_am
+    b_rows = b_ptr + rn.to(tl.int64)[:, None] * stride_bn
+    as_rows = as_ptr + rm * stride_asm
+    bs_rows = bs_ptr + (rn // B_GROUP_N) * stride_bsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_start = pid_s * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k = k0 + rk
+        k_ok = k < k_end
+        a = tl.load(a_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        part = tl.dot(a, tl.trans(b))
+        if SCALE_AT_END:
+            acc += part
+        else:
+            a_s = tl.load(as_rows + (k0 // A_GROUP) * stride_ask, mask=m_ok, other=0.0)
+            b_s = tl.load(bs_rows + (k0 // B_GROUP_K) * stride_bsk, mask=n_ok, other=0.0)
+            acc += part * a_s[:, None] * b_s[None, :]
+    if SCALE_AT_END:
+        a_s = tl.load(as_rows, mask=m_ok, other=0.0)
+        b_s = tl.load(bs_rows, mask=n_ok, other=0.0)
+        acc = acc * a_s[:, None] * b_s[None, :]
+    c = c_ptr + pid_s * stride_cs + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _scale_strides(s: torch.Tensor) -> tuple[int, int]:
+    """(row, col) strides of a scale grid; 0 along an axis of extent 1 (broadcast)."""
+    s2 = s.reshape(s.shape[0] if s.dim() else 1, -1)
+    return (s2.stride(0) if s2.shape[0] > 1 else 0), (s2.stride(1) if s2.shape[1] > 1 else 0)
+
+
+def fp8_mm(xq: torch.Tensor, xs: torch.Tensor, act_group: int, w: torch.Tensor,
+           ws: torch.Tensor, block_n: int, block_k: int, out_dtype: torch.dtype,
+           plan: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """fp8_mm_torch on the GPU. xq [M, K], w [N, K] fp8 (K contiguous); xs [M, groups] or
+    [M, 1]; ws [ceil(N/bn), ceil(K/bk)], [N, 1] or [1]. plan: (BM, BN, BK, splits)."""
+    m, k = xq.shape
+    n = w.shape[0]
+    assert xq.stride(1) == 1 and w.stride(1) == 1
+    sam, sak = _scale_strides(xs)
+    sbn, sbk = _scale_strides(ws)
+    scale_at_end = sak == 0 and sbk == 0
+    groups_k = [g for g, stride in ((act_group, sak), (block_k, sbk)) if stride]
+    bm, bn, bk, splits = plan or launch_plan(m, n, k, xq.device, max_block_k=min(groups_k or [128]))
+    assert all(g % bk == 0 for g in groups_k), "BLOCK_K must divide the scale groups along K"
+    k_per_split = -(-k // (splits * bk)) * bk
+    splits = -(-k // k_per_split)
+    out = torch.empty((splits, m, n) if splits > 1 else (1, m, n), device=xq.device,
+                      dtype=torch.float32 if splits > 1 else out_dtype)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), splits)
+    _fp8_mm_kernel[grid](
+        xq, xs, w, ws, out, m, n, k, k_per_split, xq.stride(0), sam, sak, w.stride(0), sbn, sbk,
+        out.stride(0), out.stride(1), A_GROUP=act_group if sak else 1,
+        B_GROUP_N=block_n if sbn else 1, B_GROUP_K=block_k if sbk else 1, SCALE_AT_END=scale_at_end, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=4, num_stages=3,
+    )  # fmt: skip
+    return reduce_splits(out, out_dtype) if splits > 1 else out[0]

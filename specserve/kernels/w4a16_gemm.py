@@ -1,0 +1,136 @@
+"""Weight-only 4-bit GEMM (W4A16): INT4 (compressed-tensors pack-quantized) and NVFP4 (e2m1).
+
+Both formats reach the kernel in one layout: packed int32 [N, ceil(K/8)] holding weight
+element 8c + i in bits 4i..4i+3 of word c (NVFP4's uint8 pairs, low nibble first, are the same
+bytes read as int32), and group scales [N, ceil(K/G)].
+
+    INT4:  w[n, k] = (nibble - 8) * scale[n, k // G]                     (symmetric, G 32/128)
+    NVFP4: w[n, k] = e2m1(nibble) * scale_fp8[n, k // 16] * row_scale[n]  (row_scale: the
+           per-tensor global scale of the fused shard row n belongs to)
+
+Each K step loads the packed words of a [BLOCK_N, BLOCK_K] tile once, decodes the nibbles in
+registers, scales them in fp32, rounds the tile to the activation dtype and runs tl.dot with
+the activation tile (fp32 accumulation). The row scale is applied once after the K loop.
+Decode sizes (few rows) use 16-row tiles and split K over more programs (gemm_split); prefill
+sizes use larger tiles. The torch functions are the CPU path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.kernels.dispatch import jit, tl, triton
+from specserve.kernels.gemm_split import launch_plan, reduce_splits
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def unpack_nibbles(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """int32 [N, ceil(K/8)] -> nibbles int32 [N, K] (element 8c + i = bits 4i of word c)."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    nib = (packed[:, :, None] >> shifts) & 0xF
+    return nib.reshape(packed.shape[0], -1)[:, :k]
+
+
+def decode_nibbles(nib: torch.Tensor, fp4: bool) -> torch.Tensor:
+    """Nibbles -> fp32 code values: nibble - 8 (INT4) or the signed e2m1 value (NVFP4)."""
+    if not fp4:
+        return (nib - 8).float()
+    table = torch.tensor(E2M1_VALUES, device=nib.device)
+    mag = table[(nib & 7).long()]
+    return torch.where((nib & 8) != 0, -mag, mag)
+
+
+def dequantize_w4(packed: torch.Tensor, scales: torch.Tensor, group: int, k: int, fp4: bool,
+                  row_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The [N, K] fp32 weight of either format."""
+    w = decode_nibbles(unpack_nibbles(packed, k), fp4)
+    idx = torch.arange(k, device=packed.device) // group
+    w = w * scales.float()[:, idx]
+    if row_scale is not None:
+        w = w * row_scale.float()[:, None]
+    return w
+
+
+def w4a16_mm_torch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int,
+                   fp4: bool, row_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The CPU path: dequantize to fp32, one fp32 matmul, rounded to x's dtype."""
+    w = dequantize_w4(packed, scales, group, x.shape[-1], fp4, row_scale)
+    return (x.float() @ w.t()).to(x.dtype)
+
+
+@jit
+def _decode_e2m1(nib):
+    mag = nib & 7
+    e = mag >> 1
+    frac = (mag & 1).to(tl.float32) * 0.5
+    pow2 = (1 << tl.maximum(e - 1, 0)).to(tl.float32)
+    val = tl.where(e == 0, frac, pow2 * (1.0 + frac))
+    return tl.where((nib & 8) != 0, -val, val)
+
+
+@jit
+def _w4a16_kernel(
+    x_ptr, w_ptr, s_ptr, rs_ptr, c_ptr, M, N, K, k_per_split,
+    stride_xm, stride_wn, stride_sn, stride_cs, stride_cm,
+    GROUP: tl.constexpr, FP4: tl.constexpr, HAS_ROW_SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # program (m tile, n tile, K split); BLOCK_K is a multiple of 8 (whole packed words)
+    pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = rm < M, rn < N
+    words = tl.arange(0, BLOCK_K // 8)
+    shifts = tl.arange(0, 8) * 4
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    s_rows = s_ptr + rn.to(tl.int64)[:, None] * stride_sn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_start = pid_s * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < k_end
+        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        word = k0 // 8 + words
+        packed = tl.load(w_rows + word[None, :], mask=n_ok[:, None] & (word * 8 < K)[None, :],
+                         other=0)  # [BN, BK/8]
+        nib = (packed[:, :, None] >> shifts[None, None, :]) & 0xF  # [BN, BK/8, 8]
+        nib = tl.reshape(nib, (BLOCK_N, BLOCK_K))
+        if FP4:
+            val = _decode_e2m1(nib)
+        else:
+            val = (nib - 8).to(tl.float32)
+        s = tl.load(s_rows + (k // GROUP)[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)
+        w = (val * s).to(x.dtype)  # [BN, BK]; masked columns carry scale 0
+        acc += tl.dot(x, tl.trans(w))
+    if HAS_ROW_SCALE:
+        acc = acc * tl.load(rs_ptr + rn, mask=n_ok, other=0.0)[None, :]
+    c = c_ptr + pid_s * stride_cs + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def w4a16_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int,
+             fp4: bool, row_scale: torch.Tensor | None = None,
+             plan: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """w4a16_mm_torch on the GPU: x [M, K] (K contiguous) -> [M, N] in x's dtype.
+    plan: (BLOCK_M, BLOCK_N, BLOCK_K, splits); BLOCK_K a multiple of 8."""
+    m, k = x.shape
+    n = packed.shape[0]
+    assert x.stride(1) == 1 and packed.stride(1) == 1 and scales.stride(1) == 1
+    bm, bn, bk, splits = plan or launch_plan(m, n, k, x.device)
+    assert bk % 8 == 0
+    k_per_split = -(-k // (splits * bk)) * bk
+    splits = -(-k // k_per_split)
+    out = torch.empty((splits, m, n), device=x.device,
+                      dtype=torch.float32 if splits > 1 else x.dtype)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), splits)
+    _w4a16_kernel[grid](
+        x, packed, scales, row_scale if row_scale is not None else scales, out, m, n, k,
+        k_per_split, x.stride(0), packed.stride(0), scales.stride(0), out.stride(0),
+        out.stride(1), GROUP=group, FP4=fp4, HAS_ROW_SCALE=row_scale is not None,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=3,
+    )  # fmt: skip
+    return reduce_splits(out, x.dtype) if splits > 1 else out[0]
