@@ -30,6 +30,7 @@ from specserve.layers.linear import (
     default_weight_loader,
 )
 from specserve.layers.norm import RMSNorm
+from specserve.layers.quantization import QuantConfig, get_quant_config
 from specserve.layers.rotary import RotaryEmbedding
 
 # checkpoint name fragment -> (our fused parameter fragment, shard id)
@@ -43,15 +44,18 @@ STACKED_PARAMS = (
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding,
+                 quant: QuantConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         hd = config.head_dim
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, hd, config.num_heads, config.num_kv_heads, config.attention_bias
+            config.hidden_size, hd, config.num_heads, config.num_kv_heads, config.attention_bias,
+            quant, f"{prefix}.qkv_proj",
         )
         # Qwen2 puts a bias on q/k/v only; Llama-style attention_bias covers o_proj too
         o_bias = config.attention_bias and not config.architecture.startswith("Qwen2")
-        self.o_proj = RowParallelLinear(config.num_heads * hd, config.hidden_size, o_bias)
+        self.o_proj = RowParallelLinear(config.num_heads * hd, config.hidden_size, o_bias,
+                                        quant, f"{prefix}.o_proj")
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = hd
@@ -74,13 +78,16 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, quant: QuantConfig | None = None,
+                 prefix: str = "") -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu')")
         inter = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter])
-        self.down_proj = RowParallelLinear(inter, config.hidden_size)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [inter, inter], False, quant, f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, False, quant,
+                                           f"{prefix}.down_proj")
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -89,12 +96,14 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding,
+                 quant: QuantConfig | None = None) -> None:
         super().__init__()
+        prefix = f"model.layers.{layer_idx}"
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer_idx, rotary)
+        self.self_attn = LlamaAttention(config, layer_idx, rotary, quant, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, quant, f"{prefix}.mlp")
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
@@ -109,14 +118,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, quant: QuantConfig | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, self.rotary_emb) for i in range(config.num_layers)
+            LlamaDecoderLayer(config, i, self.rotary_emb, quant) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -132,7 +141,8 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.quant_config = get_quant_config(config.quantization)  # None: dense
+        self.model = LlamaModel(config, self.quant_config)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -157,6 +167,8 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb.inv_freq" in hf_name:
                 continue
             if self.config.tie_word_embeddings and hf_name == "lm_head.weight":
+                continue
+            if self.quant_config is not None and self.quant_config.skips_tensor(hf_name):
                 continue
             name, shard = _map_name(hf_name)
             if name not in params:

@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from specserve.config import ModelConfig
 from specserve.distributed.parallel_state import get_tp_rank
+from specserve.layers.quantization import process_weights_after_loading
 from specserve.models.registry import get_model_class
 
 SAFETENSORS = "model.safetensors"
@@ -113,7 +114,9 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | 
 def load_model(
     config: ModelConfig, path: str, dtype: torch.dtype, device: torch.device | str
 ) -> nn.Module:
-    """Build the model for this TP rank directly on `device` in `dtype`, load, eval mode."""
+    """Build the model for this TP rank directly on `device` in `dtype`, load, eval mode.
+    Quantized layers then turn the checkpoint's tensors into the form their kernels read."""
     model = build_model(config, dtype, device)
     model.load_weights(iter_weights(path))
+    process_weights_after_loading(model)
     return model

@@ -37,12 +37,29 @@ PRESETS: dict[str, dict] = {
 
 @torch.no_grad()
 def random_init(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
-    """Random weights for cost benchmarks: N(0, std) matrices, ones for norm scales."""
+    """Random weights for cost benchmarks: N(0, std) matrices, ones for norm scales; a
+    quantized linear gets random codes in its format whose values are ~N(0, std), then the
+    post-loading step a checkpoint's weights would get."""
+    from specserve.layers.quantization import linear_modules, process_weights_after_loading
+    from specserve.layers.quantization.unquantized import UnquantizedLinearMethod
+
     gens: dict[torch.device, torch.Generator] = {}
+
+    def gen_for(device: torch.device) -> torch.Generator:
+        return gens.setdefault(device, torch.Generator(device=device).manual_seed(seed))
+
+    quantized = [m for m in linear_modules(model)
+                 if not isinstance(m.quant_method, UnquantizedLinearMethod)]
+    owned = {id(p) for m in quantized for name, p in m.named_parameters(recurse=False)
+             if name != "bias"}
     for param in model.parameters():
+        if id(param) in owned:
+            continue
         if param.dim() >= 2:
-            gen = gens.setdefault(param.device,
-                                  torch.Generator(device=param.device).manual_seed(seed))
-            param.data.normal_(0.0, std, generator=gen)
+            param.data.normal_(0.0, std, generator=gen_for(param.device))
         else:
             param.data.fill_(1.0)
+    for module in quantized:
+        device = next(module.parameters()).device
+        module.quant_method.random_init(module, gen_for(device), std)
+    process_weights_after_loading(model)
