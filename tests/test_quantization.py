@@ -1,0 +1,282 @@
+"""Quantized checkpoints on the CPU path: each format against transformers running the same
+weights dequantized in fp32 (tiny_quant.py), loading errors, TP sharding of scales.
+
+Tolerances on |logit difference| per token row (logits of magnitude ~1-5):
+    weight-only formats (INT4, NVFP4): 1e-4 for every row (the same fp32 products, another
+    summation order)
+    W8A8 formats: median row 1e-4, worst row 0.15. The reference quantizes its activations the
+    same way, so most rows agree to fp32 rounding; but a residual stream that differs by fp32
+    rounding (decode and prefill sum in other orders) can put an activation on the other side
+    of an fp8 rounding boundary, one e4m3 step (~6-12% of that element): measured up to 0.08.
+    A wrong scale or group would move every row by O(1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny_models import PagedSession
+from tiny_quant import make_quantized_checkpoint
+
+from specserve.config import CacheConfig, ModelConfig
+from specserve.distributed import parallel_state
+from specserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from specserve.layers.quantization import get_quant_config, resolve_quantization
+from specserve.llm import LLM
+from specserve.models.loader import load_model
+from specserve.sampling_params import SamplingParams
+
+W8A8 = (1e-4, 0.15)  # (median row, worst row)
+WEIGHT_ONLY = (1e-4, 1e-4)
+FORMATS = {  # format -> (tolerances, the linear method our loader must pick)
+    "fp8-block": (W8A8, "fp8-block128x128"),
+    "ct-fp8-block": (W8A8, "fp8-block128x128"),
+    "ct-fp8-channel": (W8A8, "fp8-channel"),
+    "modelopt-fp8": (W8A8, "fp8-tensor"),
+    "ct-int4-g32": (WEIGHT_ONLY, "int4-w4a16-g32"),
+    "ct-int4-g128": (WEIGHT_ONLY, "int4-w4a16-g128"),
+    "modelopt-nvfp4": (WEIGHT_ONLY, "nvfp4-w4a16 (modelopt)"),
+    "ct-nvfp4": (WEIGHT_ONLY, "nvfp4-w4a16 (compressed-tensors)"),
+}
+
+
+@pytest.fixture(scope="module", params=list(FORMATS))
+def quantized(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    fmt = request.param
+    path = str(tmp_path_factory.mktemp(fmt) / "m")
+    reference = make_quantized_checkpoint(path, fmt)
+    return {"fmt": fmt, "path": path, "reference": reference}
+
+
+def _load(path: str) -> torch.nn.Module:
+    return load_model(ModelConfig.from_hf(path), path, torch.float32, "cpu")
+
+
+def test_logits_match_dequantized_reference(quantized: dict) -> None:
+    (median_tol, max_tol), method = FORMATS[quantized["fmt"]]
+    model = _load(quantized["path"])
+    assert model.model.layers[0].self_attn.qkv_proj.quant_method.name == method
+    assert model.model.layers[1].mlp.down_proj.quant_method.name == method
+    rng = random.Random(1)
+    tokens = {0: [rng.randrange(512) for _ in range(13)], 1: [rng.randrange(512) for _ in range(6)]}
+    session = PagedSession(model)
+    got = {r: [t] for r, t in zip(tokens, session.step(tokens))}  # prefill, then 3 decodes
+    for _ in range(3):
+        nxt = {r: [rng.randrange(512)] for r in tokens}
+        for r, logits in zip(nxt, session.step(nxt)):
+            got[r].append(logits)
+            tokens[r] += nxt[r]
+    errors = []
+    with torch.no_grad():
+        for r, ids in tokens.items():
+            ref = quantized["reference"](torch.tensor([ids])).logits[0]
+            errors += (torch.cat(got[r]) - ref).abs().amax(-1).tolist()
+            # the format is not lossless: a dense model would be visibly off
+            assert ref.abs().max() > 1.0
+    errors.sort()
+    median, worst = errors[len(errors) // 2], errors[-1]
+    assert median < median_tol and worst < max_tol, (
+        f"{quantized['fmt']}: logit error median {median:.2e}, worst {worst:.2e}")
+
+
+def _reference_greedy(model: torch.nn.Module, prompt: list[int],
+                      n: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens of the reference and each step's top-2 logit margin."""
+    ids, out, margins = list(prompt), [], []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            top = logits.topk(2).values
+            out.append(int(logits.argmax()))
+            margins.append(float(top[0] - top[1]))
+            ids.append(out[-1])
+    return out, margins
+
+
+def test_greedy_matches_dequantized_reference(quantized: dict) -> None:
+    """Token for token; a continuation may part from the reference only at a near-tie (top-2
+    margin under the format's logit tolerance), and the comparison of that prompt ends there."""
+    tol = FORMATS[quantized["fmt"]][0][1]
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(2, 20))] for _ in range(3)]
+    llm = LLM(quantized["path"], device="cpu", dtype="float32",
+              cache=CacheConfig(page_size=4, num_pages=64))
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    compared = 0
+    for prompt, out in zip(prompts, outs):
+        ref, margins = _reference_greedy(quantized["reference"], prompt, 10)
+        for got, want, margin in zip(out.token_ids, ref, margins):
+            if got != want:
+                assert margin < tol, f"diverged at a top-2 margin of {margin:.3g} (tol {tol})"
+                break
+            compared += 1
+    assert compared >= 20
+
+
+@pytest.fixture(scope="module")
+def fp8_ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = str(tmp_path_factory.mktemp("fp8") / "m")
+    make_quantized_checkpoint(path, "fp8-block")
+    return path
+
+
+def _edited(src: str, dst: str, edit) -> str:
+    os.makedirs(dst)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, os.path.join(dst, "model.safetensors"))
+    with open(os.path.join(src, "config.json")) as fh, \
+            open(os.path.join(dst, "config.json"), "w") as out:
+        out.write(fh.read())
+    return dst
+
+
+def test_corrupted_scale_shape_names_the_tensor(fp8_ckpt: str, tmp_path) -> None:
+    name = "model.layers.1.mlp.down_proj.weight_scale_inv"
+    path = _edited(fp8_ckpt, str(tmp_path / "m"),
+                   lambda t: t.__setitem__(name, torch.ones(2, 2)))
+    with pytest.raises(ValueError, match=rf"'{name}'.*\(2, 2\).*\(2, 3\)"):
+        _load(path)
+
+
+def test_dense_tensor_in_a_quantized_layer_is_refused(fp8_ckpt: str, tmp_path) -> None:
+    name = "model.layers.0.self_attn.k_proj.weight"
+    path = _edited(fp8_ckpt, str(tmp_path / "m"),
+                   lambda t: t.__setitem__(name, t[name].float()))
+    with pytest.raises(ValueError, match=rf"'{name}'.*float32.*float8_e4m3fn"):
+        _load(path)
+
+
+def test_missing_scale_is_reported(fp8_ckpt: str, tmp_path) -> None:
+    name = "model.layers.0.mlp.up_proj.weight_scale_inv"
+    path = _edited(fp8_ckpt, str(tmp_path / "m"), lambda t: t.pop(name))
+    with pytest.raises(ValueError, match=f"missing tensors: {name}"):
+        _load(path)
+
+
+def test_codes_without_a_quantization_config_are_refused(fp8_ckpt: str, tmp_path) -> None:
+    path = str(tmp_path / "m")
+    _edited(fp8_ckpt, path, lambda t: None)
+    with open(os.path.join(path, "config.json")) as fh:
+        config = json.load(fh)
+    del config["quantization_config"]
+    with open(os.path.join(path, "config.json"), "w") as fh:
+        json.dump(config, fh)
+    with pytest.raises(ValueError, match="holds quantized codes but this layer is not quantized"):
+        load_model(ModelConfig.from_hf(path), path, torch.float32, "cpu")
+
+
+# -- TP: each rank's shards of every tensor, against the TP=1 layer ----------------------------
+
+
+def _set_tp(monkeypatch: pytest.MonkeyPatch, rank: int, tp: int) -> None:
+    monkeypatch.setattr(parallel_state, "_TP_RANK", rank)
+    monkeypatch.setattr(parallel_state, "_TP_SIZE", tp)
+
+
+def _layer(cls, args, fmt: str, loads: dict, monkeypatch, rank: int, tp: int):
+    from tiny_quant import quant_config
+
+    _set_tp(monkeypatch, rank, tp)
+    layer = cls(*args, quant_config=get_quant_config(quant_config(fmt)), prefix="m.down_proj")
+    params = dict(layer.named_parameters())
+    for (suffix, shard), tensor in loads.items():
+        layer.weight_loader(params[suffix], tensor, shard)
+    layer.process_weights_after_loading()
+    return layer
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block", "ct-int4-g32", "ct-nvfp4", "modelopt-fp8"])
+def test_tp2_shards_equal_tp1(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tiny_quant import _tensors
+
+    gen = torch.Generator().manual_seed(0)
+    gate, up = torch.randn(256, 512, generator=gen), torch.randn(256, 512, generator=gen)
+    down = torch.randn(256, 512, generator=gen)
+    col = {}
+    for shard, w in ((0, gate), (1, up)):
+        col.update({(s, shard): t for s, t in _tensors(fmt, w, shard)[0].items()})
+    row = {(s, None): t for s, t in _tensors(fmt, down, 0)[0].items()}
+    x = torch.randn(3, 512, generator=gen)
+    whole_col = _layer(MergedColumnParallelLinear, (512, [256, 256]), fmt, col, monkeypatch, 0, 1)
+    whole_row = _layer(RowParallelLinear, (512, 256), fmt, row, monkeypatch, 0, 1)
+    ref_col, ref_row = whole_col(x), whole_row(x)
+    cols, partial = [], torch.zeros_like(ref_row)
+    for rank in range(2):
+        c = _layer(MergedColumnParallelLinear, (512, [256, 256]), fmt, col, monkeypatch, rank, 2)
+        r = _layer(RowParallelLinear, (512, 256), fmt, row, monkeypatch, rank, 2)
+        cols.append(c.quant_method.apply(c, x, None).split(128, dim=-1))
+        partial += r.quant_method.apply(r, x[:, rank * 256:(rank + 1) * 256], None)
+    # rank-major [gate_r | up_r] -> [gate | up]
+    stitched = torch.cat([cols[0][0], cols[1][0], cols[0][1], cols[1][1]], -1)
+    torch.testing.assert_close(stitched, ref_col, rtol=1e-5, atol=1e-4)
+    # row-parallel: each rank quantizes its half of x; 128-groups fall the same as at TP=1
+    torch.testing.assert_close(partial, ref_row, rtol=1e-4, atol=1e-3)
+
+
+def test_tp_split_inside_a_block_names_the_sizes_that_work(monkeypatch) -> None:
+    from tiny_quant import _tensors
+
+    tensors = _tensors("fp8-block", torch.randn(128, 384), 0)[0]
+    with pytest.raises(ValueError, match=r"blocks of 128; tp_size 2 .* work for this tensor: 1, 3"):
+        _layer(RowParallelLinear, (384, 128), "fp8-block",
+               {(s, None): t for s, t in tensors.items()}, monkeypatch, 0, 2)
+
+
+def test_fused_shard_off_a_block_boundary_is_refused() -> None:
+    from tiny_quant import quant_config
+
+    layer = MergedColumnParallelLinear(128, [64, 64], quant_config=get_quant_config(
+        quant_config("fp8-block")), prefix="m.gate_up_proj")
+    with pytest.raises(ValueError, match="feature 64, inside a block of 128"):
+        layer.weight_loader(layer.weight_scale_inv, torch.ones(1, 1), 1)
+
+
+# -- configs ------------------------------------------------------------------------------------
+
+
+def test_quantization_flag_must_match_the_checkpoint(fp8_ckpt: str) -> None:
+    raw = ModelConfig.from_hf(fp8_ckpt).quantization
+    assert resolve_quantization(raw, "fp8", dummy=False) is raw
+    with pytest.raises(ValueError, match="--quantization w4a16 but the checkpoint's weights "
+                                         "are fp8"):
+        resolve_quantization(raw, "w4a16", dummy=False)
+    with pytest.raises(ValueError, match="weights are none"):
+        resolve_quantization(None, "nvfp4", dummy=False)
+    assert get_quant_config(resolve_quantization(None, "nvfp4", dummy=True)).family == "nvfp4"
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"quant_method": "awq"}, "'awq' is not supported"),
+    ({"quant_method": "fp8", "fmt": "e5m2"}, "only e4m3"),
+    ({"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION"}, "MIXED_PRECISION"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+      "config_groups": {"g": {"targets": ["Linear"], "weights": {
+          "num_bits": 4, "type": "int", "symmetric": False, "strategy": "group",
+          "group_size": 128}}}}, "asymmetric"),
+])
+def test_unsupported_configs_are_named(raw: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        get_quant_config(raw)
+
+
+def test_exclusions_keep_layers_dense() -> None:
+    from tiny_quant import quant_config
+
+    ct = get_quant_config({**quant_config("ct-int4-g32"), "ignore": ["lm_head",
+                                                                    "re:.*self_attn.*"]})
+    assert ct.linear_method("model.layers.0.self_attn.qkv_proj").name == "unquantized"
+    assert ct.linear_method("model.layers.0.mlp.gate_up_proj").name == "int4-w4a16-g32"
+    mo = get_quant_config({"quant_method": "modelopt", "quant_algo": "NVFP4",
+                           "exclude_modules": ["lm_head", "model.layers.0.mlp*"]})
+    assert mo.linear_method("model.layers.0.mlp.down_proj").name == "unquantized"
+    assert mo.linear_method("model.layers.1.mlp.down_proj").family == "nvfp4"
+    half = get_quant_config({"quant_method": "fp8", "weight_block_size": [128, 128],
+                             "ignored_layers": ["model.layers.0.self_attn.q_proj"]})
+    with pytest.raises(ValueError, match="excludes only some of"):
+        half.linear_method("model.layers.0.self_attn.qkv_proj")
