@@ -1,0 +1,242 @@
+"""The FP8 and W4A16 Triton kernels against torch references written here (per-group loops,
+bit-by-bit unpacking), under the interpreter on the CPU (tiny fp32 shapes, one subprocess:
+`python tests/test_quant_kernels.py` prints a JSON line) and on CUDA (gpu marker, bf16,
+Llama-3.1-8B shapes). Shapes include K and N that are not multiples of the tiles or blocks.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from specserve.kernels import fp8_gemm, w4a16_gemm  # noqa: E402
+from specserve.kernels.gemm_split import reduce_splits  # noqa: E402
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+HAS_CUDA = torch.cuda.is_available() and HAS_TRITON
+FP8 = torch.float8_e4m3fn
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+# -- references ---------------------------------------------------------------------------------
+
+
+def ref_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row and group: s = amax / 448, q = fp8(x / s) (torch's cast rounds to nearest even)."""
+    xf = x.float().cpu()
+    q, scales = torch.empty(xf.shape, dtype=FP8), []
+    for start in range(0, xf.shape[1], group):
+        part = xf[:, start:start + group]
+        s = part.abs().amax(1, keepdim=True).clamp(min=1e-10) / 448.0
+        q[:, start:start + group] = (part / s).to(FP8)
+        scales.append(s)
+    return q, torch.cat(scales, 1)
+
+
+def ref_fp8_mm(xq, xs, act_group, w, ws_full) -> torch.Tensor:
+    """Sum over K groups of (x_q . w_q^T) * x_s * w_s, w_s given per weight element [N, K]."""
+    m, k = xq.shape
+    out = torch.zeros(m, w.shape[0], dtype=torch.float64)
+    wd = w.double().cpu() * ws_full.double().cpu()
+    for g, start in enumerate(range(0, k, act_group)):
+        a = xq[:, start:start + act_group].double().cpu() * xs[:, g:g + 1].double().cpu()
+        out += a @ wd[:, start:start + act_group].t()
+    return out
+
+
+def ref_w4(packed: torch.Tensor, scales: torch.Tensor, group: int, k: int, fp4: bool,
+           row_scale: torch.Tensor | None) -> torch.Tensor:
+    """The [N, K] weight: columns i, i + 8, ... come from nibble i of each word."""
+    p = packed.cpu().long() & 0xFFFFFFFF
+    n, words = p.shape
+    codes = torch.empty(n, words * 8, dtype=torch.long)
+    for i in range(8):
+        codes[:, i::8] = (p >> (4 * i)) & 0xF
+    codes = codes[:, :k]
+    if fp4:
+        sign = 1.0 - 2.0 * (codes >= 8).double()
+        val = torch.tensor(E2M1, dtype=torch.float64)[codes % 8] * sign
+    else:
+        val = (codes - 8).double()
+    col_group = torch.arange(k) // group
+    w = val * scales.double().cpu()[:, col_group]
+    if row_scale is not None:
+        w *= row_scale.double().cpu()[:, None]
+    return w
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, rtol: float) -> None:
+    err = (got.double().cpu() - want).abs().max().item()
+    scale = want.abs().max().item()
+    assert err <= rtol * scale, f"max error {err:.3g} vs {rtol} x {scale:.3g}"
+
+
+# -- checks (device, dtype, shapes) -------------------------------------------------------------
+
+
+def check_quant(m: int, k: int, group: int, dtype, device) -> None:
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(dtype) * 3
+    q, s = fp8_gemm.quant_fp8(x.to(device), group)
+    rq, rs = ref_quant(x, group)
+    assert torch.equal(s.cpu(), rs), "scales differ"
+    assert torch.equal(q.cpu().view(torch.uint8), rq.view(torch.uint8)), "codes differ"
+    static = torch.tensor(0.02, device=device)
+    q, s = fp8_gemm.quant_fp8(x.to(device), group, static)
+    want = (x.float() / 0.02).clamp(-448, 448).to(FP8)
+    assert torch.equal(q.cpu().view(torch.uint8), want.view(torch.uint8)), "static codes differ"
+
+
+def check_fp8_mm(m: int, n: int, k: int, strategy: str, plan, dtype, device, rtol) -> None:
+    gen = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn(m, k, generator=gen)
+    w = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(FP8)
+    if strategy == "block":
+        ws = torch.rand(-(-n // 128), -(-k // 128), generator=gen) + 0.5
+        ws_full = ws.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+        group, bn, bk = 128, 128, 128
+    else:  # per-channel weights, per-token activations
+        ws = torch.rand(n, 1, generator=gen) + 0.5
+        ws_full, group, bn, bk = ws.expand(n, k), k, 1, k
+    xq, xs = ref_quant(x, group)
+    got = fp8_gemm.fp8_mm(xq.to(device), xs.to(device), group, w.to(device), ws.to(device), bn,
+                          bk, dtype, plan=plan)
+    _close(got, ref_fp8_mm(xq, xs, group, w, ws_full), rtol)
+
+
+def check_w4(m: int, n: int, k: int, group: int, fp4: bool, plan, dtype, device, rtol) -> None:
+    gen = torch.Generator().manual_seed(m + n + k)
+    packed = torch.randint(-2**31, 2**31 - 1, (n, -(-k // 8)), generator=gen, dtype=torch.int32)
+    scales = torch.rand(n, -(-k // group), generator=gen) * 0.1 + 0.01
+    scales = scales.to(FP8) if fp4 else scales.to(dtype)
+    row = torch.rand(n, generator=gen) + 0.5 if fp4 else None
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    got = w4a16_gemm.w4a16_mm(x.to(device), packed.to(device), scales.to(device), group, fp4,
+                              row.to(device) if fp4 else None, plan=plan)
+    want = x.double() @ ref_w4(packed, scales, group, k, fp4, row).t()
+    _close(got, want, rtol)
+
+
+def check_reduce(device) -> None:
+    parts = torch.randn(3, 5, 7)
+    torch.testing.assert_close(reduce_splits(parts.to(device), torch.float32).cpu(),
+                               parts[0] + parts[1] + parts[2])
+
+
+CPU, F32, TOL32 = "cpu", torch.float32, 1e-5
+INTERPRETER_CHECKS = {
+    "quant_group128_ragged_k": lambda: check_quant(5, 200, 128, F32, CPU),
+    "quant_per_token": lambda: check_quant(3, 72, 72, F32, CPU),
+    "fp8_block_ragged": lambda: check_fp8_mm(5, 200, 200, "block", (16, 32, 64, 1), F32, CPU,
+                                             TOL32),
+    "fp8_block_split3": lambda: check_fp8_mm(20, 72, 328, "block", (16, 32, 32, 3), F32, CPU,
+                                             TOL32),
+    "fp8_channel_split2": lambda: check_fp8_mm(3, 40, 136, "channel", (16, 32, 32, 2), F32, CPU,
+                                               TOL32),
+    "int4_g32_ragged": lambda: check_w4(3, 72, 200, 32, False, (16, 32, 64, 1), F32, CPU, TOL32),
+    "int4_g128_split2": lambda: check_w4(20, 40, 264, 128, False, (16, 32, 64, 2), F32, CPU,
+                                         TOL32),
+    "nvfp4_rowscale_split2": lambda: check_w4(3, 40, 208, 16, True, (16, 32, 64, 2), F32, CPU,
+                                              TOL32),
+    "reduce_splits": lambda: check_reduce(CPU),
+}
+
+
+@pytest.fixture(scope="module")
+def interpreter_results() -> dict[str, str]:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, __file__], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+    lines = proc.stdout.strip().splitlines()
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1])
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("name", sorted(INTERPRETER_CHECKS))
+def test_interpreter(name: str, interpreter_results: dict[str, str]) -> None:
+    assert interpreter_results[name] == "ok", interpreter_results[name]
+
+
+# -- CUDA: bf16 at Llama-3.1-8B shapes (hidden 4096, qkv 6144, gate_up 28672, inter 14336) --------
+
+gpu = pytest.mark.gpu(pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and triton"))
+BF16, TOL16 = torch.bfloat16, 2e-2
+SHAPES = [(6144, 4096), (4096, 14336), (1000, 1000)]  # (N, K); the last one ragged
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 16, 200])
+def test_cuda_quant(m: int) -> None:
+    check_quant(m, 4096, 128, BF16, "cuda")
+    check_quant(m, 1000, 1000, BF16, "cuda")
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 7, 64, 300])
+@pytest.mark.parametrize("n, k", SHAPES)
+@pytest.mark.parametrize("strategy", ["block", "channel"])
+def test_cuda_fp8_mm(m: int, n: int, k: int, strategy: str) -> None:
+    check_fp8_mm(m, n, k, strategy, None, BF16, "cuda", TOL16)
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 7, 64, 300])
+@pytest.mark.parametrize("n, k", [(1000, 1000), (4096, 4096)])
+@pytest.mark.parametrize("group, fp4", [(32, False), (128, False), (16, True)])
+def test_cuda_w4(m: int, n: int, k: int, group: int, fp4: bool) -> None:
+    if fp4 and k % 16:
+        k = k // 16 * 16
+    check_w4(m, n, k, group, fp4, None, BF16, "cuda", TOL16)
+
+
+@gpu
+def test_cuda_graph_capture_of_quantized_layers() -> None:
+    """A split-K launch (decode size) replays in a CUDA graph and matches the eager result."""
+    from tiny_quant import quant_config
+
+    from specserve.layers.linear import RowParallelLinear
+    from specserve.layers.quantization import get_quant_config
+    from specserve.models.presets import random_init
+
+    torch.set_default_dtype(BF16)
+    try:
+        for fmt in ("fp8-block", "ct-int4-g32", "ct-nvfp4"):
+            with torch.device("cuda"):
+                layer = RowParallelLinear(14336, 4096, quant_config=get_quant_config(
+                    quant_config(fmt)), prefix="m.down_proj")
+            random_init(layer)
+            x = torch.randn(1, 14336, device="cuda", dtype=BF16)
+            eager = layer(x)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = layer(x)
+            x.copy_(torch.randn_like(x))
+            graph.replay()
+            torch.testing.assert_close(out, layer(x))
+            assert not torch.equal(out, eager)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run through test_interpreter"
+    results = {}
+    for check_name, check in INTERPRETER_CHECKS.items():
+        try:
+            check()
+            results[check_name] = "ok"
+        except Exception:
+            results[check_name] = traceback.format_exc(limit=4)
+    print(json.dumps(results))
