@@ -4,7 +4,10 @@
   layer, then the LM head; the module's tensors, not copies) applied as plain matmuls
   `x @ W.T` in sequence for a [bs, in] input, captured in one CUDA graph and replayed. Attention,
   norms and sampling are left out, so a decode step can approach this time but not beat it;
-  weight bytes / time is the bandwidth the matmuls achieve.
+  weight bytes / time is the bandwidth the matmuls achieve. A quantized linear streams the
+  bytes its format reads (`linear_stream_bytes`): its packed codes, viewed as an
+  activation-dtype matrix (no copy), and its scales, whose bytes over all layers go into one
+  more matrix of that size (one extra matmul).
 - Device copy bandwidth: read + write bytes of a large device-to-device copy over its time.
 - The transformers peer: `generate` on a transformers model of the same shape whose parameters
   are views of ours (same random init, no second copy of the weights), with a static cache
@@ -55,16 +58,40 @@ def time_ms(fn: Callable[[], object], device: torch.device, repeats: int) -> lis
 # -- the weight-stream floor ------------------------------------------------------------------
 
 
+def linear_stream_bytes(linear: nn.Module) -> int:
+    """Bytes one forward of a linear layer reads in its stored format (dense: the weight;
+    quantized: packed codes + scales)."""
+    return linear.quant_method.stream_bytes(linear)
+
+
 def floor_weights(model: nn.Module) -> list[torch.Tensor]:
     """Every 2-D weight of the decoder layers in order (qkv, o, gate_up, down per layer), then
-    the LM head: the tensors a decode step must stream from memory."""
+    the LM head: the tensors a decode step must stream from memory. Quantized linears give
+    their codes as a matrix in the activation dtype, and their scales' bytes one more matrix."""
+    from specserve.layers.linear import LinearBase
+
     layers = next((m for name, m in model.named_modules()
                    if name.endswith("layers") and isinstance(m, nn.ModuleList)), None)
     head = getattr(model, "lm_head", None)
     if layers is None or head is None:
         raise ValueError(f"{type(model).__name__} has no decoder `layers` list and `lm_head`; "
                          "the weight-stream floor supports decoder-only language models")
-    weights = [p for layer in layers for p in layer.parameters() if p.dim() == 2]
+    dtype = head.weight.dtype
+    weights, extra = [], 0
+    for layer in layers:
+        linears = [m for m in layer.modules() if isinstance(m, LinearBase)]
+        owned = {id(p) for m in linears for p in m.parameters(recurse=False)}
+        for linear in linears:
+            codes = linear.quant_method.stream_tensors(linear)[0]
+            matrix = codes if codes.dtype == dtype else codes.reshape(codes.shape[0], -1).view(
+                dtype)  # the same bytes, as a matrix a matmul streams
+            weights.append(matrix)
+            extra += linear_stream_bytes(linear) - codes.numel() * codes.element_size()
+        weights += [p for p in layer.parameters() if p.dim() == 2 and id(p) not in owned]
+    if extra:
+        width = head.weight.shape[1]
+        rows = -(-extra // (width * head.weight.element_size()))
+        weights.append(torch.zeros(rows, width, dtype=dtype, device=head.weight.device))
     return [*weights, head.weight]
 
 
@@ -190,6 +217,9 @@ def hf_peer_model(engine: Any) -> nn.Module:
 
     if get_tp_size() != 1:
         raise ValueError("the transformers comparison needs the whole model: use --tp-size 1")
+    if engine.model_config.quantization:
+        raise ValueError("the transformers comparison shares dense weights: this model is "
+                         "quantized; drop --compare-hf")
     hf = _hf_config_dict(engine)
     arch = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
     config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"), None)

@@ -7,11 +7,13 @@ weights and of the KV pool and runs every StepInput itself.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
 
 from specserve.config import EngineConfig, ModelConfig
+from specserve.layers.quantization import resolve_quantization
 from specserve.models.loader import resolve_model_path
 from specserve.models.presets import PRESETS
 from specserve.speculative.proposer import Proposer
@@ -25,9 +27,21 @@ ProposerFactory = Callable[[ModelRunner], Proposer]
 def resolve_model(config: EngineConfig) -> tuple[str | None, ModelConfig]:
     """(checkpoint directory or None for a dummy preset, its normalised config)."""
     if config.load_format == "dummy" and config.model in PRESETS:
-        return None, ModelConfig.from_hf(PRESETS[config.model])
+        return None, model_config_of(config, None)
     path = resolve_model_path(config.model)
-    return path, ModelConfig.from_hf(path)
+    return path, model_config_of(config, path)
+
+
+def model_config_of(config: EngineConfig, model_path: str | None) -> ModelConfig:
+    """The model's normalised config with the quantization --quantization resolves to (the
+    checkpoint's, or random weights' format): one answer for every rank."""
+    model_config = ModelConfig.from_hf(PRESETS[config.model] if model_path is None
+                                       else model_path)
+    quant = resolve_quantization(model_config.quantization, config.quantization,
+                                 dummy=config.load_format == "dummy")
+    if quant is model_config.quantization:
+        return model_config
+    return dataclasses.replace(model_config, quantization=quant)
 
 
 class LocalWorker:
@@ -63,10 +77,7 @@ def build_local_worker(config: EngineConfig, model_path: str | None,
     """config: the engine's resolved config (max_model_len set). proposer: builds the drafter
     from the runner (a class with a `num_kv_layers` attribute); default: the one
     config.spec.algorithm names."""
-    if model_path is None:
-        model_config = ModelConfig.from_hf(PRESETS[config.model])
-    else:
-        model_config = ModelConfig.from_hf(model_path)
+    model_config = model_config_of(config, model_path)
     draft_kv = []  # the proposer's own KV layers, after the target's in one pool
     if proposer is not None:
         draft_kv = list(getattr(proposer, "kv_specs", ()))

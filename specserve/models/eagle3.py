@@ -13,6 +13,7 @@ head keeps its own KV cache over the context (an extra layer of the engine's pag
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -32,6 +33,7 @@ from specserve.layers.linear import (
     divide,
 )
 from specserve.layers.norm import RMSNorm
+from specserve.layers.quantization.base import CODE_DTYPES
 from specserve.layers.rotary import RotaryEmbedding
 
 
@@ -167,13 +169,19 @@ def load_eagle3_head(path: str, target: nn.Module, target_cfg: ModelConfig, laye
 
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"no config.json in the draft model directory {path}")
-    cfg = ModelConfig.from_hf(path)
+    # the head is dense: a quantization_config copied from the target does not apply to it
+    cfg = dataclasses.replace(ModelConfig.from_hf(path), quantization=None)
     ht = target_cfg.hidden_size
     weights = {}
     for name, tensor in iter_weights(path):
         key = _normalise_name(name)
         if key is not None:
             weights[key] = tensor
+    quantized = [n for n, t in weights.items() if t.dtype in CODE_DTYPES]
+    if quantized:
+        raise ValueError(
+            f"the EAGLE-3 head at {path} stores quantized tensors ({quantized[0]}: "
+            f"{weights[quantized[0]].dtype}); draft heads run dense: use a bf16/fp32 head")
     if "fc.weight" not in weights:
         raise ValueError(f"{path} has no fc.weight: it is not an EAGLE-3 head")
     fc_in = weights["fc.weight"].shape[1]
@@ -203,8 +211,6 @@ def load_eagle3_head(path: str, target: nn.Module, target_cfg: ModelConfig, laye
 
 
 def _with_draft_vocab(cfg: ModelConfig, rows: int) -> ModelConfig:
-    import dataclasses
-
     return dataclasses.replace(cfg, draft_vocab_size=rows)
 
 

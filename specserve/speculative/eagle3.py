@@ -44,7 +44,9 @@ def load_draft_config(spec: SpecConfig, target_cfg: ModelConfig) -> ModelConfig:
     else:
         cfg = ModelConfig.from_hf(resolve_model_path(spec.draft_model))
     DraftShape.from_config(spec)  # validates the tree size
-    return dataclasses.replace(cfg, num_layers=1)
+    # the head runs in the activation dtype whatever the target's format: a draft config
+    # copied from (or derived from) a quantized target must not carry its quantization
+    return dataclasses.replace(cfg, num_layers=1, quantization=None)
 
 
 class Eagle3Proposer:

@@ -156,10 +156,13 @@ class LinearMethod:
         """The [out, in] fp32 weight this layer computes with (after post-processing)."""
         raise NotImplementedError
 
+    def stream_tensors(self, layer: LinearBase) -> list[torch.Tensor]:
+        """The weight tensors one forward reads (packed codes first, then scales; no bias)."""
+        return [p for name, p in layer.named_parameters(recurse=False) if name != "bias"]
+
     def stream_bytes(self, layer: LinearBase) -> int:
         """Bytes of weight data one forward reads (packed weights + scales, bias excluded)."""
-        return sum(p.numel() * p.element_size() for name, p in layer.named_parameters(
-            recurse=False) if name != "bias")
+        return sum(t.numel() * t.element_size() for t in self.stream_tensors(layer))
 
 
 class QuantConfig:

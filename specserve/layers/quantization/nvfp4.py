@@ -64,6 +64,9 @@ class Nvfp4LinearMethod(LinearMethod):
         if self.has_input_scale:  # W4A4 only: activations stay in their dtype here
             del layer._parameters[self.input_name]
 
+    def stream_tensors(self, layer) -> list[torch.Tensor]:
+        return [layer.packed, layer.weight_scale, layer.row_scale]
+
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return apply_w4(layer, x, bias, layer.packed, layer.weight_scale, GROUP, True,
                         layer.row_scale)
