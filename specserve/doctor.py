@@ -28,6 +28,8 @@ FAST_PATHS = (
     "NCCL tensor parallelism",
     "symmetric-memory all-reduce",
     "FP8",
+    "W4A16 (INT4, weight-only)",
+    "NVFP4",
 )
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # nvidia-smi topo -m connection codes other than NV<n> (all travel over PCIe)
@@ -212,6 +214,24 @@ def _tensor_parallel(facts: dict[str, Any]) -> FastPath:
                     f"{peer}; NCCL {facts['nccl']}")
 
 
+def _w4a16(facts: dict[str, Any]) -> list[FastPath]:
+    """INT4 W4A16 and the path NVFP4 checkpoints take: weight-only through the same Triton
+    dequant-GEMM on every GPU (no FP4 tensor-core GEMM is wired in, Blackwell included)."""
+    cc = _min_cc(facts)
+    if facts["triton"] == "not installed" or cc < (8, 0):
+        why = ("triton is not installed" if facts["triton"] == "not installed"
+               else f"compute capability {cc} < (8, 0)")
+        return [FastPath("W4A16 (INT4, weight-only)", False, why),
+                FastPath("NVFP4", False, f"{why} (the NVFP4 path is W4A16)")]
+    if cc < (10, 0):
+        fp4 = f"weight-only W4A16 (Triton): no FP4 tensor cores at compute capability {cc}"
+    else:
+        fp4 = ("weight-only W4A16 (Triton): this GPU has FP4 tensor cores, but no FP4 (W4A4) "
+               "GEMM is wired in")
+    return [FastPath("W4A16 (INT4, weight-only)", True, "Triton dequant-GEMM"),
+            FastPath("NVFP4", True, fp4)]
+
+
 def evaluate_fast_paths(facts: dict[str, Any]) -> list[FastPath]:
     """One verdict per fast path; the first unmet requirement is the reason."""
     if not facts["cuda_available"] or not facts["gpus"]:
@@ -225,6 +245,7 @@ def evaluate_fast_paths(facts: dict[str, Any]) -> list[FastPath]:
         _tensor_parallel(facts),
         _symm_mem(facts),
         FastPath("FP8", cc >= (8, 9), "" if cc >= (8, 9) else f"compute capability {cc} < (8, 9)"),
+        *_w4a16(facts),
     ]
 
 

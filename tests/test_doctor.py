@@ -125,6 +125,16 @@ def test_old_or_single_gpu_rules() -> None:
     assert _verdicts(_facts([(8, 9)]))["FP8"] == (True, "")
 
 
+def test_nvfp4_path_is_named() -> None:
+    v = _verdicts(_facts([(9, 0)]))
+    assert v["W4A16 (INT4, weight-only)"] == (True, "Triton dequant-GEMM")
+    assert v["NVFP4"][0] and "no FP4 tensor cores at compute capability (9, 0)" in v["NVFP4"][1]
+    blackwell = _verdicts(_facts([(10, 0)]))["NVFP4"]
+    assert blackwell[0] and "FP4 tensor cores, but no FP4 (W4A4) GEMM" in blackwell[1]
+    old = _verdicts(_facts([(7, 5)]))
+    assert old["NVFP4"] == (False, "compute capability (7, 5) < (8, 0) (the NVFP4 path is W4A16)")
+
+
 def test_missing_pieces_give_reasons() -> None:
     no_peer = _facts([(8, 0), (8, 0)], peer_access=[[False, False], [False, False]])
     usable, reason = _verdicts(no_peer)["symmetric-memory all-reduce"]

@@ -219,22 +219,26 @@ def test_tp2_shards_equal_tp1(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None
     torch.testing.assert_close(partial, ref_row, rtol=1e-4, atol=1e-3)
 
 
-def test_tp_split_inside_a_block_names_the_sizes_that_work(monkeypatch) -> None:
-    from tiny_quant import _tensors
+def test_tp_split_inside_a_block_names_the_tensor_and_sizes_that_work(monkeypatch) -> None:
+    from tiny_quant import quant_config
 
-    tensors = _tensors("fp8-block", torch.randn(128, 384), 0)[0]
-    with pytest.raises(ValueError, match=r"blocks of 128; tp_size 2 .* work for this tensor: 1, 3"):
-        _layer(RowParallelLinear, (384, 128), "fp8-block",
-               {(s, None): t for s, t in tensors.items()}, monkeypatch, 0, 2)
+    _set_tp(monkeypatch, 0, 2)
+    with pytest.raises(ValueError, match=r"'m.down_proj.weight_scale_inv'.*blocks of 128; "
+                                         r"tp_size 2 .* work for this tensor: 1, 3"):
+        RowParallelLinear(384, 128, quant_config=get_quant_config(quant_config("fp8-block")),
+                          prefix="m.down_proj")
+    with pytest.raises(ValueError, match=r"'m.down_proj.weight_packed'.*blocks of 8.*: 1, 5$"):
+        RowParallelLinear(40, 128, quant_config=get_quant_config(quant_config("ct-int4-g32")),
+                          prefix="m.down_proj")
 
 
 def test_fused_shard_off_a_block_boundary_is_refused() -> None:
     from tiny_quant import quant_config
 
-    layer = MergedColumnParallelLinear(128, [64, 64], quant_config=get_quant_config(
-        quant_config("fp8-block")), prefix="m.gate_up_proj")
-    with pytest.raises(ValueError, match="feature 64, inside a block of 128"):
-        layer.weight_loader(layer.weight_scale_inv, torch.ones(1, 1), 1)
+    with pytest.raises(ValueError, match=r"'m.up_proj.weight_scale_inv'.*feature 64, inside a "
+                                         "block of 128"):
+        MergedColumnParallelLinear(128, [64, 64], quant_config=get_quant_config(
+            quant_config("fp8-block")), prefix="m.gate_up_proj")
 
 
 # -- configs ------------------------------------------------------------------------------------
@@ -376,3 +380,40 @@ def test_floor_streams_the_formats_bytes(fmt: str, tmp_path) -> None:
     assert streamed <= total < streamed + 256 * 4  # the scales' matrix rounds up to a row
     point = floor.measure_floor(model, [1], replays=2, warmup=1)[0]
     assert point.weight_bytes == total and point.ms > 0
+
+
+# -- random weights in a format (--load-format dummy --quantization X) --------------------------
+
+
+@pytest.mark.parametrize("flag, method", [("fp8", "fp8-block128x128"),
+                                          ("w4a16", "int4-w4a16-g128"),
+                                          ("nvfp4", "nvfp4-w4a16 (modelopt)")])
+def test_dummy_weights_in_each_format(flag: str, method: str, tmp_path) -> None:
+    from tiny_quant import SHAPE
+
+    from specserve.config import EngineConfig
+
+    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 512, "rms_norm_eps": 1e-6,
+              "torch_dtype": "float32", **SHAPE}
+    path = tmp_path / "shape"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    llm = LLM(EngineConfig(model=str(path), load_format="dummy", quantization=flag,
+                           device="cpu", dtype="float32"))
+    layer = llm.engine.runner.model.model.layers[0].mlp.down_proj
+    assert layer.quant_method.name == method
+    w = layer.quant_method.dequantized_weight(layer)
+    assert 0.01 < w.std().item() < 0.04  # random codes meaning ~N(0, 0.02)
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4,
+                                                   ignore_eos=True))
+    assert len(out[0].token_ids) == 4
+
+
+def test_cli_rejects_a_mismatched_flag_before_loading(fp8_ckpt: str, capsys) -> None:
+    from specserve.cli import main
+
+    rc = main(["generate", "hi", "--model", fp8_ckpt, "--quantization", "nvfp4", "--device",
+               "cpu"])
+    err = capsys.readouterr()
+    assert rc != 0
+    assert "--quantization nvfp4 but the checkpoint's weights are fp8" in err.out + err.err

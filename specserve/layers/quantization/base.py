@@ -41,7 +41,10 @@ class ParamSpec:
 
 
 def add_param(layer: nn.Module, name: str, tensor: torch.Tensor, spec: ParamSpec) -> nn.Parameter:
-    """Register `tensor` as parameter `name` of `layer`, loaded through the layer's loader."""
+    """Register `tensor` as parameter `name` of `layer`, loaded through the layer's loader.
+    A blocked layout that this layer's shards (fused parts, TP split) would cut fails here,
+    naming the checkpoint tensor, before anything is loaded."""
+    _check_blocks(layer, name, spec)
     param = nn.Parameter(tensor, requires_grad=False)
     param.quant_spec = spec
     param.weight_loader = layer.weight_loader
@@ -75,6 +78,23 @@ def _block_range(full: int, local: int, offset: int, block: int, tp: int, rank: 
             f"gives each rank {local}, which cuts a block: tp sizes that work for this tensor: "
             f"{_working_tp_sizes(full, block)}")
     return rank * local // block, local // block, offset // block, full // block
+
+
+def _check_blocks(layer: LinearBase, name: str, spec: ParamSpec) -> None:
+    if spec.per_shard:
+        return
+    parts = checkpoint_names(layer.prefix) if layer.prefix else [type(layer).__name__]
+    for i, (full, offset, local) in enumerate(layer.out_shards):
+        tensor = f"{parts[i] if len(parts) == len(layer.out_shards) else parts[0]}.{name}"
+        try:
+            if spec.out_dim is not None and spec.out_block > 1:
+                _block_range(full, local, offset, spec.out_block,
+                             layer.tp_size if layer.out_split else 1, 0, "output")
+            if spec.in_dim is not None and spec.in_block > 1:
+                _block_range(layer.full_input_size, layer.input_size, 0, spec.in_block,
+                             layer.tp_size if layer.in_split else 1, 0, "input")
+        except ValueError as err:
+            raise ValueError(f"tensor {tensor!r}: {err}") from None
 
 
 def load_shard(layer: LinearBase, param: nn.Parameter, loaded: torch.Tensor,
