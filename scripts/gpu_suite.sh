@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks in one invocation (an H200 or any CUDA machine):
 #   bash scripts/gpu_suite.sh OUT_DIR [steps]
-# steps: any of tests,profile,plain,spec,match,serve,mla (default: all but profile). Results and logs go to OUT_DIR;
+# steps: any of tests,profile,plain,spec,match,serve,mla,quant (default: all but profile and quant).
+# Results and logs go to OUT_DIR;
 # benchmark rows are appended to experiments/ (LOG.md, results.jsonl, PNGs).
 set -u
 out=${1:-out}; steps=${2:-tests,plain,spec,match,serve,mla}
@@ -46,6 +47,39 @@ if has spec; then
       --label "llama-3.1-8b $3 synthetic AL4" --json-out "$out/$3.json" > "$out/$3.log" 2>&1
     echo "$3 rc=$?"; tail -12 "$out/$3.log"
   done
+fi
+if has quant; then
+  # quantized GEMMs over launch plans, then bs 1 / 64 decode per format vs its floor and bf16
+  timeout 240 python scripts/bench_quant_gemm.py --quick --m 1,64 --out "$out/quant_gemm.json" \
+    > "$out/quant_gemm.log" 2>&1
+  echo "quant gemm rc=$?"; tail -24 "$out/quant_gemm.log"
+  for q in none fp8 w4a16 nvfp4; do
+    qflag=(); [ "$q" != none ] && qflag=(--quantization "$q")
+    timeout 150 "${ss[@]}" bench latency "${common[@]}" "${qflag[@]}" --batch-sizes 1,64 \
+      --floor --label "llama-3.1-8b $q" --json-out "$out/quant_$q.json" > "$out/quant_$q.log" 2>&1
+    echo "quant $q rc=$?"; tail -6 "$out/quant_$q.log"
+  done
+  python - "$out" <<'PY'
+import json, sys, pathlib
+out = pathlib.Path(sys.argv[1]); rows = {}
+for q in ("none", "fp8", "w4a16", "nvfp4"):
+    f = out / f"quant_{q}.json"
+    if f.exists():
+        rows[q] = {p["batch_size"]: p for p in json.loads(f.read_text())["points"]}
+for q, pts in rows.items():
+    for bs, p in sorted(pts.items()):
+        tok = p["modes"]["baseline"]["tok_s"]["mean"]
+        base = rows.get("none", {}).get(bs)
+        vs = tok / base["modes"]["baseline"]["tok_s"]["mean"] if base else float("nan")
+        print(f"{q:6} bs {bs:3}: {tok:8.1f} tok/s, floor ratio {p['floor_ratio'] or 0:.2f}, "
+              f"{vs:.2f}x bf16")
+PY
+  timeout 150 "${ss[@]}" bench latency "${common[@]}" --quantization fp8 --batch-sizes 1,16 \
+    --max-num-seqs 16 --spec-algorithm eagle3 --spec-draft-model dummy --spec-num-steps 3 \
+    --spec-topk 1 --spec-synthetic-accept-len 3 --cuda-graph-max-bs 16 \
+    --label "llama-3.1-8b fp8 chain3 synthetic AL3" --json-out "$out/quant_fp8_chain3.json" \
+    > "$out/quant_fp8_chain3.log" 2>&1
+  echo "quant fp8 chain3 rc=$?"; tail -8 "$out/quant_fp8_chain3.log"
 fi
 pair=specserve/assets/tiny-code; head=specserve/assets/tiny-code-eagle3
 if has match && [ -d "$pair" ]; then

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from specserve.kernels.dispatch import jit, next_power_of_2, tl, triton
-from specserve.kernels.gemm_split import launch_plan, reduce_splits
+from specserve.kernels.gemm_split import GemmPlan, as_plan, launch_plan, reduce_splits
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -174,9 +174,9 @@ def _scale_strides(s: torch.Tensor) -> tuple[int, int]:
 
 def fp8_mm(xq: torch.Tensor, xs: torch.Tensor, act_group: int, w: torch.Tensor,
            ws: torch.Tensor, block_n: int, block_k: int, out_dtype: torch.dtype,
-           plan: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+           plan: GemmPlan | tuple | None = None) -> torch.Tensor:
     """fp8_mm_torch on the GPU. xq [M, K], w [N, K] fp8 (K contiguous); xs [M, groups] or
-    [M, 1]; ws [ceil(N/bn), ceil(K/bk)], [N, 1] or [1]. plan: (BM, BN, BK, splits)."""
+    [M, 1]; ws [ceil(N/bn), ceil(K/bk)], [N, 1] or [1]. plan: a GemmPlan (or its fields)."""
     m, k = xq.shape
     n = w.shape[0]
     assert xq.stride(1) == 1 and w.stride(1) == 1
@@ -184,17 +184,18 @@ def fp8_mm(xq: torch.Tensor, xs: torch.Tensor, act_group: int, w: torch.Tensor,
     sbn, sbk = _scale_strides(ws)
     scale_at_end = sak == 0 and sbk == 0
     groups_k = [g for g, stride in ((act_group, sak), (block_k, sbk)) if stride]
-    bm, bn, bk, splits = plan or launch_plan(m, n, k, xq.device, max_block_k=min(groups_k or [128]))
+    plan = as_plan(plan) or launch_plan(m, n, k, xq.device, max_block_k=min(groups_k or [128]))
+    bm, bn, bk = plan.block_m, plan.block_n, plan.block_k
     assert all(g % bk == 0 for g in groups_k), "BLOCK_K must divide the scale groups along K"
-    k_per_split = -(-k // (splits * bk)) * bk
-    splits = -(-k // k_per_split)
-    out = torch.empty((splits, m, n) if splits > 1 else (1, m, n), device=xq.device,
+    k_per_split, splits = plan.k_per_split(k)
+    out = torch.empty((splits, m, n), device=xq.device,
                       dtype=torch.float32 if splits > 1 else out_dtype)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), splits)
     _fp8_mm_kernel[grid](
         xq, xs, w, ws, out, m, n, k, k_per_split, xq.stride(0), sam, sak, w.stride(0), sbn, sbk,
         out.stride(0), out.stride(1), A_GROUP=act_group if sak else 1,
-        B_GROUP_N=block_n if sbn else 1, B_GROUP_K=block_k if sbk else 1, SCALE_AT_END=scale_at_end, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=4, num_stages=3,
+        B_GROUP_N=block_n if sbn else 1, B_GROUP_K=block_k if sbk else 1,
+        SCALE_AT_END=scale_at_end, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip
     return reduce_splits(out, out_dtype) if splits > 1 else out[0]

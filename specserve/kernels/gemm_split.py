@@ -9,6 +9,7 @@ launch (deterministic, unlike atomics).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -29,9 +30,30 @@ def num_sms(device: torch.device) -> int:
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
+@dataclass(frozen=True)
+class GemmPlan:
+    """Tile sizes, K splits and launch parameters of one quantized GEMM."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    splits: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def k_per_split(self, k: int) -> tuple[int, int]:
+        """(K elements per split, a multiple of block_k; the number of splits that remain)."""
+        per = -(-k // (self.splits * self.block_k)) * self.block_k
+        return per, -(-k // per)
+
+
+def as_plan(plan: GemmPlan | tuple | None) -> GemmPlan | None:
+    return GemmPlan(*plan) if isinstance(plan, tuple) else plan
+
+
 def launch_plan(m: int, n: int, k: int, device: torch.device,
-                max_block_k: int = 128) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, splits) for an [m, k] x [k, n] product."""
+                max_block_k: int = 128) -> GemmPlan:
+    """The default plan for an [m, k] x [k, n] product."""
     if m <= 16:
         bm, bn = 16, 64
     elif m <= 64:
@@ -46,7 +68,7 @@ def launch_plan(m: int, n: int, k: int, device: torch.device,
     if tiles < target:
         # at least 4 K steps per split so each program still pipelines its loads
         splits = max(1, min(triton.cdiv(target, tiles), steps // 4, MAX_SPLITS))
-    return bm, bn, bk, splits
+    return GemmPlan(bm, bn, bk, splits)
 
 
 @jit

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from specserve.kernels.dispatch import jit, tl, triton
-from specserve.kernels.gemm_split import launch_plan, reduce_splits
+from specserve.kernels.gemm_split import GemmPlan, as_plan, launch_plan, reduce_splits
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
@@ -114,16 +114,16 @@ def _w4a16_kernel(
 
 def w4a16_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int,
              fp4: bool, row_scale: torch.Tensor | None = None,
-             plan: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+             plan: GemmPlan | tuple | None = None) -> torch.Tensor:
     """w4a16_mm_torch on the GPU: x [M, K] (K contiguous) -> [M, N] in x's dtype.
-    plan: (BLOCK_M, BLOCK_N, BLOCK_K, splits); BLOCK_K a multiple of 8."""
+    plan: a GemmPlan (or its fields); BLOCK_K a multiple of 8."""
     m, k = x.shape
     n = packed.shape[0]
     assert x.stride(1) == 1 and packed.stride(1) == 1 and scales.stride(1) == 1
-    bm, bn, bk, splits = plan or launch_plan(m, n, k, x.device)
+    plan = as_plan(plan) or launch_plan(m, n, k, x.device)
+    bm, bn, bk = plan.block_m, plan.block_n, plan.block_k
     assert bk % 8 == 0
-    k_per_split = -(-k // (splits * bk)) * bk
-    splits = -(-k // k_per_split)
+    k_per_split, splits = plan.k_per_split(k)
     out = torch.empty((splits, m, n), device=x.device,
                       dtype=torch.float32 if splits > 1 else x.dtype)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), splits)
@@ -131,6 +131,7 @@ def w4a16_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group:
         x, packed, scales, row_scale if row_scale is not None else scales, out, m, n, k,
         k_per_split, x.stride(0), packed.stride(0), scales.stride(0), out.stride(0),
         out.stride(1), GROUP=group, FP4=fp4, HAS_ROW_SCALE=row_scale is not None,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=3,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=plan.num_warps,
+        num_stages=plan.num_stages,
     )  # fmt: skip
     return reduce_splits(out, x.dtype) if splits > 1 else out[0]

@@ -1,0 +1,117 @@
+"""Time the quantized GEMMs at Llama-3.1-8B shapes over launch plans (GPU only).
+
+For each format (fp8 block W8A8, int4 g128 W4A16, nvfp4 W4A16), each linear shape of the
+model and each row count M, times the default plan (gemm_split.launch_plan) and a grid of
+alternatives with triton.testing.do_bench (L2 flushed between runs), next to the dense bf16
+F.linear of the same shape. Prints one line per case and writes the full table as JSON:
+
+    python scripts/bench_quant_gemm.py --out quant_gemm.json [--m 1,64] [--quick]
+
+GB/s counts the weight bytes the format streams (codes + scales), as the floor does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from specserve.kernels import fp8_gemm, w4a16_gemm  # noqa: E402
+from specserve.kernels.gemm_split import GemmPlan, launch_plan  # noqa: E402
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+          "down": (4096, 14336)}  # name -> (N, K)
+FORMATS = ("fp8", "int4", "nvfp4")
+
+
+def make_case(fmt: str, m: int, n: int, k: int):
+    """(fn(plan) running the GEMM, weight bytes streamed)."""
+    dev = "cuda"
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    if fmt == "fp8":
+        w = torch.randn(n, k, device=dev).to(fp8_gemm.FP8)
+        ws = torch.rand(-(-n // 128), -(-k // 128), device=dev) + 0.5
+        nbytes = w.numel() + ws.numel() * 4
+
+        def fn(plan):
+            xq, xs = fp8_gemm.quant_fp8(x, 128)
+            return fp8_gemm.fp8_mm(xq, xs, 128, w, ws, 128, 128, torch.bfloat16, plan)
+
+        return fn, nbytes
+    packed = torch.randint(-2**31, 2**31 - 1, (n, k // 8), device=dev, dtype=torch.int32)
+    group = 128 if fmt == "int4" else 16
+    scales = torch.rand(n, k // group, device=dev) * 0.01
+    scales = scales.to(torch.bfloat16 if fmt == "int4" else torch.float8_e4m3fn)
+    row = torch.rand(n, device=dev) if fmt == "nvfp4" else None
+    nbytes = packed.numel() * 4 + scales.numel() * scales.element_size() + (
+        row.numel() * 4 if row is not None else 0)
+
+    def fn(plan):
+        return w4a16_gemm.w4a16_mm(x, packed, scales, group, fmt == "nvfp4", row, plan)
+
+    return fn, nbytes
+
+
+def plans(fmt: str, m: int, quick: bool) -> list[GemmPlan]:
+    bm = 16 if m <= 16 else (64 if m <= 64 else 128)
+    bns = (32, 64, 128) if not quick else (64,)
+    bks = (128,) if fmt == "fp8" else ((64, 128, 256) if not quick else (128,))
+    splits = (1, 2, 4, 8)
+    stages = (3, 4) if not quick else (3,)
+    return [GemmPlan(bm, bn, bk, s, 4, st)
+            for bn, bk, s, st in itertools.product(bns, bks, splits, stages)]
+
+
+def main() -> int:
+    from triton.testing import do_bench
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--m", default="1,64", help="row counts (decode batch sizes)")
+    p.add_argument("--formats", default=",".join(FORMATS))
+    p.add_argument("--quick", action="store_true", help="a small grid")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU")
+        return 1
+    rows = []
+    for fmt in args.formats.split(","):
+        for name, (n, k) in SHAPES.items():
+            for m in map(int, args.m.split(",")):
+                fn, nbytes = make_case(fmt, m, n, k)
+                dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                bf16_ms = do_bench(lambda: torch.nn.functional.linear(x, dense))
+                default = launch_plan(m, n, k, torch.device("cuda"))
+                times = {}
+                for plan in [default, *plans(fmt, m, args.quick)]:
+                    try:
+                        times[plan] = do_bench(lambda plan=plan: fn(plan))
+                    except Exception as err:  # a plan the compiler rejects (resources)
+                        print(f"  {plan}: {type(err).__name__}")
+                best = min(times, key=times.get)
+                row = {"format": fmt, "linear": name, "m": m, "n": n, "k": k,
+                       "weight_bytes": nbytes, "default_plan": default.__dict__,
+                       "default_ms": times[default], "best_plan": best.__dict__,
+                       "best_ms": times[best], "bf16_ms": bf16_ms,
+                       "default_gbs": nbytes / times[default] / 1e6,
+                       "best_gbs": nbytes / times[best] / 1e6,
+                       "bf16_gbs": dense.numel() * 2 / bf16_ms / 1e6}
+                rows.append(row)
+                print(f"{fmt:5} {name:7} M {m:3}: default {row['default_ms'] * 1e3:7.1f} us "
+                      f"({row['default_gbs']:5.0f} GB/s), best {row['best_ms'] * 1e3:7.1f} us "
+                      f"({row['best_gbs']:5.0f} GB/s) {best}, bf16 {bf16_ms * 1e3:7.1f} us "
+                      f"({row['bf16_gbs']:5.0f} GB/s)", flush=True)
+                del dense
+    Path(args.out).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
