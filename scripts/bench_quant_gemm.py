@@ -25,8 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specserve.kernels import fp8_gemm, w4a16_gemm  # noqa: E402
 from specserve.kernels.gemm_split import GemmPlan, launch_plan  # noqa: E402
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
-          "down": (4096, 14336)}  # name -> (N, K)
+SHAPES = {
+    "qkv": (6144, 4096),
+    "o": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+}  # name -> (N, K)
 FORMATS = ("fp8", "int4", "nvfp4")
 
 
@@ -44,13 +48,16 @@ def make_case(fmt: str, m: int, n: int, k: int):
             return fp8_gemm.fp8_mm(xq, xs, 128, w, ws, 128, 128, torch.bfloat16, plan)
 
         return fn, nbytes
-    packed = torch.randint(-2**31, 2**31 - 1, (n, k // 8), device=dev, dtype=torch.int32)
+    packed = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), device=dev, dtype=torch.int32)
     group = 128 if fmt == "int4" else 16
     scales = torch.rand(n, k // group, device=dev) * 0.01
     scales = scales.to(torch.bfloat16 if fmt == "int4" else torch.float8_e4m3fn)
     row = torch.rand(n, device=dev) if fmt == "nvfp4" else None
-    nbytes = packed.numel() * 4 + scales.numel() * scales.element_size() + (
-        row.numel() * 4 if row is not None else 0)
+    nbytes = (
+        packed.numel() * 4
+        + scales.numel() * scales.element_size()
+        + (row.numel() * 4 if row is not None else 0)
+    )
 
     def fn(plan):
         return w4a16_gemm.w4a16_mm(x, packed, scales, group, fmt == "nvfp4", row, plan)
@@ -64,8 +71,10 @@ def plans(fmt: str, m: int, quick: bool) -> list[GemmPlan]:
     bks = (128,) if fmt == "fp8" else ((64, 128, 256) if not quick else (128,))
     splits = (1, 2, 4, 8)
     stages = (3, 4) if not quick else (3,)
-    return [GemmPlan(bm, bn, bk, s, 4, st)
-            for bn, bk, s, st in itertools.product(bns, bks, splits, stages)]
+    return [
+        GemmPlan(bm, bn, bk, s, 4, st)
+        for bn, bk, s, st in itertools.product(bns, bks, splits, stages)
+    ]
 
 
 def main() -> int:
@@ -87,27 +96,39 @@ def main() -> int:
                 fn, nbytes = make_case(fmt, m, n, k)
                 dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                bf16_ms = do_bench(lambda: torch.nn.functional.linear(x, dense))
+                bf16_ms = do_bench(lambda x=x, w=dense: torch.nn.functional.linear(x, w))
                 default = launch_plan(m, n, k, torch.device("cuda"))
                 times = {}
                 for plan in [default, *plans(fmt, m, args.quick)]:
                     try:
-                        times[plan] = do_bench(lambda plan=plan: fn(plan))
+                        times[plan] = do_bench(lambda plan=plan, fn=fn: fn(plan))
                     except Exception as err:  # a plan the compiler rejects (resources)
                         print(f"  {plan}: {type(err).__name__}")
                 best = min(times, key=times.get)
-                row = {"format": fmt, "linear": name, "m": m, "n": n, "k": k,
-                       "weight_bytes": nbytes, "default_plan": default.__dict__,
-                       "default_ms": times[default], "best_plan": best.__dict__,
-                       "best_ms": times[best], "bf16_ms": bf16_ms,
-                       "default_gbs": nbytes / times[default] / 1e6,
-                       "best_gbs": nbytes / times[best] / 1e6,
-                       "bf16_gbs": dense.numel() * 2 / bf16_ms / 1e6}
+                row = {
+                    "format": fmt,
+                    "linear": name,
+                    "m": m,
+                    "n": n,
+                    "k": k,
+                    "weight_bytes": nbytes,
+                    "default_plan": default.__dict__,
+                    "default_ms": times[default],
+                    "best_plan": best.__dict__,
+                    "best_ms": times[best],
+                    "bf16_ms": bf16_ms,
+                    "default_gbs": nbytes / times[default] / 1e6,
+                    "best_gbs": nbytes / times[best] / 1e6,
+                    "bf16_gbs": dense.numel() * 2 / bf16_ms / 1e6,
+                }
                 rows.append(row)
-                print(f"{fmt:5} {name:7} M {m:3}: default {row['default_ms'] * 1e3:7.1f} us "
-                      f"({row['default_gbs']:5.0f} GB/s), best {row['best_ms'] * 1e3:7.1f} us "
-                      f"({row['best_gbs']:5.0f} GB/s) {best}, bf16 {bf16_ms * 1e3:7.1f} us "
-                      f"({row['bf16_gbs']:5.0f} GB/s)", flush=True)
+                print(
+                    f"{fmt:5} {name:7} M {m:3}: default {row['default_ms'] * 1e3:7.1f} us "
+                    f"({row['default_gbs']:5.0f} GB/s), best {row['best_ms'] * 1e3:7.1f} us "
+                    f"({row['best_gbs']:5.0f} GB/s) {best}, bf16 {bf16_ms * 1e3:7.1f} us "
+                    f"({row['bf16_gbs']:5.0f} GB/s)",
+                    flush=True,
+                )
                 del dense
     Path(args.out).write_text(json.dumps(rows, indent=1))
     return 0

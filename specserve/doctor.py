@@ -219,17 +219,26 @@ def _w4a16(facts: dict[str, Any]) -> list[FastPath]:
     dequant-GEMM on every GPU (no FP4 tensor-core GEMM is wired in, Blackwell included)."""
     cc = _min_cc(facts)
     if facts["triton"] == "not installed" or cc < (8, 0):
-        why = ("triton is not installed" if facts["triton"] == "not installed"
-               else f"compute capability {cc} < (8, 0)")
-        return [FastPath("W4A16 (INT4, weight-only)", False, why),
-                FastPath("NVFP4", False, f"{why} (the NVFP4 path is W4A16)")]
+        why = (
+            "triton is not installed"
+            if facts["triton"] == "not installed"
+            else f"compute capability {cc} < (8, 0)"
+        )
+        return [
+            FastPath("W4A16 (INT4, weight-only)", False, why),
+            FastPath("NVFP4", False, f"{why} (the NVFP4 path is W4A16)"),
+        ]
     if cc < (10, 0):
         fp4 = f"weight-only W4A16 (Triton): no FP4 tensor cores at compute capability {cc}"
     else:
-        fp4 = ("weight-only W4A16 (Triton): this GPU has FP4 tensor cores, but no FP4 (W4A4) "
-               "GEMM is wired in")
-    return [FastPath("W4A16 (INT4, weight-only)", True, "Triton dequant-GEMM"),
-            FastPath("NVFP4", True, fp4)]
+        fp4 = (
+            "weight-only W4A16 (Triton): this GPU has FP4 tensor cores, but no FP4 (W4A4) "
+            "GEMM is wired in"
+        )
+    return [
+        FastPath("W4A16 (INT4, weight-only)", True, "Triton dequant-GEMM"),
+        FastPath("NVFP4", True, fp4),
+    ]
 
 
 def evaluate_fast_paths(facts: dict[str, Any]) -> list[FastPath]:

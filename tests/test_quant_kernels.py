@@ -38,9 +38,9 @@ def ref_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.float().cpu()
     q, scales = torch.empty(xf.shape, dtype=FP8), []
     for start in range(0, xf.shape[1], group):
-        part = xf[:, start:start + group]
+        part = xf[:, start : start + group]
         s = part.abs().amax(1, keepdim=True).clamp(min=1e-10) / 448.0
-        q[:, start:start + group] = (part / s).to(FP8)
+        q[:, start : start + group] = (part / s).to(FP8)
         scales.append(s)
     return q, torch.cat(scales, 1)
 
@@ -51,13 +51,19 @@ def ref_fp8_mm(xq, xs, act_group, w, ws_full) -> torch.Tensor:
     out = torch.zeros(m, w.shape[0], dtype=torch.float64)
     wd = w.double().cpu() * ws_full.double().cpu()
     for g, start in enumerate(range(0, k, act_group)):
-        a = xq[:, start:start + act_group].double().cpu() * xs[:, g:g + 1].double().cpu()
-        out += a @ wd[:, start:start + act_group].t()
+        a = xq[:, start : start + act_group].double().cpu() * xs[:, g : g + 1].double().cpu()
+        out += a @ wd[:, start : start + act_group].t()
     return out
 
 
-def ref_w4(packed: torch.Tensor, scales: torch.Tensor, group: int, k: int, fp4: bool,
-           row_scale: torch.Tensor | None) -> torch.Tensor:
+def ref_w4(
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    group: int,
+    k: int,
+    fp4: bool,
+    row_scale: torch.Tensor | None,
+) -> torch.Tensor:
     """The [N, K] weight: columns i, i + 8, ... come from nibble i of each word."""
     p = packed.cpu().long() & 0xFFFFFFFF
     n, words = p.shape
@@ -110,45 +116,57 @@ def check_fp8_mm(m: int, n: int, k: int, strategy: str, plan, dtype, device, rto
         ws = torch.rand(n, 1, generator=gen) + 0.5
         ws_full, group, bn, bk = ws.expand(n, k), k, 1, k
     xq, xs = ref_quant(x, group)
-    got = fp8_gemm.fp8_mm(xq.to(device), xs.to(device), group, w.to(device), ws.to(device), bn,
-                          bk, dtype, plan=plan)
+    got = fp8_gemm.fp8_mm(
+        xq.to(device), xs.to(device), group, w.to(device), ws.to(device), bn, bk, dtype, plan=plan
+    )
     _close(got, ref_fp8_mm(xq, xs, group, w, ws_full), rtol)
 
 
 def check_w4(m: int, n: int, k: int, group: int, fp4: bool, plan, dtype, device, rtol) -> None:
     gen = torch.Generator().manual_seed(m + n + k)
-    packed = torch.randint(-2**31, 2**31 - 1, (n, -(-k // 8)), generator=gen, dtype=torch.int32)
+    packed = torch.randint(-(2**31), 2**31 - 1, (n, -(-k // 8)), generator=gen, dtype=torch.int32)
     scales = torch.rand(n, -(-k // group), generator=gen) * 0.1 + 0.01
     scales = scales.to(FP8) if fp4 else scales.to(dtype)
     row = torch.rand(n, generator=gen) + 0.5 if fp4 else None
     x = torch.randn(m, k, generator=gen).to(dtype)
-    got = w4a16_gemm.w4a16_mm(x.to(device), packed.to(device), scales.to(device), group, fp4,
-                              row.to(device) if fp4 else None, plan=plan)
+    got = w4a16_gemm.w4a16_mm(
+        x.to(device),
+        packed.to(device),
+        scales.to(device),
+        group,
+        fp4,
+        row.to(device) if fp4 else None,
+        plan=plan,
+    )
     want = x.double() @ ref_w4(packed, scales, group, k, fp4, row).t()
     _close(got, want, rtol)
 
 
 def check_reduce(device) -> None:
     parts = torch.randn(3, 5, 7)
-    torch.testing.assert_close(reduce_splits(parts.to(device), torch.float32).cpu(),
-                               parts[0] + parts[1] + parts[2])
+    torch.testing.assert_close(
+        reduce_splits(parts.to(device), torch.float32).cpu(), parts[0] + parts[1] + parts[2]
+    )
 
 
 CPU, F32, TOL32 = "cpu", torch.float32, 1e-5
 INTERPRETER_CHECKS = {
     "quant_group128_ragged_k": lambda: check_quant(5, 200, 128, F32, CPU),
     "quant_per_token": lambda: check_quant(3, 72, 72, F32, CPU),
-    "fp8_block_ragged": lambda: check_fp8_mm(5, 200, 200, "block", (16, 32, 64, 1), F32, CPU,
-                                             TOL32),
-    "fp8_block_split3": lambda: check_fp8_mm(20, 72, 328, "block", (16, 32, 32, 3), F32, CPU,
-                                             TOL32),
-    "fp8_channel_split2": lambda: check_fp8_mm(3, 40, 136, "channel", (16, 32, 32, 2), F32, CPU,
-                                               TOL32),
+    "fp8_block_ragged": lambda: check_fp8_mm(
+        5, 200, 200, "block", (16, 32, 64, 1), F32, CPU, TOL32
+    ),
+    "fp8_block_split3": lambda: check_fp8_mm(
+        20, 72, 328, "block", (16, 32, 32, 3), F32, CPU, TOL32
+    ),
+    "fp8_channel_split2": lambda: check_fp8_mm(
+        3, 40, 136, "channel", (16, 32, 32, 2), F32, CPU, TOL32
+    ),
     "int4_g32_ragged": lambda: check_w4(3, 72, 200, 32, False, (16, 32, 64, 1), F32, CPU, TOL32),
-    "int4_g128_split2": lambda: check_w4(20, 40, 264, 128, False, (16, 32, 64, 2), F32, CPU,
-                                         TOL32),
-    "nvfp4_rowscale_split2": lambda: check_w4(3, 40, 208, 16, True, (16, 32, 64, 2), F32, CPU,
-                                              TOL32),
+    "int4_g128_split2": lambda: check_w4(20, 40, 264, 128, False, (16, 32, 64, 2), F32, CPU, TOL32),
+    "nvfp4_rowscale_split2": lambda: check_w4(
+        3, 40, 208, 16, True, (16, 32, 64, 2), F32, CPU, TOL32
+    ),
     "reduce_splits": lambda: check_reduce(CPU),
 }
 
@@ -156,8 +174,9 @@ INTERPRETER_CHECKS = {
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, str]:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, __file__], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, __file__], env=env, cwd=REPO, capture_output=True, text=True, timeout=600
+    )
     lines = proc.stdout.strip().splitlines()
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     return json.loads(lines[-1])
@@ -214,8 +233,12 @@ def test_cuda_graph_capture_of_quantized_layers() -> None:
     try:
         for fmt in ("fp8-block", "ct-int4-g32", "ct-nvfp4"):
             with torch.device("cuda"):
-                layer = RowParallelLinear(14336, 4096, quant_config=get_quant_config(
-                    quant_config(fmt)), prefix="m.down_proj")
+                layer = RowParallelLinear(
+                    14336,
+                    4096,
+                    quant_config=get_quant_config(quant_config(fmt)),
+                    prefix="m.down_proj",
+                )
             random_init(layer)
             x = torch.randn(1, 14336, device="cuda", dtype=BF16)
             eager = layer(x)

@@ -81,11 +81,13 @@ def test_logits_match_dequantized_reference(quantized: dict) -> None:
     errors.sort()
     median, worst = errors[len(errors) // 2], errors[-1]
     assert median < median_tol and worst < max_tol, (
-        f"{quantized['fmt']}: logit error median {median:.2e}, worst {worst:.2e}")
+        f"{quantized['fmt']}: logit error median {median:.2e}, worst {worst:.2e}"
+    )
 
 
-def _reference_greedy(model: torch.nn.Module, prompt: list[int],
-                      n: int) -> tuple[list[int], list[float]]:
+def _reference_greedy(
+    model: torch.nn.Module, prompt: list[int], n: int
+) -> tuple[list[int], list[float]]:
     """Greedy tokens of the reference and each step's top-2 logit margin."""
     ids, out, margins = list(prompt), [], []
     with torch.no_grad():
@@ -104,8 +106,12 @@ def test_greedy_matches_dequantized_reference(quantized: dict) -> None:
     tol = FORMATS[quantized["fmt"]][0][1]
     rng = random.Random(2)
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(2, 20))] for _ in range(3)]
-    llm = LLM(quantized["path"], device="cpu", dtype="float32",
-              cache=CacheConfig(page_size=4, num_pages=64))
+    llm = LLM(
+        quantized["path"],
+        device="cpu",
+        dtype="float32",
+        cache=CacheConfig(page_size=4, num_pages=64),
+    )
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     compared = 0
     for prompt, out in zip(prompts, outs):
@@ -130,24 +136,24 @@ def _edited(src: str, dst: str, edit) -> str:
     tensors = load_file(os.path.join(src, "model.safetensors"))
     edit(tensors)
     save_file(tensors, os.path.join(dst, "model.safetensors"))
-    with open(os.path.join(src, "config.json")) as fh, \
-            open(os.path.join(dst, "config.json"), "w") as out:
+    with (
+        open(os.path.join(src, "config.json")) as fh,
+        open(os.path.join(dst, "config.json"), "w") as out,
+    ):
         out.write(fh.read())
     return dst
 
 
 def test_corrupted_scale_shape_names_the_tensor(fp8_ckpt: str, tmp_path) -> None:
     name = "model.layers.1.mlp.down_proj.weight_scale_inv"
-    path = _edited(fp8_ckpt, str(tmp_path / "m"),
-                   lambda t: t.__setitem__(name, torch.ones(2, 2)))
+    path = _edited(fp8_ckpt, str(tmp_path / "m"), lambda t: t.__setitem__(name, torch.ones(2, 2)))
     with pytest.raises(ValueError, match=rf"'{name}'.*\(2, 2\).*\(2, 3\)"):
         _load(path)
 
 
 def test_dense_tensor_in_a_quantized_layer_is_refused(fp8_ckpt: str, tmp_path) -> None:
     name = "model.layers.0.self_attn.k_proj.weight"
-    path = _edited(fp8_ckpt, str(tmp_path / "m"),
-                   lambda t: t.__setitem__(name, t[name].float()))
+    path = _edited(fp8_ckpt, str(tmp_path / "m"), lambda t: t.__setitem__(name, t[name].float()))
     with pytest.raises(ValueError, match=rf"'{name}'.*float32.*float8_e4m3fn"):
         _load(path)
 
@@ -211,7 +217,7 @@ def test_tp2_shards_equal_tp1(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None
         c = _layer(MergedColumnParallelLinear, (512, [256, 256]), fmt, col, monkeypatch, rank, 2)
         r = _layer(RowParallelLinear, (512, 256), fmt, row, monkeypatch, rank, 2)
         cols.append(c.quant_method.apply(c, x, None).split(128, dim=-1))
-        partial += r.quant_method.apply(r, x[:, rank * 256:(rank + 1) * 256], None)
+        partial += r.quant_method.apply(r, x[:, rank * 256 : (rank + 1) * 256], None)
     # rank-major [gate_r | up_r] -> [gate | up]
     stitched = torch.cat([cols[0][0], cols[1][0], cols[0][1], cols[1][1]], -1)
     torch.testing.assert_close(stitched, ref_col, rtol=1e-5, atol=1e-4)
@@ -223,22 +229,37 @@ def test_tp_split_inside_a_block_names_the_tensor_and_sizes_that_work(monkeypatc
     from tiny_quant import quant_config
 
     _set_tp(monkeypatch, 0, 2)
-    with pytest.raises(ValueError, match=r"'m.down_proj.weight_scale_inv'.*blocks of 128; "
-                                         r"tp_size 2 .* work for this tensor: 1, 3"):
-        RowParallelLinear(384, 128, quant_config=get_quant_config(quant_config("fp8-block")),
-                          prefix="m.down_proj")
+    with pytest.raises(
+        ValueError,
+        match=r"'m.down_proj.weight_scale_inv'.*blocks of 128; "
+        r"tp_size 2 .* work for this tensor: 1, 3",
+    ):
+        RowParallelLinear(
+            384, 128, quant_config=get_quant_config(quant_config("fp8-block")), prefix="m.down_proj"
+        )
     with pytest.raises(ValueError, match=r"'m.down_proj.weight_packed'.*blocks of 8.*: 1, 5$"):
-        RowParallelLinear(40, 128, quant_config=get_quant_config(quant_config("ct-int4-g32")),
-                          prefix="m.down_proj")
+        RowParallelLinear(
+            40,
+            128,
+            quant_config=get_quant_config(quant_config("ct-int4-g32")),
+            prefix="m.down_proj",
+        )
 
 
 def test_fused_shard_off_a_block_boundary_is_refused() -> None:
     from tiny_quant import quant_config
 
-    with pytest.raises(ValueError, match=r"'m.up_proj.weight_scale_inv'.*feature 64, inside a "
-                                         "block of 128"):
-        MergedColumnParallelLinear(128, [64, 64], quant_config=get_quant_config(
-            quant_config("fp8-block")), prefix="m.gate_up_proj")
+    with pytest.raises(
+        ValueError,
+        match=r"'m.up_proj.weight_scale_inv'.*feature 64, inside a "
+        "block of 128",
+    ):
+        MergedColumnParallelLinear(
+            128,
+            [64, 64],
+            quant_config=get_quant_config(quant_config("fp8-block")),
+            prefix="m.gate_up_proj",
+        )
 
 
 # -- configs ------------------------------------------------------------------------------------
@@ -247,23 +268,42 @@ def test_fused_shard_off_a_block_boundary_is_refused() -> None:
 def test_quantization_flag_must_match_the_checkpoint(fp8_ckpt: str) -> None:
     raw = ModelConfig.from_hf(fp8_ckpt).quantization
     assert resolve_quantization(raw, "fp8", dummy=False) is raw
-    with pytest.raises(ValueError, match="--quantization w4a16 but the checkpoint's weights "
-                                         "are fp8"):
+    with pytest.raises(
+        ValueError, match="--quantization w4a16 but the checkpoint's weights are fp8"
+    ):
         resolve_quantization(raw, "w4a16", dummy=False)
     with pytest.raises(ValueError, match="weights are none"):
         resolve_quantization(None, "nvfp4", dummy=False)
     assert get_quant_config(resolve_quantization(None, "nvfp4", dummy=True)).family == "nvfp4"
 
 
-@pytest.mark.parametrize("raw, message", [
-    ({"quant_method": "awq"}, "'awq' is not supported"),
-    ({"quant_method": "fp8", "fmt": "e5m2"}, "only e4m3"),
-    ({"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION"}, "MIXED_PRECISION"),
-    ({"quant_method": "compressed-tensors", "format": "pack-quantized",
-      "config_groups": {"g": {"targets": ["Linear"], "weights": {
-          "num_bits": 4, "type": "int", "symmetric": False, "strategy": "group",
-          "group_size": 128}}}}, "asymmetric"),
-])
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"quant_method": "awq"}, "'awq' is not supported"),
+        ({"quant_method": "fp8", "fmt": "e5m2"}, "only e4m3"),
+        ({"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION"}, "MIXED_PRECISION"),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "format": "pack-quantized",
+                "config_groups": {
+                    "g": {
+                        "targets": ["Linear"],
+                        "weights": {
+                            "num_bits": 4,
+                            "type": "int",
+                            "symmetric": False,
+                            "strategy": "group",
+                            "group_size": 128,
+                        },
+                    }
+                },
+            },
+            "asymmetric",
+        ),
+    ],
+)
 def test_unsupported_configs_are_named(raw: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         get_quant_config(raw)
@@ -272,16 +312,27 @@ def test_unsupported_configs_are_named(raw: dict, message: str) -> None:
 def test_exclusions_keep_layers_dense() -> None:
     from tiny_quant import quant_config
 
-    ct = get_quant_config({**quant_config("ct-int4-g32"), "ignore": ["lm_head",
-                                                                    "re:.*self_attn.*"]})
+    ct = get_quant_config(
+        {**quant_config("ct-int4-g32"), "ignore": ["lm_head", "re:.*self_attn.*"]}
+    )
     assert ct.linear_method("model.layers.0.self_attn.qkv_proj").name == "unquantized"
     assert ct.linear_method("model.layers.0.mlp.gate_up_proj").name == "int4-w4a16-g32"
-    mo = get_quant_config({"quant_method": "modelopt", "quant_algo": "NVFP4",
-                           "exclude_modules": ["lm_head", "model.layers.0.mlp*"]})
+    mo = get_quant_config(
+        {
+            "quant_method": "modelopt",
+            "quant_algo": "NVFP4",
+            "exclude_modules": ["lm_head", "model.layers.0.mlp*"],
+        }
+    )
     assert mo.linear_method("model.layers.0.mlp.down_proj").name == "unquantized"
     assert mo.linear_method("model.layers.1.mlp.down_proj").family == "nvfp4"
-    half = get_quant_config({"quant_method": "fp8", "weight_block_size": [128, 128],
-                             "ignored_layers": ["model.layers.0.self_attn.q_proj"]})
+    half = get_quant_config(
+        {
+            "quant_method": "fp8",
+            "weight_block_size": [128, 128],
+            "ignored_layers": ["model.layers.0.self_attn.q_proj"],
+        }
+    )
     with pytest.raises(ValueError, match="excludes only some of"):
         half.linear_method("model.layers.0.self_attn.qkv_proj")
 
@@ -318,21 +369,30 @@ def test_eagle3_head_stays_dense_over_a_quantized_target(fp8_target: str, tmp_pa
     saved = load_file(os.path.join(head_dir, "model.safetensors"))
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompts = [[5, 6, 7, 8], [9, 10]]
-    plain = [o.token_ids for o in LLM(fp8_target, device="cpu", dtype="float32").generate(
-        prompts, params)]
+    plain = [
+        o.token_ids
+        for o in LLM(fp8_target, device="cpu", dtype="float32").generate(prompts, params)
+    ]
     for draft in (head_dir, "dummy"):
-        llm = LLM(fp8_target, device="cpu", dtype="float32",
-                  speculative={"algorithm": "eagle3", "draft_model": draft})
+        llm = LLM(
+            fp8_target,
+            device="cpu",
+            dtype="float32",
+            speculative={"algorithm": "eagle3", "draft_model": draft},
+        )
         engine = llm.engine
         target = engine.runner.model.model.layers[0].mlp.down_proj
         assert target.quant_method.family == "fp8"
         linears = _head_linears(engine)
         assert len(linears) == 5
-        assert all(m.quant_method.name == "unquantized" and m.weight.dtype == torch.float32
-                   for m in linears)
+        assert all(
+            m.quant_method.name == "unquantized" and m.weight.dtype == torch.float32
+            for m in linears
+        )
         if draft == head_dir:
-            torch.testing.assert_close(engine.drafter.head.fc.weight, saved["fc.weight"],
-                                       rtol=0, atol=0)
+            torch.testing.assert_close(
+                engine.drafter.head.fc.weight, saved["fc.weight"], rtol=0, atol=0
+            )
         outs = llm.generate(prompts, params)  # lossless: the target's own greedy tokens
         assert [o.token_ids for o in outs] == plain
         assert sum(o.spec_cycles for o in outs) > 0
@@ -349,8 +409,14 @@ def test_quantized_eagle3_head_is_refused(fp8_target: str, tmp_path) -> None:
     tensors["fc.weight"] = tensors["fc.weight"].to(torch.float8_e4m3fn)
     save_file(tensors, os.path.join(head_dir, "model.safetensors"))
     with pytest.raises(ValueError, match="stores quantized tensors.*fc.weight"):
-        Engine(EngineConfig(model=fp8_target, device="cpu", dtype="float32",
-                            spec=SpecConfig(algorithm="eagle3", draft_model=head_dir)))
+        Engine(
+            EngineConfig(
+                model=fp8_target,
+                device="cpu",
+                dtype="float32",
+                spec=SpecConfig(algorithm="eagle3", draft_model=head_dir),
+            )
+        )
 
 
 # -- the weight-stream floor counts what each format reads ---------------------------------------
@@ -365,16 +431,25 @@ def test_floor_streams_the_formats_bytes(fmt: str, tmp_path) -> None:
     model = _load(path)
     down = model.model.layers[0].mlp.down_proj  # N 256, K 384, fp32 activations
     n, k = 256, 384
-    expected = {"fp8-block": n * k + 4 * 2 * 3,  # codes + fp32 128x128 block scales
-                "ct-int4-g32": n * k // 2 + 4 * n * (k // 32),  # nibbles + scales (model dtype)
-                "modelopt-nvfp4": n * k // 2 + n * (k // 16) + 4 * n}[fmt]  # + fp8 scales, rows
+    expected = {
+        "fp8-block": n * k + 4 * 2 * 3,  # codes + fp32 128x128 block scales
+        "ct-int4-g32": n * k // 2 + 4 * n * (k // 32),  # nibbles + scales (model dtype)
+        "modelopt-nvfp4": n * k // 2 + n * (k // 16) + 4 * n,
+    }[fmt]  # + fp8 scales, rows
     assert floor.linear_stream_bytes(down) == expected
     weights = floor.floor_weights(model)
     codes = down.quant_method.stream_tensors(down)[0]
     assert any(w.data_ptr() == codes.data_ptr() for w in weights)  # a view, not a copy
-    linears = [m for layer in model.model.layers for m in
-               (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                layer.mlp.down_proj)]
+    linears = [
+        m
+        for layer in model.model.layers
+        for m in (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        )
+    ]
     total = sum(w.numel() * w.element_size() for w in weights)
     streamed = sum(floor.linear_stream_bytes(m) for m in linears) + 512 * 256 * 4  # + lm_head
     assert streamed <= total < streamed + 256 * 4  # the scales' matrix rounds up to a row
@@ -385,35 +460,46 @@ def test_floor_streams_the_formats_bytes(fmt: str, tmp_path) -> None:
 # -- random weights in a format (--load-format dummy --quantization X) --------------------------
 
 
-@pytest.mark.parametrize("flag, method", [("fp8", "fp8-block128x128"),
-                                          ("w4a16", "int4-w4a16-g128"),
-                                          ("nvfp4", "nvfp4-w4a16 (modelopt)")])
+@pytest.mark.parametrize(
+    "flag, method",
+    [
+        ("fp8", "fp8-block128x128"),
+        ("w4a16", "int4-w4a16-g128"),
+        ("nvfp4", "nvfp4-w4a16 (modelopt)"),
+    ],
+)
 def test_dummy_weights_in_each_format(flag: str, method: str, tmp_path) -> None:
     from tiny_quant import SHAPE
 
     from specserve.config import EngineConfig
 
-    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 512, "rms_norm_eps": 1e-6,
-              "torch_dtype": "float32", **SHAPE}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 512,
+        "rms_norm_eps": 1e-6,
+        "torch_dtype": "float32",
+        **SHAPE,
+    }
     path = tmp_path / "shape"
     path.mkdir()
     (path / "config.json").write_text(json.dumps(config))
-    llm = LLM(EngineConfig(model=str(path), load_format="dummy", quantization=flag,
-                           device="cpu", dtype="float32"))
+    llm = LLM(
+        EngineConfig(
+            model=str(path), load_format="dummy", quantization=flag, device="cpu", dtype="float32"
+        )
+    )
     layer = llm.engine.runner.model.model.layers[0].mlp.down_proj
     assert layer.quant_method.name == method
     w = layer.quant_method.dequantized_weight(layer)
     assert 0.01 < w.std().item() < 0.04  # random codes meaning ~N(0, 0.02)
-    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4,
-                                                   ignore_eos=True))
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(out[0].token_ids) == 4
 
 
 def test_cli_rejects_a_mismatched_flag_before_loading(fp8_ckpt: str, capsys) -> None:
     from specserve.cli import main
 
-    rc = main(["generate", "hi", "--model", fp8_ckpt, "--quantization", "nvfp4", "--device",
-               "cpu"])
+    rc = main(["generate", "hi", "--model", fp8_ckpt, "--quantization", "nvfp4", "--device", "cpu"])
     err = capsys.readouterr()
     assert rc != 0
     assert "--quantization nvfp4 but the checkpoint's weights are fp8" in err.out + err.err

@@ -21,8 +21,14 @@ FP8 = torch.float8_e4m3fn
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 # head_dim 64: q/k/v shards (256/128/128) and gate/up (384) fall on 128-row blocks
-SHAPE = dict(hidden_size=256, intermediate_size=384, num_attention_heads=4,
-             num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=256)
+SHAPE = dict(
+    hidden_size=256,
+    intermediate_size=384,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_hidden_layers=2,
+    max_position_embeddings=256,
+)
 
 
 def _tiles(w: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
@@ -71,8 +77,11 @@ def int4_group(w: torch.Tensor, group: int) -> tuple[dict, torch.Tensor]:
     for i in range(8):  # element 8c + i -> bits 4i of word c
         packed |= nib[:, :, i] << (4 * i)
     packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
-    return {"weight_packed": packed, "weight_scale": s,
-            "weight_shape": torch.tensor([n, k], dtype=torch.int32)}, deq
+    return {
+        "weight_packed": packed,
+        "weight_scale": s,
+        "weight_shape": torch.tensor([n, k], dtype=torch.int32),
+    }, deq
 
 
 def nvfp4(w: torch.Tensor) -> tuple[dict, torch.Tensor]:
@@ -83,7 +92,7 @@ def nvfp4(w: torch.Tensor) -> tuple[dict, torch.Tensor]:
     scaled = g / (s.float() * glob)[..., None]
     idx = (scaled.abs()[..., None] - E2M1).abs().argmin(-1)  # nearest magnitude
     code = idx + 8 * (scaled < 0).long()
-    deq = (torch.where(scaled < 0, -E2M1[idx], E2M1[idx]) * (s.float() * glob)[..., None])
+    deq = torch.where(scaled < 0, -E2M1[idx], E2M1[idx]) * (s.float() * glob)[..., None]
     code = code.view(n, k)
     packed = (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8)  # low nibble = even
     return {"packed": packed, "weight_scale": s, "global": glob.reshape(())}, deq.view(n, k)
@@ -93,8 +102,10 @@ def _tensors(fmt: str, w: torch.Tensor, shard: int) -> tuple[dict, torch.Tensor]
     """The checkpoint tensors of one linear in `fmt` (suffix -> tensor) and its fp32 weight."""
     if fmt in ("fp8-block", "ct-fp8-block"):
         t, deq = fp8_block(w)
-        return {"weight": t["weight"],
-                ("weight_scale_inv" if fmt == "fp8-block" else "weight_scale"): t["scale"]}, deq
+        return {
+            "weight": t["weight"],
+            ("weight_scale_inv" if fmt == "fp8-block" else "weight_scale"): t["scale"],
+        }, deq
     if fmt == "ct-fp8-channel":
         t, deq = fp8_channel(w)
         return {"weight": t["weight"], "weight_scale": t["scale"]}, deq
@@ -106,44 +117,90 @@ def _tensors(fmt: str, w: torch.Tensor, shard: int) -> tuple[dict, torch.Tensor]
         return int4_group(w, int(fmt.rsplit("g", 1)[1]))
     if fmt == "modelopt-nvfp4":
         t, deq = nvfp4(w)
-        return {"weight": t["packed"], "weight_scale": t["weight_scale"],
-                "weight_scale_2": t["global"], "input_scale": torch.tensor(0.5)}, deq
+        return {
+            "weight": t["packed"],
+            "weight_scale": t["weight_scale"],
+            "weight_scale_2": t["global"],
+            "input_scale": torch.tensor(0.5),
+        }, deq
     if fmt == "ct-nvfp4":
         t, deq = nvfp4(w)
-        return {"weight_packed": t["packed"], "weight_scale": t["weight_scale"],
-                "weight_global_scale": 1.0 / t["global"],
-                "input_global_scale": torch.tensor(2.0)}, deq
+        return {
+            "weight_packed": t["packed"],
+            "weight_scale": t["weight_scale"],
+            "weight_global_scale": 1.0 / t["global"],
+            "input_global_scale": torch.tensor(2.0),
+        }, deq
     raise ValueError(fmt)
 
 
 def _ct_config(weights: dict, acts: dict | None, fmt: str) -> dict:
-    return {"quant_method": "compressed-tensors", "format": fmt, "ignore": ["lm_head"],
-            "quantization_status": "compressed",
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
-                                          "input_activations": acts}}}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": fmt,
+        "ignore": ["lm_head"],
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}
+        },
+    }
 
 
 def quant_config(fmt: str) -> dict:
     fp8w = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False}
     if fmt == "fp8-block":
-        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                "weight_block_size": [128, 128]}
+        return {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+        }
     if fmt == "ct-fp8-block":
-        return _ct_config({**fp8w, "strategy": "block", "block_structure": [128, 128]},
-                          {"num_bits": 8, "type": "float", "strategy": "group",
-                           "group_size": 128, "dynamic": True, "symmetric": True},
-                          "float-quantized")
+        return _ct_config(
+            {**fp8w, "strategy": "block", "block_structure": [128, 128]},
+            {
+                "num_bits": 8,
+                "type": "float",
+                "strategy": "group",
+                "group_size": 128,
+                "dynamic": True,
+                "symmetric": True,
+            },
+            "float-quantized",
+        )
     if fmt == "ct-fp8-channel":
-        return _ct_config({**fp8w, "strategy": "channel"},
-                          {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True,
-                           "symmetric": True}, "float-quantized")
+        return _ct_config(
+            {**fp8w, "strategy": "channel"},
+            {
+                "num_bits": 8,
+                "type": "float",
+                "strategy": "token",
+                "dynamic": True,
+                "symmetric": True,
+            },
+            "float-quantized",
+        )
     if fmt.startswith("ct-int4"):
-        return _ct_config({"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
-                           "group_size": int(fmt.rsplit("g", 1)[1]), "actorder": None},
-                          None, "pack-quantized")
+        return _ct_config(
+            {
+                "num_bits": 4,
+                "type": "int",
+                "symmetric": True,
+                "strategy": "group",
+                "group_size": int(fmt.rsplit("g", 1)[1]),
+                "actorder": None,
+            },
+            None,
+            "pack-quantized",
+        )
     if fmt == "ct-nvfp4":
-        nv = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group",
-              "group_size": 16}
+        nv = {
+            "num_bits": 4,
+            "type": "float",
+            "symmetric": True,
+            "strategy": "tensor_group",
+            "group_size": 16,
+        }
         return _ct_config(nv, {**nv, "dynamic": "local"}, "nvfp4-pack-quantized")
     if fmt == "modelopt-fp8":
         return {"quant_method": "modelopt", "quant_algo": "FP8", "ignore": ["lm_head"]}
@@ -156,9 +213,9 @@ def _fake_quant_groups(x: torch.Tensor, group: int) -> torch.Tensor:
     flat = x.reshape(-1, k)
     out = torch.empty_like(flat)
     for start in range(0, k, group):
-        part = flat[:, start:start + group]
+        part = flat[:, start : start + group]
         s = part.abs().amax(-1, keepdim=True).clamp(min=1e-10) / 448.0
-        out[:, start:start + group] = (part / s).to(FP8).float() * s
+        out[:, start : start + group] = (part / s).to(FP8).float() * s
     return out.view(x.shape)
 
 
@@ -168,8 +225,11 @@ def activation_quant(fmt: str, module_name: str) -> Callable[[torch.Tensor], tor
     if fmt == "ct-fp8-channel":
         return lambda x: _fake_quant_groups(x, x.shape[-1])
     if fmt == "modelopt-fp8":  # fused shards share x: the largest of their static scales
-        s = 0.014 if module_name.endswith(("q_proj", "k_proj", "v_proj")) else (
-            0.012 if module_name.endswith(("gate_proj", "up_proj")) else 0.01)
+        s = (
+            0.014
+            if module_name.endswith(("q_proj", "k_proj", "v_proj"))
+            else (0.012 if module_name.endswith(("gate_proj", "up_proj")) else 0.01)
+        )
         return lambda x: (x / s).clamp(-448, 448).to(FP8).float() * s
     return None
 
@@ -177,8 +237,9 @@ def activation_quant(fmt: str, module_name: str) -> Callable[[torch.Tensor], tor
 SHARD_OF = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "gate_proj": 0, "up_proj": 1}
 
 
-def make_quantized_checkpoint(path: str | os.PathLike, fmt: str, seed: int = 0,
-                              **overrides: object) -> torch.nn.Module:
+def make_quantized_checkpoint(
+    path: str | os.PathLike, fmt: str, seed: int = 0, **overrides: object
+) -> torch.nn.Module:
     """Write a tiny Llama in `fmt` at `path`; return the fp32 reference transformers model."""
     path = os.fspath(path)
     model = make_hf_model("llama", seed, **{**SHAPE, **overrides})
@@ -203,9 +264,18 @@ def make_quantized_checkpoint(path: str | os.PathLike, fmt: str, seed: int = 0,
     config = model.config.to_dict()
     if fmt == "modelopt-nvfp4":  # the legacy ModelOpt layout: a file beside config.json
         with open(os.path.join(path, "hf_quant_config.json"), "w") as fh:
-            json.dump({"producer": {"name": "modelopt", "version": "0.29.0"},
-                       "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None,
-                                        "group_size": 16, "exclude_modules": ["lm_head"]}}, fh)
+            json.dump(
+                {
+                    "producer": {"name": "modelopt", "version": "0.29.0"},
+                    "quantization": {
+                        "quant_algo": "NVFP4",
+                        "kv_cache_quant_algo": None,
+                        "group_size": 16,
+                        "exclude_modules": ["lm_head"],
+                    },
+                },
+                fh,
+            )
     else:
         config["quantization_config"] = quant_config(fmt)
     with open(os.path.join(path, "config.json"), "w") as fh:

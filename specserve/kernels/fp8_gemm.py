@@ -26,8 +26,9 @@ AMAX_EPS = 1e-10  # an all-zero group gets a tiny scale instead of a division by
 # -- activation quantization ------------------------------------------------------------------
 
 
-def quant_fp8_torch(x: torch.Tensor, group: int,
-                    static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quant_fp8_torch(
+    x: torch.Tensor, group: int, static_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (x_q fp8 [M, K], scales fp32 [M, ceil(K / group)]); static_scale (a
     scalar tensor) replaces the dynamic per-group scales."""
     m, k = x.shape
@@ -76,8 +77,9 @@ def _quant_fp8_kernel(
     tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
 
 
-def quant_fp8(x: torch.Tensor, group: int,
-              static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quant_fp8(
+    x: torch.Tensor, group: int, static_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """quant_fp8_torch on the GPU (same numerics: true division, round to nearest even)."""
     m, k = x.shape
     assert x.stride(-1) == 1
@@ -105,8 +107,9 @@ def _scale_index(k: int, group: int, n: int) -> torch.Tensor:
     return torch.arange(k) // group if n > 1 else torch.zeros(k, dtype=torch.long)
 
 
-def expand_scale(scale: torch.Tensor, rows: int, cols: int, block_rows: int,
-                 block_cols: int) -> torch.Tensor:
+def expand_scale(
+    scale: torch.Tensor, rows: int, cols: int, block_rows: int, block_cols: int
+) -> torch.Tensor:
     """A [ceil(rows/br), ceil(cols/bc)] (or broadcastable) scale grid as a [rows, cols] tensor."""
     s = scale.float().reshape(scale.shape[0] if scale.dim() else 1, -1)
     r = _scale_index(rows, block_rows, s.shape[0]).to(s.device)
@@ -114,9 +117,16 @@ def expand_scale(scale: torch.Tensor, rows: int, cols: int, block_rows: int,
     return s[r][:, c]
 
 
-def fp8_mm_torch(xq: torch.Tensor, xs: torch.Tensor, act_group: int, w: torch.Tensor,
-                 ws: torch.Tensor, block_n: int, block_k: int,
-                 out_dtype: torch.dtype) -> torch.Tensor:
+def fp8_mm_torch(
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    act_group: int,
+    w: torch.Tensor,
+    ws: torch.Tensor,
+    block_n: int,
+    block_k: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
     """The CPU path: dequantize both operands in fp32, one fp32 matmul."""
     m, k = xq.shape
     x = xq.float() * expand_scale(xs, m, k, 1, act_group)
@@ -172,9 +182,17 @@ def _scale_strides(s: torch.Tensor) -> tuple[int, int]:
     return (s2.stride(0) if s2.shape[0] > 1 else 0), (s2.stride(1) if s2.shape[1] > 1 else 0)
 
 
-def fp8_mm(xq: torch.Tensor, xs: torch.Tensor, act_group: int, w: torch.Tensor,
-           ws: torch.Tensor, block_n: int, block_k: int, out_dtype: torch.dtype,
-           plan: GemmPlan | tuple | None = None) -> torch.Tensor:
+def fp8_mm(
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    act_group: int,
+    w: torch.Tensor,
+    ws: torch.Tensor,
+    block_n: int,
+    block_k: int,
+    out_dtype: torch.dtype,
+    plan: GemmPlan | tuple | None = None,
+) -> torch.Tensor:
     """fp8_mm_torch on the GPU. xq [M, K], w [N, K] fp8 (K contiguous); xs [M, groups] or
     [M, 1]; ws [ceil(N/bn), ceil(K/bk)], [N, 1] or [1]. plan: a GemmPlan (or its fields)."""
     m, k = xq.shape
@@ -188,8 +206,9 @@ def fp8_mm(xq: torch.Tensor, xs: torch.Tensor, act_group: int, w: torch.Tensor,
     bm, bn, bk = plan.block_m, plan.block_n, plan.block_k
     assert all(g % bk == 0 for g in groups_k), "BLOCK_K must divide the scale groups along K"
     k_per_split, splits = plan.k_per_split(k)
-    out = torch.empty((splits, m, n), device=xq.device,
-                      dtype=torch.float32 if splits > 1 else out_dtype)
+    out = torch.empty(
+        (splits, m, n), device=xq.device, dtype=torch.float32 if splits > 1 else out_dtype
+    )
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), splits)
     _fp8_mm_kernel[grid](
         xq, xs, w, ws, out, m, n, k, k_per_split, xq.stride(0), sam, sak, w.stride(0), sbn, sbk,

@@ -51,8 +51,7 @@ def as_plan(plan: GemmPlan | tuple | None) -> GemmPlan | None:
     return GemmPlan(*plan) if isinstance(plan, tuple) else plan
 
 
-def launch_plan(m: int, n: int, k: int, device: torch.device,
-                max_block_k: int = 128) -> GemmPlan:
+def launch_plan(m: int, n: int, k: int, device: torch.device, max_block_k: int = 128) -> GemmPlan:
     """The default plan for an [m, k] x [k, n] product."""
     if m <= 16:
         bm, bn = 16, 64
@@ -89,5 +88,6 @@ def reduce_splits(partials: torch.Tensor, out_dtype: torch.dtype) -> torch.Tenso
     if numel:
         block = 1024
         _reduce_kernel[(triton.cdiv(numel, block),)](
-            partials, out, numel, splits, partials.stride(0), BLOCK=block)
+            partials, out, numel, splits, partials.stride(0), BLOCK=block
+        )
     return out

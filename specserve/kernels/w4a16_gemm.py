@@ -41,8 +41,14 @@ def decode_nibbles(nib: torch.Tensor, fp4: bool) -> torch.Tensor:
     return torch.where((nib & 8) != 0, -mag, mag)
 
 
-def dequantize_w4(packed: torch.Tensor, scales: torch.Tensor, group: int, k: int, fp4: bool,
-                  row_scale: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize_w4(
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    group: int,
+    k: int,
+    fp4: bool,
+    row_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The [N, K] fp32 weight of either format."""
     w = decode_nibbles(unpack_nibbles(packed, k), fp4)
     idx = torch.arange(k, device=packed.device) // group
@@ -52,8 +58,14 @@ def dequantize_w4(packed: torch.Tensor, scales: torch.Tensor, group: int, k: int
     return w
 
 
-def w4a16_mm_torch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int,
-                   fp4: bool, row_scale: torch.Tensor | None = None) -> torch.Tensor:
+def w4a16_mm_torch(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    group: int,
+    fp4: bool,
+    row_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The CPU path: dequantize to fp32, one fp32 matmul, rounded to x's dtype."""
     w = dequantize_w4(packed, scales, group, x.shape[-1], fp4, row_scale)
     return (x.float() @ w.t()).to(x.dtype)
@@ -94,16 +106,18 @@ def _w4a16_kernel(
         k_ok = k < k_end
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         word = k0 // 8 + words
-        packed = tl.load(w_rows + word[None, :], mask=n_ok[:, None] & (word * 8 < K)[None, :],
-                         other=0)  # [BN, BK/8]
+        packed = tl.load(
+            w_rows + word[None, :], mask=n_ok[:, None] & (word * 8 < K)[None, :], other=0
+        )  # [BN, BK/8]
         nib = (packed[:, :, None] >> shifts[None, None, :]) & 0xF  # [BN, BK/8, 8]
         nib = tl.reshape(nib, (BLOCK_N, BLOCK_K))
         if FP4:
             val = _decode_e2m1(nib)
         else:
             val = (nib - 8).to(tl.float32)
-        s = tl.load(s_rows + (k // GROUP)[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                    other=0.0).to(tl.float32)
+        s = tl.load(
+            s_rows + (k // GROUP)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0
+        ).to(tl.float32)
         w = (val * s).to(x.dtype)  # [BN, BK]; masked columns carry scale 0
         acc += tl.dot(x, tl.trans(w))
     if HAS_ROW_SCALE:
@@ -112,9 +126,15 @@ def _w4a16_kernel(
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def w4a16_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int,
-             fp4: bool, row_scale: torch.Tensor | None = None,
-             plan: GemmPlan | tuple | None = None) -> torch.Tensor:
+def w4a16_mm(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    group: int,
+    fp4: bool,
+    row_scale: torch.Tensor | None = None,
+    plan: GemmPlan | tuple | None = None,
+) -> torch.Tensor:
     """w4a16_mm_torch on the GPU: x [M, K] (K contiguous) -> [M, N] in x's dtype.
     plan: a GemmPlan (or its fields); BLOCK_K a multiple of 8."""
     m, k = x.shape
@@ -124,8 +144,9 @@ def w4a16_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group:
     bm, bn, bk = plan.block_m, plan.block_n, plan.block_k
     assert bk % 8 == 0
     k_per_split, splits = plan.k_per_split(k)
-    out = torch.empty((splits, m, n), device=x.device,
-                      dtype=torch.float32 if splits > 1 else x.dtype)
+    out = torch.empty(
+        (splits, m, n), device=x.device, dtype=torch.float32 if splits > 1 else x.dtype
+    )
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), splits)
     _w4a16_kernel[grid](
         x, packed, scales, row_scale if row_scale is not None else scales, out, m, n, k,

@@ -18,7 +18,6 @@ method along it (`quantization.base.load_shard`).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specserve.distributed.comm import all_reduce
@@ -83,16 +82,24 @@ class LinearBase(nn.Module):
     out_split = False
     in_split = False
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
-                 quant_config: QuantConfig | None = None, prefix: str = "") -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        quant_config: QuantConfig | None = None,
+        prefix: str = "",
+    ) -> None:
         super().__init__()
         self.tp_rank = get_tp_rank()
         self.tp_size = get_tp_size()
         self.full_input_size = input_size
-        self.input_size = divide(input_size, self.tp_size, "input size") if self.in_split \
-            else input_size
-        locals_ = [divide(s, self.tp_size, "output size") if self.out_split else s
-                   for s in output_sizes]
+        self.input_size = (
+            divide(input_size, self.tp_size, "input size") if self.in_split else input_size
+        )
+        locals_ = [
+            divide(s, self.tp_size, "output size") if self.out_split else s for s in output_sizes
+        ]
         offsets = [sum(locals_[:i]) for i in range(len(locals_))]
         self.out_shards = list(zip(output_sizes, offsets, locals_))
         self.output_size = sum(locals_)
@@ -125,8 +132,14 @@ class LinearBase(nn.Module):
 class ReplicatedLinear(LinearBase):
     """Every rank holds the whole matrix."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 quant_config: QuantConfig | None = None, prefix: str = "") -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        quant_config: QuantConfig | None = None,
+        prefix: str = "",
+    ) -> None:
         super().__init__(input_size, [output_size], bias, quant_config, prefix)
 
 
@@ -135,8 +148,14 @@ class ColumnParallelLinear(LinearBase):
 
     out_split = True
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 quant_config: QuantConfig | None = None, prefix: str = "") -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        quant_config: QuantConfig | None = None,
+        prefix: str = "",
+    ) -> None:
         super().__init__(input_size, [output_size], bias, quant_config, prefix)
 
 
@@ -148,8 +167,14 @@ class MergedColumnParallelLinear(LinearBase):
 
     out_split = True
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
-                 quant_config: QuantConfig | None = None, prefix: str = "") -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        quant_config: QuantConfig | None = None,
+        prefix: str = "",
+    ) -> None:
         self.output_sizes = list(output_sizes)
         super().__init__(input_size, self.output_sizes, bias, quant_config, prefix)
         self.local_sizes = [size for _, _, size in self.out_shards]
@@ -202,8 +227,14 @@ class RowParallelLinear(LinearBase):
 
     in_split = True
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 quant_config: QuantConfig | None = None, prefix: str = "") -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        quant_config: QuantConfig | None = None,
+        prefix: str = "",
+    ) -> None:
         super().__init__(input_size, [output_size], bias, quant_config, prefix)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -44,18 +44,30 @@ STACKED_PARAMS = (
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding,
-                 quant: QuantConfig | None = None, prefix: str = "") -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        quant: QuantConfig | None = None,
+        prefix: str = "",
+    ) -> None:
         super().__init__()
         hd = config.head_dim
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, hd, config.num_heads, config.num_kv_heads, config.attention_bias,
-            quant, f"{prefix}.qkv_proj",
+            config.hidden_size,
+            hd,
+            config.num_heads,
+            config.num_kv_heads,
+            config.attention_bias,
+            quant,
+            f"{prefix}.qkv_proj",
         )
         # Qwen2 puts a bias on q/k/v only; Llama-style attention_bias covers o_proj too
         o_bias = config.attention_bias and not config.architecture.startswith("Qwen2")
-        self.o_proj = RowParallelLinear(config.num_heads * hd, config.hidden_size, o_bias,
-                                        quant, f"{prefix}.o_proj")
+        self.o_proj = RowParallelLinear(
+            config.num_heads * hd, config.hidden_size, o_bias, quant, f"{prefix}.o_proj"
+        )
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = hd
@@ -78,16 +90,19 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, quant: QuantConfig | None = None,
-                 prefix: str = "") -> None:
+    def __init__(
+        self, config: ModelConfig, quant: QuantConfig | None = None, prefix: str = ""
+    ) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu')")
         inter = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [inter, inter], False, quant, f"{prefix}.gate_up_proj")
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, False, quant,
-                                           f"{prefix}.down_proj")
+            config.hidden_size, [inter, inter], False, quant, f"{prefix}.gate_up_proj"
+        )
+        self.down_proj = RowParallelLinear(
+            inter, config.hidden_size, False, quant, f"{prefix}.down_proj"
+        )
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -96,8 +111,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding,
-                 quant: QuantConfig | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        quant: QuantConfig | None = None,
+    ) -> None:
         super().__init__()
         prefix = f"model.layers.{layer_idx}"
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -31,16 +31,36 @@ CONFIGS: dict[str, type[QuantConfig]] = {
 
 # what --quantization X gives a random-weight (--load-format dummy) model
 PRESET_CONFIGS: dict[str, dict[str, Any]] = {
-    "fp8": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-            "weight_block_size": [128, 128]},
-    "w4a16": {"quant_method": "compressed-tensors", "format": "pack-quantized",
-              "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
-                                            "weights": {"num_bits": 4, "type": "int",
-                                                        "symmetric": True, "strategy": "group",
-                                                        "group_size": 128}}},
-              "ignore": ["lm_head"]},
-    "nvfp4": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
-              "exclude_modules": ["lm_head"]},
+    "fp8": {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    },
+    "w4a16": {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "input_activations": None,
+                "weights": {
+                    "num_bits": 4,
+                    "type": "int",
+                    "symmetric": True,
+                    "strategy": "group",
+                    "group_size": 128,
+                },
+            }
+        },
+        "ignore": ["lm_head"],
+    },
+    "nvfp4": {
+        "quant_method": "modelopt",
+        "quant_algo": "NVFP4",
+        "group_size": 16,
+        "exclude_modules": ["lm_head"],
+    },
 }
 
 
@@ -49,8 +69,10 @@ def _parse(raw_json: str) -> QuantConfig:
     raw = json.loads(raw_json)
     method = str(raw.get("quant_method", "")).lower()
     if method not in CONFIGS:
-        raise ValueError(f"quantization method {method or None!r} is not supported; "
-                         f"supported: {', '.join(CONFIGS)}")
+        raise ValueError(
+            f"quantization method {method or None!r} is not supported; "
+            f"supported: {', '.join(CONFIGS)}"
+        )
     return CONFIGS[method](raw)
 
 
@@ -61,8 +83,9 @@ def get_quant_config(raw: dict[str, Any] | None) -> QuantConfig | None:
     return _parse(json.dumps(raw, sort_keys=True, default=str))
 
 
-def resolve_quantization(raw: dict[str, Any] | None, flag: str,
-                         dummy: bool) -> dict[str, Any] | None:
+def resolve_quantization(
+    raw: dict[str, Any] | None, flag: str, dummy: bool
+) -> dict[str, Any] | None:
     """The quantization config to build with: the checkpoint's for `auto`; with random
     weights, the preset format `flag` names; else `flag` must agree with the checkpoint."""
     if flag == "auto":
@@ -75,14 +98,17 @@ def resolve_quantization(raw: dict[str, Any] | None, flag: str,
     found = get_quant_config(raw)
     family = found.family if found is not None else "none (a dense checkpoint)"
     if family != flag:
-        raise ValueError(f"--quantization {flag} but the checkpoint's weights are {family}: "
-                         "drop the flag (auto), or use --load-format dummy for random weights")
+        raise ValueError(
+            f"--quantization {flag} but the checkpoint's weights are {family}: "
+            "drop the flag (auto), or use --load-format dummy for random weights"
+        )
     return raw
 
 
 def linear_modules(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if isinstance(getattr(m, "quant_method", None),
-                                                     LinearMethod)]
+    return [
+        m for m in model.modules() if isinstance(getattr(m, "quant_method", None), LinearMethod)
+    ]
 
 
 @torch.no_grad()

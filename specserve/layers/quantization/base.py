@@ -61,14 +61,16 @@ def _working_tp_sizes(full: int, block: int) -> str:
     return ", ".join(map(str, sizes))
 
 
-def _block_range(full: int, local: int, offset: int, block: int, tp: int, rank: int,
-                 what: str) -> tuple[int, int, int, int]:
+def _block_range(
+    full: int, local: int, offset: int, block: int, tp: int, rank: int, what: str
+) -> tuple[int, int, int, int]:
     """(source start, length, destination start, checkpoint extent) in block units for a rank
     that takes `local` of the `full` features and places them at local feature `offset`."""
     if offset % block:
         raise ValueError(
             f"this fused layer places a shard at {what} feature {offset}, inside a block of "
-            f"{block} features: every shard but the last must be a multiple of {block}")
+            f"{block} features: every shard but the last must be a multiple of {block}"
+        )
     if tp == 1:
         rows = cdiv(full, block)
         return 0, rows, offset // block, rows
@@ -76,7 +78,8 @@ def _block_range(full: int, local: int, offset: int, block: int, tp: int, rank: 
         raise ValueError(
             f"its {what} features ({full}) are quantized in blocks of {block}; tp_size {tp} "
             f"gives each rank {local}, which cuts a block: tp sizes that work for this tensor: "
-            f"{_working_tp_sizes(full, block)}")
+            f"{_working_tp_sizes(full, block)}"
+        )
     return rank * local // block, local // block, offset // block, full // block
 
 
@@ -88,17 +91,32 @@ def _check_blocks(layer: LinearBase, name: str, spec: ParamSpec) -> None:
         tensor = f"{parts[i] if len(parts) == len(layer.out_shards) else parts[0]}.{name}"
         try:
             if spec.out_dim is not None and spec.out_block > 1:
-                _block_range(full, local, offset, spec.out_block,
-                             layer.tp_size if layer.out_split else 1, 0, "output")
+                _block_range(
+                    full,
+                    local,
+                    offset,
+                    spec.out_block,
+                    layer.tp_size if layer.out_split else 1,
+                    0,
+                    "output",
+                )
             if spec.in_dim is not None and spec.in_block > 1:
-                _block_range(layer.full_input_size, layer.input_size, 0, spec.in_block,
-                             layer.tp_size if layer.in_split else 1, 0, "input")
+                _block_range(
+                    layer.full_input_size,
+                    layer.input_size,
+                    0,
+                    spec.in_block,
+                    layer.tp_size if layer.in_split else 1,
+                    0,
+                    "input",
+                )
         except ValueError as err:
             raise ValueError(f"tensor {tensor!r}: {err}") from None
 
 
-def load_shard(layer: LinearBase, param: nn.Parameter, loaded: torch.Tensor,
-               shard_id: int | str | None) -> None:
+def load_shard(
+    layer: LinearBase, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None
+) -> None:
     """Copy this rank's part of the full checkpoint tensor `loaded` (shard `shard_id` of a
     fused layer) into `param`, following its ParamSpec."""
     spec: ParamSpec = getattr(param, "quant_spec", ParamSpec())
@@ -107,8 +125,10 @@ def load_shard(layer: LinearBase, param: nn.Parameter, loaded: torch.Tensor,
     if spec.per_shard:
         target = param.data[index]
         if loaded.numel() != target.numel():
-            raise ValueError(f"shape mismatch: checkpoint tensor has shape {tuple(loaded.shape)}, "
-                             f"the model expects {tuple(target.shape) or '(1,) or ()'}")
+            raise ValueError(
+                f"shape mismatch: checkpoint tensor has shape {tuple(loaded.shape)}, "
+                f"the model expects {tuple(target.shape) or '(1,) or ()'}"
+            )
         target.copy_(loaded.reshape(target.shape))
         return
     full_out, out_offset, out_local = layer.out_shards[index]
@@ -118,21 +138,24 @@ def load_shard(layer: LinearBase, param: nn.Parameter, loaded: torch.Tensor,
     if spec.out_dim is not None:
         tp = layer.tp_size if layer.out_split else 1
         rank = layer.tp_rank if layer.out_split else 0
-        src, n, dst, rows = _block_range(full_out, out_local, out_offset, spec.out_block, tp,
-                                         rank, "output")
+        src, n, dst, rows = _block_range(
+            full_out, out_local, out_offset, spec.out_block, tp, rank, "output"
+        )
         expected[spec.out_dim] = rows
         cuts.append((spec.out_dim, src, n, dst))
     if spec.in_dim is not None:
         tp = layer.tp_size if layer.in_split else 1
         rank = layer.tp_rank if layer.in_split else 0
-        src, n, dst, cols = _block_range(layer.full_input_size, layer.input_size, 0,
-                                         spec.in_block, tp, rank, "input")
+        src, n, dst, cols = _block_range(
+            layer.full_input_size, layer.input_size, 0, spec.in_block, tp, rank, "input"
+        )
         expected[spec.in_dim] = cols
         cuts.append((spec.in_dim, src, n, dst))
     if tuple(loaded.shape) != tuple(expected):
         raise ValueError(
             f"shape mismatch: checkpoint tensor has shape {tuple(loaded.shape)}, "
-            f"the model expects {tuple(expected)}")
+            f"the model expects {tuple(expected)}"
+        )
     for dim, src, n, dst in cuts:
         source = source.narrow(dim, src, n)
         target = target.narrow(dim, dst, n)
@@ -144,11 +167,14 @@ def _check_dtype(spec: ParamSpec, loaded: torch.Tensor) -> None:
         if loaded.dtype in CODE_DTYPES:
             raise ValueError(
                 f"dtype {loaded.dtype} holds quantized codes but this layer is not quantized: "
-                "the checkpoint's quantization config is missing, or excludes this layer")
+                "the checkpoint's quantization config is missing, or excludes this layer"
+            )
     elif loaded.dtype not in spec.dtypes:
         names = " or ".join(str(d).removeprefix("torch.") for d in spec.dtypes)
-        raise ValueError(f"dtype {str(loaded.dtype).removeprefix('torch.')} where the "
-                         f"checkpoint's quantization config implies {names}")
+        raise ValueError(
+            f"dtype {str(loaded.dtype).removeprefix('torch.')} where the "
+            f"checkpoint's quantization config implies {names}"
+        )
 
 
 class LinearMethod:
@@ -164,8 +190,7 @@ class LinearMethod:
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         """Turn the checkpoint's tensors into the form `apply` reads (once, after loading)."""
 
-    def apply(self, layer: LinearBase, x: torch.Tensor,
-              bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
     def random_init(self, layer: LinearBase, gen: torch.Generator, std: float) -> None:
@@ -224,6 +249,8 @@ def all_or_none(prefix: str, excluded: list[bool]) -> bool:
     agree: a fused matrix has one format)."""
     if any(excluded) and not all(excluded):
         parts = ", ".join(checkpoint_names(prefix))
-        raise ValueError(f"the quantization config excludes only some of {parts}, which this "
-                         "engine fuses into one matrix: such a checkpoint is not supported")
+        raise ValueError(
+            f"the quantization config excludes only some of {parts}, which this "
+            "engine fuses into one matrix: such a checkpoint is not supported"
+        )
     return bool(excluded) and all(excluded)

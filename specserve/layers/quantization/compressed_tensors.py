@@ -35,8 +35,9 @@ def matches(name: str, pattern: str) -> bool:
     return name == pattern or name.endswith("." + pattern)
 
 
-def _scheme_method(weights: dict[str, Any], acts: dict[str, Any] | None, fmt: str,
-                   group_name: str) -> LinearMethod:
+def _scheme_method(
+    weights: dict[str, Any], acts: dict[str, Any] | None, fmt: str, group_name: str
+) -> LinearMethod:
     kind, bits = weights.get("type", "int"), int(weights.get("num_bits", 8))
     strategy = weights.get("strategy")
     where = f"compressed-tensors group {group_name!r} ({fmt}, {kind}{bits} {strategy})"
@@ -59,8 +60,10 @@ def _scheme_method(weights: dict[str, Any], acts: dict[str, Any] | None, fmt: st
         if strategy == "block":
             block = weights.get("block_structure") or [128, 128]
             if a_strategy != "group" or not dynamic or int(acts["group_size"]) != block[1]:
-                raise ValueError(f"{where}: block FP8 needs dynamic per-group activations with "
-                                 f"group_size {block[1]}")
+                raise ValueError(
+                    f"{where}: block FP8 needs dynamic per-group activations with "
+                    f"group_size {block[1]}"
+                )
             return Fp8LinearMethod("block", "group", (int(block[0]), int(block[1])))
         if strategy not in ("channel", "tensor"):
             raise ValueError(f"{where}: unknown FP8 weight strategy {strategy!r}")
@@ -68,10 +71,14 @@ def _scheme_method(weights: dict[str, Any], acts: dict[str, Any] | None, fmt: st
             return Fp8LinearMethod(strategy, "token")
         if not dynamic and a_strategy == "tensor":
             return Fp8LinearMethod(strategy, "static")
-        raise ValueError(f"{where}: FP8 activations must be dynamic per token or static per "
-                         f"tensor, got {'dynamic' if dynamic else 'static'} {a_strategy}")
-    raise ValueError(f"{where}: unsupported scheme; supported: int4 group pack-quantized "
-                     "(W4A16), fp8 float-quantized (W8A8), nvfp4-pack-quantized")
+        raise ValueError(
+            f"{where}: FP8 activations must be dynamic per token or static per "
+            f"tensor, got {'dynamic' if dynamic else 'static'} {a_strategy}"
+        )
+    raise ValueError(
+        f"{where}: unsupported scheme; supported: int4 group pack-quantized "
+        "(W4A16), fp8 float-quantized (W8A8), nvfp4-pack-quantized"
+    )
 
 
 class CompressedTensorsConfig(QuantConfig):
@@ -87,8 +94,9 @@ class CompressedTensorsConfig(QuantConfig):
         self.groups: list[tuple[list[str], LinearMethod]] = []
         for gname, group in groups.items():
             fmt = group.get("format") or raw.get("format") or "dense"
-            method = _scheme_method(group.get("weights") or {}, group.get("input_activations"),
-                                    fmt, gname)
+            method = _scheme_method(
+                group.get("weights") or {}, group.get("input_activations"), fmt, gname
+            )
             self.groups.append((list(group.get("targets") or []), method))
         families = {m.family for _, m in self.groups}
         self.family = families.pop() if len(families) == 1 else "mixed"
@@ -105,8 +113,10 @@ class CompressedTensorsConfig(QuantConfig):
             return UNQUANTIZED
         methods = [self._method_for(n) for n in names]
         if any(m is not methods[0] for m in methods):
-            raise ValueError(f"the parts of {prefix} fall in different compressed-tensors "
-                             "groups, but this engine fuses them into one matrix")
+            raise ValueError(
+                f"the parts of {prefix} fall in different compressed-tensors "
+                "groups, but this engine fuses them into one matrix"
+            )
         return methods[0] or UNQUANTIZED
 
     def describe(self) -> str:

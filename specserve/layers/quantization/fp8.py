@@ -38,12 +38,19 @@ ACTIVATIONS = ("group", "token", "static")
 class Fp8LinearMethod(LinearMethod):
     family = "fp8"
 
-    def __init__(self, strategy: str, activation: str, block: tuple[int, int] | None = None,
-                 scale_name: str = "weight_scale") -> None:
+    def __init__(
+        self,
+        strategy: str,
+        activation: str,
+        block: tuple[int, int] | None = None,
+        scale_name: str = "weight_scale",
+    ) -> None:
         assert strategy in STRATEGIES and activation in ACTIVATIONS
         if strategy == "block" and (block is None or activation != "group"):
-            raise ValueError("block-scaled FP8 needs weight_block_size and dynamic per-group "
-                             "activation quantization")
+            raise ValueError(
+                "block-scaled FP8 needs weight_block_size and dynamic per-group "
+                "activation quantization"
+            )
         self.strategy, self.activation, self.block = strategy, activation, block
         self.scale_name = scale_name
         self.name = f"fp8-{strategy}" + (f"{block[0]}x{block[1]}" if block else "")
@@ -56,27 +63,35 @@ class Fp8LinearMethod(LinearMethod):
             scale = torch.empty(cdiv(n, bn), cdiv(k, bk), dtype=torch.float32)
             spec = ParamSpec(out_block=bn, in_block=bk, dtypes=FLOATS)
         elif self.strategy == "channel":
-            scale, spec = torch.empty(n, 1, dtype=torch.float32), ParamSpec(in_dim=None,
-                                                                              dtypes=FLOATS)
+            scale, spec = (
+                torch.empty(n, 1, dtype=torch.float32),
+                ParamSpec(in_dim=None, dtypes=FLOATS),
+            )
         else:
             scale = torch.empty(shards, dtype=torch.float32)
             spec = ParamSpec(out_dim=None, in_dim=None, per_shard=True, dtypes=FLOATS)
         add_param(layer, self.scale_name, scale, spec)
         if self.activation == "static":
-            add_param(layer, "input_scale", torch.empty(shards, dtype=torch.float32),
-                      ParamSpec(out_dim=None, in_dim=None, per_shard=True, dtypes=FLOATS))
+            add_param(
+                layer,
+                "input_scale",
+                torch.empty(shards, dtype=torch.float32),
+                ParamSpec(out_dim=None, in_dim=None, per_shard=True, dtypes=FLOATS),
+            )
 
     def process_weights_after_loading(self, layer) -> None:
         scale = getattr(layer, self.scale_name)
         del layer._parameters[self.scale_name]
         if self.strategy == "tensor":  # one scalar per shard -> one per output row
-            rows = torch.cat([scale.data[i].expand(size) for i, (_, _, size)
-                              in enumerate(layer.out_shards)])
+            rows = torch.cat(
+                [scale.data[i].expand(size) for i, (_, _, size) in enumerate(layer.out_shards)]
+            )
             scale = rows[:, None].contiguous()
         layer.weight_scale = nn.Parameter(scale.data, requires_grad=False)
         if self.activation == "static":
-            layer.input_scale = nn.Parameter(layer.input_scale.data.max().reshape(1),
-                                             requires_grad=False)
+            layer.input_scale = nn.Parameter(
+                layer.input_scale.data.max().reshape(1), requires_grad=False
+            )
 
     def _geometry(self, layer) -> tuple[int, int, int]:
         """(activation group, weight scale block rows, block cols) the matmul reads."""
@@ -117,8 +132,9 @@ class Fp8LinearMethod(LinearMethod):
 
 def _excluded(prefix: str, ignored: list[str]) -> bool:
     names = checkpoint_names(prefix)
-    return all_or_none(prefix, [any(n == i or n.startswith(i + ".") for i in ignored)
-                                for n in names])
+    return all_or_none(
+        prefix, [any(n == i or n.startswith(i + ".") for i in ignored) for n in names]
+    )
 
 
 class Fp8Config(QuantConfig):
@@ -137,10 +153,12 @@ class Fp8Config(QuantConfig):
         block = raw.get("weight_block_size")
         if block is not None:
             if len(block) != 2 or scheme != "dynamic":
-                raise ValueError(f"weight_block_size {block} needs two sizes and the dynamic "
-                                 "activation scheme")
-            self.method = Fp8LinearMethod("block", "group", (int(block[0]), int(block[1])),
-                                          scale_name="weight_scale_inv")
+                raise ValueError(
+                    f"weight_block_size {block} needs two sizes and the dynamic activation scheme"
+                )
+            self.method = Fp8LinearMethod(
+                "block", "group", (int(block[0]), int(block[1])), scale_name="weight_scale_inv"
+            )
         else:
             self.method = Fp8LinearMethod("tensor", "static" if scheme == "static" else "token")
         self.ignored = list(raw.get("ignored_layers") or raw.get("modules_to_not_convert") or [])

@@ -34,8 +34,10 @@ class ModelOptConfig(QuantConfig):
         body = {**raw, **dict(raw.get("quantization") or {})}
         algo = str(body.get("quant_algo") or "").upper()
         if algo not in ALGOS:
-            raise ValueError(f"ModelOpt quant_algo {algo or None!r} is not supported; "
-                             f"supported: {', '.join(ALGOS)}")
+            raise ValueError(
+                f"ModelOpt quant_algo {algo or None!r} is not supported; "
+                f"supported: {', '.join(ALGOS)}"
+            )
         if algo == "FP8":
             self.method: LinearMethod = Fp8LinearMethod("tensor", "static")
             self.family = "fp8"

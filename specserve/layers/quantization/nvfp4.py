@@ -42,13 +42,23 @@ class Nvfp4LinearMethod(LinearMethod):
     def create_weights(self, layer, dtype: torch.dtype) -> None:
         n, k, shards = layer.output_size, layer.input_size, len(layer.out_shards)
         if k % GROUP:
-            raise ValueError(f"{layer.prefix}: NVFP4 needs input features in multiples of "
-                             f"{GROUP}, this rank has {k}")
+            raise ValueError(
+                f"{layer.prefix}: NVFP4 needs input features in multiples of "
+                f"{GROUP}, this rank has {k}"
+            )
         per_shard = ParamSpec(out_dim=None, in_dim=None, per_shard=True, dtypes=FLOATS)
-        add_param(layer, self.codes, torch.empty(n, k // 2, dtype=torch.uint8),
-                  ParamSpec(in_block=2, dtypes=(torch.uint8,)))
-        add_param(layer, "weight_scale", torch.empty(n, k // GROUP, dtype=torch.float8_e4m3fn),
-                  ParamSpec(in_block=GROUP, dtypes=(torch.float8_e4m3fn,)))
+        add_param(
+            layer,
+            self.codes,
+            torch.empty(n, k // 2, dtype=torch.uint8),
+            ParamSpec(in_block=2, dtypes=(torch.uint8,)),
+        )
+        add_param(
+            layer,
+            "weight_scale",
+            torch.empty(n, k // GROUP, dtype=torch.float8_e4m3fn),
+            ParamSpec(in_block=GROUP, dtypes=(torch.float8_e4m3fn,)),
+        )
         add_param(layer, self.global_name, torch.empty(shards, dtype=torch.float32), per_shard)
         if self.has_input_scale:
             add_param(layer, self.input_name, torch.empty(shards, dtype=torch.float32), per_shard)
@@ -68,13 +78,17 @@ class Nvfp4LinearMethod(LinearMethod):
         return [layer.packed, layer.weight_scale, layer.row_scale]
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return apply_w4(layer, x, bias, layer.packed, layer.weight_scale, GROUP, True,
-                        layer.row_scale)
+        return apply_w4(
+            layer, x, bias, layer.packed, layer.weight_scale, GROUP, True, layer.row_scale
+        )
 
     def random_init(self, layer, gen: torch.Generator, std: float) -> None:
         codes = getattr(layer, self.codes)
-        codes.data.copy_(torch.randint(0, 256, codes.shape, generator=gen, dtype=torch.uint8,
-                                       device=codes.device))
+        codes.data.copy_(
+            torch.randint(
+                0, 256, codes.shape, generator=gen, dtype=torch.uint8, device=codes.device
+            )
+        )
         layer.weight_scale.data.fill_(8.0)
         glob = std / FP4_STD / 8.0
         getattr(layer, self.global_name).data.fill_(1.0 / glob if self.reciprocal else glob)
@@ -82,5 +96,6 @@ class Nvfp4LinearMethod(LinearMethod):
             getattr(layer, self.input_name).data.fill_(1.0)
 
     def dequantized_weight(self, layer) -> torch.Tensor:
-        return dequantize_w4(layer.packed, layer.weight_scale, GROUP, layer.input_size, True,
-                             layer.row_scale)
+        return dequantize_w4(
+            layer.packed, layer.weight_scale, GROUP, layer.input_size, True, layer.row_scale
+        )

@@ -17,9 +17,16 @@ FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 INT4_STD = 4.61  # std of a nibble uniform over -8..7
 
 
-def apply_w4(layer, x: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor,
-             scales: torch.Tensor, group: int, fp4: bool,
-             row_scale: torch.Tensor | None) -> torch.Tensor:
+def apply_w4(
+    layer,
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    group: int,
+    fp4: bool,
+    row_scale: torch.Tensor | None,
+) -> torch.Tensor:
     """y = x W^T (+ b) for a 4-bit weight: the Triton kernel on CUDA, else dequantize."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
@@ -43,13 +50,24 @@ class Int4LinearMethod(LinearMethod):
 
     def create_weights(self, layer, dtype: torch.dtype) -> None:
         n, k = layer.output_size, layer.input_size
-        add_param(layer, "weight_packed", torch.empty(n, cdiv(k, 8), dtype=torch.int32),
-                  ParamSpec(in_block=8, dtypes=(torch.int32,)))
-        add_param(layer, "weight_scale", torch.empty(n, cdiv(k, self.group), dtype=dtype),
-                  ParamSpec(in_block=self.group, dtypes=FLOATS))
-        add_param(layer, "weight_shape", torch.zeros(len(layer.out_shards), 2, dtype=torch.long),
-                  ParamSpec(out_dim=None, in_dim=None, per_shard=True,
-                            dtypes=(torch.int32, torch.int64)))
+        add_param(
+            layer,
+            "weight_packed",
+            torch.empty(n, cdiv(k, 8), dtype=torch.int32),
+            ParamSpec(in_block=8, dtypes=(torch.int32,)),
+        )
+        add_param(
+            layer,
+            "weight_scale",
+            torch.empty(n, cdiv(k, self.group), dtype=dtype),
+            ParamSpec(in_block=self.group, dtypes=FLOATS),
+        )
+        add_param(
+            layer,
+            "weight_shape",
+            torch.zeros(len(layer.out_shards), 2, dtype=torch.long),
+            ParamSpec(out_dim=None, in_dim=None, per_shard=True, dtypes=(torch.int32, torch.int64)),
+        )
 
     def process_weights_after_loading(self, layer) -> None:
         shapes = layer.weight_shape.tolist()
@@ -58,20 +76,26 @@ class Int4LinearMethod(LinearMethod):
             if got != [full, layer.full_input_size]:
                 raise ValueError(
                     f"{layer.prefix}: weight_shape {got} differs from the layer's "
-                    f"{[full, layer.full_input_size]}")
+                    f"{[full, layer.full_input_size]}"
+                )
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return apply_w4(layer, x, bias, layer.weight_packed, layer.weight_scale, self.group,
-                        False, None)
+        return apply_w4(
+            layer, x, bias, layer.weight_packed, layer.weight_scale, self.group, False, None
+        )
 
     def random_init(self, layer, gen: torch.Generator, std: float) -> None:
         p = layer.weight_packed
-        p.data.copy_(torch.randint(-2**31, 2**31 - 1, p.shape, generator=gen, dtype=torch.int32,
-                                   device=p.device))
+        p.data.copy_(
+            torch.randint(
+                -(2**31), 2**31 - 1, p.shape, generator=gen, dtype=torch.int32, device=p.device
+            )
+        )
         layer.weight_scale.data.fill_(std / INT4_STD)
         for i, (full, _, _) in enumerate(layer.out_shards):
             layer.weight_shape.data[i] = torch.tensor([full, layer.full_input_size])
 
     def dequantized_weight(self, layer) -> torch.Tensor:
-        return dequantize_w4(layer.weight_packed, layer.weight_scale, self.group,
-                             layer.input_size, False)
+        return dequantize_w4(
+            layer.weight_packed, layer.weight_scale, self.group, layer.input_size, False
+        )
