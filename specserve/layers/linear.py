@@ -85,12 +85,14 @@ class LinearBase(nn.Module):
     def __init__(
         self,
         input_size: int,
-        output_sizes: list[int],
+        output_sizes: int | list[int],
         bias: bool = False,
         quant_config: QuantConfig | None = None,
         prefix: str = "",
     ) -> None:
         super().__init__()
+        if isinstance(output_sizes, int):
+            output_sizes = [output_sizes]
         self.tp_rank = get_tp_rank()
         self.tp_size = get_tp_size()
         self.full_input_size = input_size
@@ -132,31 +134,11 @@ class LinearBase(nn.Module):
 class ReplicatedLinear(LinearBase):
     """Every rank holds the whole matrix."""
 
-    def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        bias: bool = False,
-        quant_config: QuantConfig | None = None,
-        prefix: str = "",
-    ) -> None:
-        super().__init__(input_size, [output_size], bias, quant_config, prefix)
-
 
 class ColumnParallelLinear(LinearBase):
     """Output features split over ranks; the output stays sharded (no communication)."""
 
     out_split = True
-
-    def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        bias: bool = False,
-        quant_config: QuantConfig | None = None,
-        prefix: str = "",
-    ) -> None:
-        super().__init__(input_size, [output_size], bias, quant_config, prefix)
 
 
 class MergedColumnParallelLinear(LinearBase):
@@ -226,16 +208,6 @@ class RowParallelLinear(LinearBase):
     """
 
     in_split = True
-
-    def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        bias: bool = False,
-        quant_config: QuantConfig | None = None,
-        prefix: str = "",
-    ) -> None:
-        super().__init__(input_size, [output_size], bias, quant_config, prefix)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, input_size / tp] -> partial [T, output_size], summed over ranks
