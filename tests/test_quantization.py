@@ -503,3 +503,32 @@ def test_cli_rejects_a_mismatched_flag_before_loading(fp8_ckpt: str, capsys) -> 
     err = capsys.readouterr()
     assert rc != 0
     assert "--quantization nvfp4 but the checkpoint's weights are fp8" in err.out + err.err
+
+
+# -- TP=2 over gloo processes: the logits of TP=1 ---------------------------------------------
+
+TP_CASES = {  # format -> (checkpoint overrides making every shard whole blocks, tolerance)
+    "ct-int4-g32": ({}, 1e-4),
+    "modelopt-nvfp4": ({}, 1e-4),
+    # W8A8: each rank quantizes its half of a row-parallel input in the same 128-groups, so
+    # only fp32 summation order differs; an fp8 rounding flip bounds the error (see the top)
+    "fp8-block": ({"num_key_value_heads": 4, "intermediate_size": 512}, W8A8[1]),
+}
+
+
+@pytest.mark.slow
+def test_tp2_gloo_logits_equal_tp1(tmp_path) -> None:
+    import torch.multiprocessing as mp
+    from test_tp_gloo import TP, _free_port, _run, _worker
+
+    paths = []
+    for fmt, (overrides, _) in TP_CASES.items():
+        paths.append(str(tmp_path / fmt))
+        make_quantized_checkpoint(paths[-1], fmt, **overrides)
+    mp.spawn(_worker, args=(paths, _free_port(), str(tmp_path), "gloo"), nprocs=TP, join=True)
+    expected = [_run(p) for p in paths]
+    for rank in range(TP):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        for (fmt, (_, tol)), exp, res in zip(TP_CASES.items(), expected, got):
+            err = max((g - e).abs().max().item() for e, g in zip(exp, res))
+            assert err < tol, f"{fmt} rank {rank}: max abs logit difference {err:.2e}"
