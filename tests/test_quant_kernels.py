@@ -22,7 +22,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from specserve.kernels import fp8_gemm, w4a16_gemm  # noqa: E402
-from specserve.kernels.gemm_split import reduce_splits  # noqa: E402
+from specserve.kernels.split_kv import split_counters  # noqa: E402
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_CUDA = torch.cuda.is_available() and HAS_TRITON
@@ -142,11 +142,25 @@ def check_w4(m: int, n: int, k: int, group: int, fp4: bool, plan, dtype, device,
     _close(got, want, rtol)
 
 
-def check_reduce(device) -> None:
-    parts = torch.randn(3, 5, 7)
-    torch.testing.assert_close(
-        reduce_splits(parts.to(device), torch.float32).cpu(), parts[0] + parts[1] + parts[2]
+def check_fp8_linear(m: int, n: int, k: int, static: bool, plan, dtype, device, rtol) -> None:
+    """Activations quantized inside the GEMM (128-groups, or a static scale) = quantized first."""
+    gen = torch.Generator().manual_seed(m + n * k)
+    x = (torch.randn(m, k, generator=gen) * 2).to(dtype)
+    w = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(FP8)
+    ws = torch.rand(-(-n // 128), -(-k // 128), generator=gen) + 0.5
+    ws_full = ws.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    if static:
+        xq = (x.float() / 0.01).clamp(-448, 448).to(FP8)
+        xs = torch.full((m, -(-k // 128)), 0.01)
+        scale = torch.tensor(0.01, device=device)
+    else:
+        (xq, xs), scale = ref_quant(x, 128), None
+    got = fp8_gemm.fp8_linear(
+        x.to(device), w.to(device), ws.to(device), 128, 128, 128, scale, plan=plan
     )
+    assert got.dtype == dtype
+    _close(got, ref_fp8_mm(xq, xs, 128, w, ws_full), rtol)
+    assert not split_counters(1, torch.device(device)).any(), "arrival counters left non-zero"
 
 
 CPU, F32, TOL32 = "cpu", torch.float32, 1e-5
@@ -167,7 +181,12 @@ INTERPRETER_CHECKS = {
     "nvfp4_rowscale_split2": lambda: check_w4(
         3, 40, 208, 16, True, (16, 32, 64, 2), F32, CPU, TOL32
     ),
-    "reduce_splits": lambda: check_reduce(CPU),
+    "fp8_in_loop_quant_split3": lambda: check_fp8_linear(
+        5, 72, 456, False, (16, 32, 128, 3), F32, CPU, TOL32
+    ),
+    "fp8_static_quant": lambda: check_fp8_linear(
+        3, 40, 200, True, (16, 32, 64, 2), F32, CPU, TOL32
+    ),
 }
 
 
@@ -208,6 +227,14 @@ def test_cuda_quant(m: int) -> None:
 @pytest.mark.parametrize("strategy", ["block", "channel"])
 def test_cuda_fp8_mm(m: int, n: int, k: int, strategy: str) -> None:
     check_fp8_mm(m, n, k, strategy, None, BF16, "cuda", TOL16)
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 7, 64, 300])
+@pytest.mark.parametrize("n, k", SHAPES)
+@pytest.mark.parametrize("static", [False, True])
+def test_cuda_fp8_linear(m: int, n: int, k: int, static: bool) -> None:
+    check_fp8_linear(m, n, k, static, None, BF16, "cuda", TOL16)
 
 
 @gpu

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from specserve.kernels.dispatch import jit, next_power_of_2, tl, triton
-from specserve.kernels.gemm_split import GemmPlan, as_plan, launch_plan, reduce_splits
+from specserve.kernels.gemm_split import GemmPlan, as_plan, launch_plan, split_buffers, store_tile
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -134,13 +134,18 @@ def fp8_mm_torch(
     return (x @ wf.t()).to(out_dtype)
 
 
+# how the kernel gets its FP8 activations: given (quantized by quant_fp8), quantized in the K
+# loop per row and BLOCK_K group (dynamic; BLOCK_K = the group), or with a static scale
+GIVEN, DYNAMIC, STATIC = 0, 1, 2
+
+
 @jit
 def _fp8_mm_kernel(
-    a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, k_per_split,
-    stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_bsk,
-    stride_cs, stride_cm,
-    A_GROUP: tl.constexpr, B_GROUP_N: tl.constexpr, B_GROUP_K: tl.constexpr,
-    SCALE_AT_END: tl.constexpr,
+    a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, p_ptr, counter_ptr, M, N, K, k_per_split, splits,
+    stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_bsk, stride_cm,
+    fp8_max, eps,
+    QUANT_A: tl.constexpr, A_GROUP: tl.constexpr, B_GROUP_N: tl.constexpr,
+    B_GROUP_K: tl.constexpr, SCALE_AT_END: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     # program (m tile, n tile, K split): acc [BM, BN] over K in [split * kps, (split+1) * kps)
@@ -160,26 +165,74 @@ def _fp8_mm_kernel(
         k = k0 + rk
         k_ok = k < k_end
         a = tl.load(a_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if QUANT_A == DYNAMIC:  # as quant_fp8 over this row's group of BLOCK_K columns
+            x = a.to(tl.float32)
+            a_s = tl.maximum(tl.max(tl.abs(x), 1), eps) / fp8_max
+            q = tl.clamp(tl.math.div_rn(x, a_s[:, None]), -fp8_max, fp8_max)
+            a = _round_to_e4m3(q).to(b_ptr.dtype.element_ty)
+        elif QUANT_A == STATIC:
+            a_s = tl.load(as_rows, mask=m_ok, other=0.0)
+            q = tl.clamp(tl.math.div_rn(a.to(tl.float32), a_s[:, None]), -fp8_max, fp8_max)
+            a = _round_to_e4m3(q).to(b_ptr.dtype.element_ty)
         b = tl.load(b_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         part = tl.dot(a, tl.trans(b))
         if SCALE_AT_END:
             acc += part
         else:
-            a_s = tl.load(as_rows + (k0 // A_GROUP) * stride_ask, mask=m_ok, other=0.0)
+            if QUANT_A == GIVEN:
+                a_s = tl.load(as_rows + (k0 // A_GROUP) * stride_ask, mask=m_ok, other=0.0)
             b_s = tl.load(bs_rows + (k0 // B_GROUP_K) * stride_bsk, mask=n_ok, other=0.0)
             acc += part * a_s[:, None] * b_s[None, :]
     if SCALE_AT_END:
         a_s = tl.load(as_rows, mask=m_ok, other=0.0)
         b_s = tl.load(bs_rows, mask=n_ok, other=0.0)
         acc = acc * a_s[:, None] * b_s[None, :]
-    c = c_ptr + pid_s * stride_cs + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
-    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    store_tile(acc, c_ptr, p_ptr, counter_ptr, rm, rn, M, N, stride_cm, splits, SPLIT)
 
 
 def _scale_strides(s: torch.Tensor) -> tuple[int, int]:
     """(row, col) strides of a scale grid; 0 along an axis of extent 1 (broadcast)."""
     s2 = s.reshape(s.shape[0] if s.dim() else 1, -1)
     return (s2.stride(0) if s2.shape[0] > 1 else 0), (s2.stride(1) if s2.shape[1] > 1 else 0)
+
+
+def _launch(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    quant: int,
+    act_group: int,
+    w: torch.Tensor,
+    ws: torch.Tensor,
+    block_n: int,
+    block_k: int,
+    out_dtype: torch.dtype,
+    plan: GemmPlan | tuple | None,
+) -> torch.Tensor:
+    m, k = a.shape
+    n = w.shape[0]
+    assert a.stride(1) == 1 and w.stride(1) == 1
+    sam, sak = _scale_strides(a_scale) if quant != DYNAMIC else (0, 1)
+    sbn, sbk = _scale_strides(ws)
+    scale_at_end = sak == 0 and sbk == 0
+    groups_k = [g for g, stride in ((act_group, sak), (block_k, sbk)) if stride]
+    plan = as_plan(plan) or launch_plan(m, n, k, a.device, max_block_k=min(groups_k or [128]))
+    bm, bn, bk = plan.block_m, plan.block_n, plan.block_k
+    assert all(g % bk == 0 for g in groups_k), "BLOCK_K must divide the scale groups along K"
+    assert quant != DYNAMIC or bk == act_group, "in-loop quantization: BLOCK_K = the group"
+    k_per_split, splits = plan.k_per_split(k)
+    out = torch.empty(m, n, device=a.device, dtype=out_dtype)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), splits)
+    partials, counters = split_buffers(m, n, grid[0] * grid[1], splits, a.device)
+    if m:
+        _fp8_mm_kernel[grid](
+            a, a_scale, w, ws, out, partials, counters, m, n, k, k_per_split, splits,
+            a.stride(0), sam, sak, w.stride(0), sbn, sbk, out.stride(0), FP8_MAX, AMAX_EPS,
+            QUANT_A=quant, A_GROUP=act_group if sak else 1, B_GROUP_N=block_n if sbn else 1,
+            B_GROUP_K=block_k if sbk else 1, SCALE_AT_END=scale_at_end, SPLIT=splits > 1,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=plan.num_warps,
+            num_stages=plan.num_stages,
+        )  # fmt: skip
+    return out
 
 
 def fp8_mm(
@@ -195,26 +248,27 @@ def fp8_mm(
 ) -> torch.Tensor:
     """fp8_mm_torch on the GPU. xq [M, K], w [N, K] fp8 (K contiguous); xs [M, groups] or
     [M, 1]; ws [ceil(N/bn), ceil(K/bk)], [N, 1] or [1]. plan: a GemmPlan (or its fields)."""
-    m, k = xq.shape
-    n = w.shape[0]
-    assert xq.stride(1) == 1 and w.stride(1) == 1
-    sam, sak = _scale_strides(xs)
-    sbn, sbk = _scale_strides(ws)
-    scale_at_end = sak == 0 and sbk == 0
-    groups_k = [g for g, stride in ((act_group, sak), (block_k, sbk)) if stride]
-    plan = as_plan(plan) or launch_plan(m, n, k, xq.device, max_block_k=min(groups_k or [128]))
-    bm, bn, bk = plan.block_m, plan.block_n, plan.block_k
-    assert all(g % bk == 0 for g in groups_k), "BLOCK_K must divide the scale groups along K"
-    k_per_split, splits = plan.k_per_split(k)
-    out = torch.empty(
-        (splits, m, n), device=xq.device, dtype=torch.float32 if splits > 1 else out_dtype
-    )
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), splits)
-    _fp8_mm_kernel[grid](
-        xq, xs, w, ws, out, m, n, k, k_per_split, xq.stride(0), sam, sak, w.stride(0), sbn, sbk,
-        out.stride(0), out.stride(1), A_GROUP=act_group if sak else 1,
-        B_GROUP_N=block_n if sbn else 1, B_GROUP_K=block_k if sbk else 1,
-        SCALE_AT_END=scale_at_end, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
-    )  # fmt: skip
-    return reduce_splits(out, out_dtype) if splits > 1 else out[0]
+    return _launch(xq, xs, GIVEN, act_group, w, ws, block_n, block_k, out_dtype, plan)
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    ws: torch.Tensor,
+    block_n: int,
+    block_k: int,
+    act_group: int,
+    static_scale: torch.Tensor | None = None,
+    plan: GemmPlan | tuple | None = None,
+) -> torch.Tensor:
+    """y = x W^T in x's dtype with x quantized as quant_fp8(x, act_group, static_scale): inside
+    the GEMM's K loop for 128-groups or a static scale (one launch), else (per-token groups
+    of the whole row) by quant_fp8 first."""
+    m, k = x.shape
+    if static_scale is not None:
+        scale = static_scale.float().reshape(1, 1).expand(m, 1)
+        return _launch(x, scale, STATIC, k, w, ws, block_n, block_k, x.dtype, plan)
+    if act_group <= 128:
+        return _launch(x, x, DYNAMIC, act_group, w, ws, block_n, block_k, x.dtype, plan)
+    xq, xs = quant_fp8(x, act_group)
+    return _launch(xq, xs, GIVEN, act_group, w, ws, block_n, block_k, x.dtype, plan)

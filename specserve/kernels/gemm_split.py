@@ -2,8 +2,9 @@
 
 At decode sizes (few rows) a GEMM has too few output tiles to occupy every SM, and a weight
 stream needs most SMs reading to approach the memory bandwidth: the K dimension is then split
-over several programs writing fp32 partials [splits, M, N], summed in a fixed order by one more
-launch (deterministic, unlike atomics).
+over several programs writing fp32 partials [splits, M, N]; the last program of each output
+tile to finish sums them in split order (deterministic, unlike atomic adds) and stores the tile,
+in the same launch (arrival counters shared with attention: kernels/split_kv.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.kernels.dispatch import jit, tl, triton
+from specserve.kernels.split_kv import split_counters
 
 PARTIALS_PER_SM = 2  # aim for this many programs per SM at decode sizes
 MAX_SPLITS = 16
@@ -71,23 +73,45 @@ def launch_plan(m: int, n: int, k: int, device: torch.device, max_block_k: int =
 
 
 @jit
-def _reduce_kernel(p_ptr, out_ptr, numel, splits, stride_s, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < numel
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(0, splits):
-        acc += tl.load(p_ptr + s * stride_s + offs, mask=ok, other=0.0)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-def reduce_splits(partials: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """[splits, M, N] fp32 partial products -> [M, N] in out_dtype, summed in split order."""
-    splits, m, n = partials.shape
-    out = torch.empty(m, n, dtype=out_dtype, device=partials.device)
-    numel = m * n
-    if numel:
-        block = 1024
-        _reduce_kernel[(triton.cdiv(numel, block),)](
-            partials, out, numel, splits, partials.stride(0), BLOCK=block
+def store_tile(acc, c_ptr, p_ptr, counter_ptr, rm, rn, M, N, stride_cm, splits,
+               SPLIT: tl.constexpr):  # fmt: skip
+    """Epilogue of a split-K GEMM program (m tile, n tile, split): without SPLIT, store acc;
+    with it, store the fp32 partial, count the arrival, and the tile's last split to arrive
+    sums every split's partial in split order (deterministic) and stores the result."""
+    mask = (rm < M)[:, None] & (rn < N)[None, :]
+    if SPLIT:
+        tile = rm.to(tl.int64)[:, None] * N + rn[None, :]
+        mn = M * N  # split launches are decode-sized: S * M * N stays far below 2^31
+        tl.store(p_ptr + tl.program_id(2) * mn + tile, acc, mask=mask)
+        # the barrier orders the CTA's stores before the one thread's release of the counter
+        tl.debug_barrier()
+        counter = counter_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == splits - 1:
+            total = tl.zeros(acc.shape, dtype=tl.float32)
+            for s in range(0, splits):  # .cg: other SMs wrote these during this launch
+                total += tl.load(p_ptr + s * mn + tile, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(
+                c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :],
+                total.to(c_ptr.dtype.element_ty),
+                mask=mask,
+            )
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero for the next launch
+    else:
+        tl.store(
+            c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :],
+            acc.to(c_ptr.dtype.element_ty),
+            mask=mask,
         )
-    return out
+
+
+def split_buffers(
+    m: int, n: int, tiles: int, splits: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 partials [splits, m, n], zeroed arrival counters >= tiles) of a split launch;
+    placeholders (never read) without splits."""
+    if splits == 1:
+        dummy = torch.empty(1, dtype=torch.float32, device=device)
+        return dummy, dummy
+    partials = torch.empty(splits, m, n, dtype=torch.float32, device=device)
+    return partials, split_counters(tiles, device)

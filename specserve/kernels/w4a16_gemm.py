@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from specserve.kernels.dispatch import jit, tl, triton
-from specserve.kernels.gemm_split import GemmPlan, as_plan, launch_plan, reduce_splits
+from specserve.kernels.gemm_split import GemmPlan, as_plan, launch_plan, split_buffers, store_tile
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
@@ -83,9 +83,9 @@ def _decode_e2m1(nib):
 
 @jit
 def _w4a16_kernel(
-    x_ptr, w_ptr, s_ptr, rs_ptr, c_ptr, M, N, K, k_per_split,
-    stride_xm, stride_wn, stride_sn, stride_cs, stride_cm,
-    GROUP: tl.constexpr, FP4: tl.constexpr, HAS_ROW_SCALE: tl.constexpr,
+    x_ptr, w_ptr, s_ptr, rs_ptr, c_ptr, p_ptr, counter_ptr, M, N, K, k_per_split, splits,
+    stride_xm, stride_wn, stride_sn, stride_cm,
+    GROUP: tl.constexpr, FP4: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     # program (m tile, n tile, K split); BLOCK_K is a multiple of 8 (whole packed words)
@@ -122,8 +122,7 @@ def _w4a16_kernel(
         acc += tl.dot(x, tl.trans(w))
     if HAS_ROW_SCALE:
         acc = acc * tl.load(rs_ptr + rn, mask=n_ok, other=0.0)[None, :]
-    c = c_ptr + pid_s * stride_cs + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
-    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    store_tile(acc, c_ptr, p_ptr, counter_ptr, rm, rn, M, N, stride_cm, splits, SPLIT)
 
 
 def w4a16_mm(
@@ -144,15 +143,15 @@ def w4a16_mm(
     bm, bn, bk = plan.block_m, plan.block_n, plan.block_k
     assert bk % 8 == 0
     k_per_split, splits = plan.k_per_split(k)
-    out = torch.empty(
-        (splits, m, n), device=x.device, dtype=torch.float32 if splits > 1 else x.dtype
-    )
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), splits)
-    _w4a16_kernel[grid](
-        x, packed, scales, row_scale if row_scale is not None else scales, out, m, n, k,
-        k_per_split, x.stride(0), packed.stride(0), scales.stride(0), out.stride(0),
-        out.stride(1), GROUP=group, FP4=fp4, HAS_ROW_SCALE=row_scale is not None,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=plan.num_warps,
-        num_stages=plan.num_stages,
-    )  # fmt: skip
-    return reduce_splits(out, x.dtype) if splits > 1 else out[0]
+    partials, counters = split_buffers(m, n, grid[0] * grid[1], splits, x.device)
+    if m:
+        _w4a16_kernel[grid](
+            x, packed, scales, row_scale if row_scale is not None else scales, out, partials,
+            counters, m, n, k, k_per_split, splits, x.stride(0), packed.stride(0),
+            scales.stride(0), out.stride(0), GROUP=group, FP4=fp4,
+            HAS_ROW_SCALE=row_scale is not None, SPLIT=splits > 1, BLOCK_M=bm, BLOCK_N=bn,
+            BLOCK_K=bk, num_warps=plan.num_warps, num_stages=plan.num_stages,
+        )  # fmt: skip
+    return out

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from specserve.kernels.dispatch import use_triton
-from specserve.kernels.fp8_gemm import FP8, fp8_mm, fp8_mm_torch, quant_fp8, quant_fp8_torch
+from specserve.kernels.fp8_gemm import FP8, fp8_linear, fp8_mm_torch, quant_fp8_torch
 from specserve.layers.quantization.base import (
     LinearMethod,
     ParamSpec,
@@ -106,8 +106,7 @@ class Fp8LinearMethod(LinearMethod):
         group, bn, bk = self._geometry(layer)
         static = layer.input_scale if self.activation == "static" else None
         if use_triton(x2):
-            xq, xs = quant_fp8(x2.contiguous(), group, static)
-            y = fp8_mm(xq, xs, group, layer.weight, layer.weight_scale, bn, bk, x.dtype)
+            y = fp8_linear(x2.contiguous(), layer.weight, layer.weight_scale, bn, bk, group, static)
         else:
             xq, xs = quant_fp8_torch(x2, group, static)
             y = fp8_mm_torch(xq, xs, group, layer.weight, layer.weight_scale, bn, bk, x.dtype)
