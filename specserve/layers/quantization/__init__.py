@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from typing import Any
 
 import torch
@@ -22,6 +23,8 @@ from specserve.layers.quantization.base import LinearMethod, QuantConfig
 from specserve.layers.quantization.compressed_tensors import CompressedTensorsConfig
 from specserve.layers.quantization.fp8 import Fp8Config
 from specserve.layers.quantization.modelopt import ModelOptConfig
+
+log = logging.getLogger(__name__)
 
 CONFIGS: dict[str, type[QuantConfig]] = {
     "fp8": Fp8Config,
@@ -115,6 +118,9 @@ def linear_modules(model: nn.Module) -> list[nn.Module]:
 def process_weights_after_loading(model: nn.Module) -> None:
     for module in linear_modules(model):
         module.process_weights_after_loading()
+    counts = describe(model)
+    if set(counts) - {"unquantized"}:
+        log.info("linear layers by method: %s", counts)
 
 
 def describe(model: nn.Module) -> dict[str, int]:
