@@ -178,6 +178,9 @@ INTERPRETER_CHECKS = {
     ),
     "int4_g32_ragged": lambda: check_w4(3, 72, 200, 32, False, (16, 32, 64, 1), F32, CPU, TOL32),
     "int4_g128_split2": lambda: check_w4(20, 40, 264, 128, False, (16, 32, 64, 2), F32, CPU, TOL32),
+    "int4_g24_column_scales": lambda: check_w4(
+        3, 40, 200, 24, False, (16, 32, 64, 2), F32, CPU, TOL32
+    ),
     "nvfp4_rowscale_split2": lambda: check_w4(
         3, 40, 208, 16, True, (16, 32, 64, 2), F32, CPU, TOL32
     ),

@@ -81,11 +81,24 @@ def _decode_e2m1(nib):
     return tl.where((nib & 8) != 0, -val, val)
 
 
+# how a K step of BLOCK_K columns finds its scales (see _scale_mode)
+PER_STEP, PER_GROUP, PER_COLUMN = 0, 1, 2
+
+
+def _scale_mode(group: int, block_k: int) -> int:
+    if group % block_k == 0:
+        return PER_STEP
+    if block_k % group == 0:
+        return PER_GROUP
+    return PER_COLUMN
+
+
 @jit
 def _w4a16_kernel(
     x_ptr, w_ptr, s_ptr, rs_ptr, c_ptr, p_ptr, counter_ptr, M, N, K, k_per_split, splits,
     stride_xm, stride_wn, stride_sn, stride_cm,
-    GROUP: tl.constexpr, FP4: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, SPLIT: tl.constexpr,
+    GROUP: tl.constexpr, SCALES: tl.constexpr, FP4: tl.constexpr,
+    HAS_ROW_SCALE: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     # program (m tile, n tile, K split); BLOCK_K is a multiple of 8 (whole packed words)
@@ -115,11 +128,25 @@ def _w4a16_kernel(
             val = _decode_e2m1(nib)
         else:
             val = (nib - 8).to(tl.float32)
-        s = tl.load(
-            s_rows + (k // GROUP)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0
-        ).to(tl.float32)
-        w = (val * s).to(x.dtype)  # [BN, BK]; masked columns carry scale 0
-        acc += tl.dot(x, tl.trans(w))
+        # columns past k_end meet zero activations; a word past K holds zero codes
+        if SCALES == PER_STEP:  # the step lies in one group: one scale per row
+            sc = tl.load(s_rows + k0 // GROUP, mask=n_ok[:, None], other=0.0).to(tl.float32)
+            w = val * sc
+        elif SCALES == PER_GROUP:  # BLOCK_K // GROUP whole groups: scale each group's slice
+            g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+            sc = tl.load(
+                s_rows + g[None, :], mask=n_ok[:, None] & (g * GROUP < K)[None, :], other=0.0
+            ).to(tl.float32)  # [BN, BK / GROUP]
+            w = tl.reshape(
+                tl.reshape(val, (BLOCK_N, BLOCK_K // GROUP, GROUP)) * sc[:, :, None],
+                (BLOCK_N, BLOCK_K),
+            )
+        else:  # groups that do not tile the step: each column's scale
+            sc = tl.load(
+                s_rows + (k // GROUP)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0
+            ).to(tl.float32)
+            w = val * sc
+        acc += tl.dot(x, tl.trans(w.to(x.dtype)))
     if HAS_ROW_SCALE:
         acc = acc * tl.load(rs_ptr + rn, mask=n_ok, other=0.0)[None, :]
     store_tile(acc, c_ptr, p_ptr, counter_ptr, rm, rn, M, N, stride_cm, splits, SPLIT)
@@ -150,7 +177,7 @@ def w4a16_mm(
         _w4a16_kernel[grid](
             x, packed, scales, row_scale if row_scale is not None else scales, out, partials,
             counters, m, n, k, k_per_split, splits, x.stride(0), packed.stride(0),
-            scales.stride(0), out.stride(0), GROUP=group, FP4=fp4,
+            scales.stride(0), out.stride(0), GROUP=group, SCALES=_scale_mode(group, bk), FP4=fp4,
             HAS_ROW_SCALE=row_scale is not None, SPLIT=splits > 1, BLOCK_M=bm, BLOCK_N=bn,
             BLOCK_K=bk, num_warps=plan.num_warps, num_stages=plan.num_stages,
         )  # fmt: skip
