@@ -17,7 +17,8 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv > "$o
 if has tests; then
   timeout 220 python -m pytest -q -m gpu -n 4 -rfE --tb=short -p no:cacheprovider tests \
     --ignore-glob="tests/test_server*" --ignore=tests/test_bench_serving.py \
-    --ignore=tests/test_mla.py --ignore=tests/test_mla_kernels.py > "$out/gpu_tests.log" 2>&1
+    --ignore=tests/test_mla.py --ignore=tests/test_mla_kernels.py \
+    --ignore=tests/test_quant_kernels.py > "$out/gpu_tests.log" 2>&1
   echo "gpu tests rc=$?"; tail -4 "$out/gpu_tests.log"
 fi
 common=(--model llama-3.1-8b --load-format dummy --context-len 1024 --output-len 64 --runs 3
@@ -49,6 +50,9 @@ if has spec; then
   done
 fi
 if has quant; then
+  timeout 300 python -m pytest -q -m gpu -n 4 -rfE --tb=short -p no:cacheprovider \
+    tests/test_quant_kernels.py > "$out/quant_tests.log" 2>&1
+  echo "quant gpu tests rc=$?"; tail -4 "$out/quant_tests.log"
   # quantized GEMMs over launch plans, then bs 1 / 64 decode per format vs its floor and bf16
   timeout 240 python scripts/bench_quant_gemm.py --quick --m 1,64 --out "$out/quant_gemm.json" \
     > "$out/quant_gemm.log" 2>&1
