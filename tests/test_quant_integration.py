@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_quant import make_quantized_checkpoint
+from tiny_quant import SHAPE, make_quantized_checkpoint
 
 from specserve.config import ModelConfig
 from specserve.layers.quantization import get_quant_config, resolve_quantization
@@ -236,8 +236,6 @@ def test_floor_streams_the_formats_bytes(fmt: str, tmp_path) -> None:
     ],
 )
 def test_dummy_weights_in_each_format(flag: str, method: str, tmp_path) -> None:
-    from tiny_quant import SHAPE
-
     from specserve.config import EngineConfig
 
     config = {
@@ -270,3 +268,42 @@ def test_cli_rejects_a_mismatched_flag_before_loading(fp8_ckpt: str, capsys) -> 
     err = capsys.readouterr()
     assert rc != 0
     assert "--quantization nvfp4 but the checkpoint's weights are fp8" in err.out + err.err
+
+
+# -- the TP runtime (worker processes) resolves the same format on every rank --------------------
+
+
+@pytest.mark.slow
+def test_tp2_engine_builds_every_shard_in_the_resolved_format(tmp_path, capfd) -> None:
+    """Random NVFP4 weights from --quantization at TP=2: the worker process resolves the same
+    format for its shard (TP=2 numerics == TP=1 on checkpoints: test_quantization's gloo test)."""
+    from specserve.config import EngineConfig, ParallelConfig
+
+    path = tmp_path / "shape"
+    path.mkdir()
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 512,
+        "rms_norm_eps": 1e-6,
+        "torch_dtype": "float32",
+        **SHAPE,
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    llm = LLM(
+        EngineConfig(
+            model=str(path),
+            device="cpu",
+            dtype="float32",
+            load_format="dummy",
+            quantization="nvfp4",
+            parallel=ParallelConfig(tp_size=2),
+        )
+    )
+    assert llm.engine.executor.worker_pids
+    llm.generate([[5, 9, 300, 41]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    digests = llm.engine.executor.close()
+    assert digests == {1: llm.engine.executor.digest}
+    llm.close()
+    assert "tp-rank1 INFO linear layers by method: {'nvfp4-w4a16 (modelopt)': 8}" in (
+        capfd.readouterr().err
+    )
