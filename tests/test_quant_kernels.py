@@ -181,6 +181,8 @@ INTERPRETER_CHECKS = {
     "int4_g24_column_scales": lambda: check_w4(
         3, 40, 200, 24, False, (16, 32, 64, 2), F32, CPU, TOL32
     ),
+    "int4_default_plan_prefill": lambda: check_w4(70, 40, 200, 32, False, None, F32, CPU, TOL32),
+    "fp8_default_plan_prefill": lambda: check_fp8_linear(70, 40, 200, False, None, F32, CPU, TOL32),
     "nvfp4_rowscale_split2": lambda: check_w4(
         3, 40, 208, 16, True, (16, 32, 64, 2), F32, CPU, TOL32
     ),

@@ -69,7 +69,8 @@ def launch_plan(m: int, n: int, k: int, device: torch.device, max_block_k: int =
     if tiles < target:
         # at least 4 K steps per split so each program still pipelines its loads
         splits = max(1, min(triton.cdiv(target, tiles), steps // 4, MAX_SPLITS))
-    return GemmPlan(bm, bn, bk, splits)
+    # a 128 x 128 fp32 accumulator (and a decoded weight tile) wants 8 warps' registers
+    return GemmPlan(bm, bn, bk, splits, num_warps=8 if bm * bn >= 128 * 128 else 4)
 
 
 @jit
