@@ -24,6 +24,103 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
 
+def _first(hf: dict[str, Any], *names: str, default: Any = None) -> Any:
+    """The value of the first of `names` present (and not null) in `hf`: one field, several
+    spellings (hub config.json vs transformers' saved names)."""
+    for name in names:
+        if hf.get(name) is not None:
+            return hf[name]
+    return default
+
+
+MOE_TOPK_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """DeepSeek-style mixture of experts (DeepSeek-V2/V3, Kimi K2, GLM-4.5+).
+
+    Routing: sigmoid (or softmax) scores; `noaux_tc` adds e_score_correction_bias for the
+    selection only; n_group / topk_group restrict the choice to the best groups; weights from
+    the unbiased scores, renormalised if norm_topk_prob, times routed_scaling_factor.
+    """
+
+    num_experts: int  # routed experts
+    num_experts_per_tok: int
+    intermediate_size: int  # of one routed expert
+    num_shared_experts: int = 0  # one shared MLP of intermediate_size * num_shared_experts
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    scoring_func: str = "sigmoid"  # sigmoid | softmax
+    topk_method: str = "noaux_tc"  # noaux_tc | greedy | group_limited_greedy
+    first_k_dense_replace: int = 0  # layers below this one have a dense MLP
+    moe_layer_freq: int = 1  # a layer at or past first_k_dense_replace is MoE if i % freq == 0
+    # explicit per-layer kinds ("dense" / "sparse"), when a config gives them
+    mlp_layer_types: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.scoring_func not in ("sigmoid", "softmax"):
+            raise ValueError(
+                f"scoring_func must be 'sigmoid' or 'softmax', got {self.scoring_func!r}"
+            )
+        if self.topk_method not in MOE_TOPK_METHODS:
+            raise ValueError(
+                f"topk_method must be one of {MOE_TOPK_METHODS}, got {self.topk_method!r}"
+            )
+        if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
+            raise ValueError(
+                f"n_group ({self.n_group}) must divide n_routed_experts ({self.num_experts}) "
+                f"and 1 <= topk_group ({self.topk_group}) <= n_group"
+            )
+        per_group = self.num_experts // self.n_group
+        if self.n_group > 1 and self.topk_method == "noaux_tc" and per_group < 2:
+            raise ValueError("noaux_tc group scores sum the top 2 experts: need >= 2 per group")
+        if not 0 < self.num_experts_per_tok <= self.topk_group * per_group:
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be >= 1 and at most the "
+                f"experts of the topk_group kept groups ({self.topk_group * per_group})"
+            )
+
+    @property
+    def has_correction_bias(self) -> bool:
+        return self.topk_method == "noaux_tc"
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        if self.mlp_layer_types is not None:
+            return self.mlp_layer_types[layer_idx] == "sparse"
+        return layer_idx >= self.first_k_dense_replace and layer_idx % self.moe_layer_freq == 0
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> MoEConfig | None:
+        """The MoE fields of a config.json (hub or transformers-saved spelling); None if the
+        model has no routed experts."""
+        num_experts = _first(hf, "n_routed_experts", "num_local_experts", "num_experts")
+        if not num_experts:
+            return None
+        method = _first(hf, "topk_method", default="noaux_tc")
+        scoring = _first(
+            hf, "scoring_func", default="sigmoid" if method == "noaux_tc" else "softmax"
+        )
+        layer_types = hf.get("mlp_layer_types")
+        return cls(
+            num_experts=int(num_experts),
+            num_experts_per_tok=int(_first(hf, "num_experts_per_tok", "moe_top_k", default=1)),
+            intermediate_size=int(_first(hf, "moe_intermediate_size", "intermediate_size")),
+            num_shared_experts=int(_first(hf, "n_shared_experts", "num_shared_experts", default=0)),
+            n_group=int(_first(hf, "n_group", default=1)),
+            topk_group=int(_first(hf, "topk_group", default=1)),
+            norm_topk_prob=bool(_first(hf, "norm_topk_prob", default=method == "noaux_tc")),
+            routed_scaling_factor=float(_first(hf, "routed_scaling_factor", default=1.0)),
+            scoring_func=str(scoring),
+            topk_method=str(method),
+            first_k_dense_replace=int(_first(hf, "first_k_dense_replace", default=0)),
+            moe_layer_freq=int(_first(hf, "moe_layer_freq", default=1)),
+            mlp_layer_types=tuple(layer_types) if layer_types else None,
+        )
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The normalised view of a model's config.json (llama family, and EAGLE-3 heads)."""

@@ -20,15 +20,10 @@ from torch import nn
 
 from specserve.config import ModelConfig
 from specserve.distributed.parallel_state import get_tp_size
-from specserve.layers.activation import SiluAndMul
 from specserve.layers.attention import Attention
 from specserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from specserve.layers.linear import (
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-    default_weight_loader,
-)
+from specserve.layers.linear import QKVParallelLinear, RowParallelLinear, default_weight_loader
+from specserve.layers.mlp import GatedMLP
 from specserve.layers.norm import RMSNorm
 from specserve.layers.rotary import RotaryEmbedding
 
@@ -73,28 +68,13 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, positions, self.rotary))  # [T, H]
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        if config.hidden_act != "silu":
-            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu')")
-        inter = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter])
-        self.down_proj = RowParallelLinear(inter, config.hidden_size)
-        self.act_fn = SiluAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # [T, H] -> [T, 2 * I / tp] -> [T, I / tp] -> [T, H]
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
-
-
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, layer_idx, rotary)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
