@@ -13,6 +13,7 @@ import json
 import os
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,6 +154,10 @@ class ModelConfig:
     norm_before_residual: bool = False
     # local attention window (Mistral v0.1); None = full attention
     sliding_window: int | None = None
+    # routed experts (DeepSeek-V2/V3, Kimi K2); None = dense MLPs
+    moe: MoEConfig | None = None
+    # MTP / NextN layers stored after the decoder layers (DeepSeek-V3: 1; not used yet)
+    num_mtp_layers: int = 0
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any] | str | os.PathLike) -> ModelConfig:
@@ -165,11 +170,7 @@ class ModelConfig:
                 raise ValueError(f"no config.json at {path}: pass a model directory holding one")
             with open(path) as fh:
                 hf = json.load(fh)
-        hf = dict(hf)
-        if "text_config" in hf and "hidden_size" not in hf:  # wrapper (e.g. vision-language)
-            inner = dict(hf["text_config"])
-            inner.setdefault("architectures", hf.get("architectures"))
-            hf = inner
+        hf = config_adapter((hf.get("architectures") or [""])[0])(dict(hf))
         archs = hf.get("architectures") or ["LlamaForCausalLM"]
         heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
@@ -218,7 +219,49 @@ class ModelConfig:
             norm_before_residual=bool(hf.get("norm_before_residual", False)),
             sliding_window=hf.get("sliding_window") if hf.get("use_sliding_window", True)
             else None,
+            moe=MoEConfig.from_hf(hf),
+            num_mtp_layers=int(_first(hf, "num_nextn_predict_layers", "num_mtp_layers", default=0)),
         )
+
+
+# Config adapters: an architecture's config.json -> the flat text-model config `from_hf` reads.
+
+def _unwrap_text_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """A wrapper (vision-language) config: its text_config, under the text model's own
+    architecture when it names one (the wrapper's weights are then its text model's)."""
+    if "text_config" not in hf or "hidden_size" in hf:
+        return hf
+    inner = dict(hf["text_config"])
+    inner.setdefault("architectures", hf.get("architectures"))
+    return inner
+
+
+def _wrapped_text_model(hf: dict[str, Any]) -> dict[str, Any]:
+    """A wrapper served text-only by its own model class (which maps the wrapper's weight
+    names): the text_config, under the WRAPPER's architecture; token ids and tying fall back
+    to the wrapper's fields."""
+    if "text_config" not in hf:
+        raise ValueError(
+            f"{hf.get('architectures')}: config.json has no text_config; expected the "
+            "language model's config nested under text_config"
+        )
+    inner = dict(hf["text_config"])
+    for key in ("bos_token_id", "eos_token_id", "tie_word_embeddings", "torch_dtype", "dtype"):
+        if inner.get(key) is None and hf.get(key) is not None:
+            inner[key] = hf[key]
+    inner["architectures"] = hf["architectures"]
+    return inner
+
+
+CONFIG_ADAPTERS = {
+    "KimiK25ForConditionalGeneration": _wrapped_text_model,
+    "Kimi_K25ForConditionalGeneration": _wrapped_text_model,  # transformers' spelling
+}
+
+
+def config_adapter(architecture: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """The adapter of `architecture` (default: unwrap any text_config)."""
+    return CONFIG_ADAPTERS.get(architecture, _unwrap_text_config)
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,9 @@ import torch.multiprocessing as mp
 
 from specserve.config import MoEConfig
 from specserve.distributed import parallel_state
-from specserve.layers.linear import default_weight_loader
 from specserve.layers.mlp import GatedMLP
 from specserve.layers.moe import DeepseekMoE, expert_shards, make_mlp
+from specserve.models.weights import load_named_weights
 
 HIDDEN, INTER, TOL = 64, 32, 1e-5
 
@@ -103,28 +103,12 @@ def per_expert_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-SHARED = {".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1)}
+SHARED = ((".gate_proj.", ".gate_up_proj.", 0), (".up_proj.", ".gate_up_proj.", 1))
 
 
 def load_block(block: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Checkpoint-named tensors into our block (every parameter exactly covered)."""
-    params = dict(block.named_parameters())
-    filled: dict[str, int] = {}
-    for name, tensor in state.items():
-        shards = expert_shards(name, tensor)
-        if shards is None:
-            shard = None
-            for frag, (ours, sid) in SHARED.items():
-                if frag in name:
-                    name, shard = name.replace(frag, ours), sid
-            shards = [(name, shard, tensor)]
-        for pname, sid, t in shards:
-            param = params[pname]
-            getattr(param, "weight_loader", default_weight_loader)(param, t, sid)
-            filled[pname] = filled.get(pname, 0) + t.numel()
-    tp = parallel_state.get_tp_size()
-    sharded = {n: tp if "experts" in n else 1 for n in params}  # the router is replicated
-    assert filled == {n: p.numel() * sharded[n] for n, p in params.items()}, "not all loaded"
+    """Checkpoint-named tensors into our block (every parameter must be covered)."""
+    load_named_weights(block, state.items(), SHARED, "DeepseekMoE")
 
 
 def ours(config: dict, state: dict[str, torch.Tensor]) -> DeepseekMoE:
@@ -230,7 +214,11 @@ def test_expert_loader_errors() -> None:
     with pytest.raises(ValueError, match="does not belong"):
         w13.weight_loader(w13, torch.zeros(HIDDEN, INTER), (0, "down"))
     assert expert_shards("model.layers.3.mlp.shared_experts.gate_proj.weight", w13) is None
-    assert len(moe_block.experts.shard_ids(w13)) == 16
+    assert len(w13.shard_ids) == 16
+    state = per_expert_names(block.state_dict())
+    del state["experts.5.down_proj.weight"]
+    with pytest.raises(ValueError, match=r"missing tensors: experts\.5\.down_proj\.weight$"):
+        ours(config, state)
 
 
 # --------------------------------------------------------------------------------------------

@@ -71,13 +71,10 @@ class FusedMoE(nn.Module):
         self.w2_weight = nn.Parameter(
             torch.empty(num_experts, hidden_size, self.inter), requires_grad=False
         )
-        self.w13_weight.weight_loader = self.weight_loader
-        self.w2_weight.weight_loader = self.weight_loader
-
-    def shard_ids(self, param: nn.Parameter) -> list[ExpertShard]:
-        """Every shard a complete checkpoint loads into `param`."""
-        kinds = ("down",) if param is self.w2_weight else ("gate", "up")
-        return [(e, kind) for e in range(self.num_experts) for kind in kinds]
+        for param, kinds in ((self.w13_weight, ("gate", "up")), (self.w2_weight, ("down",))):
+            param.weight_loader = self.weight_loader
+            # every shard a complete checkpoint loads into the parameter
+            param.shard_ids = [(e, kind) for e in range(num_experts) for kind in kinds]
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ExpertShard | None = None
