@@ -118,19 +118,11 @@ class PagedSession:
         from specserve.layers.attention import attention_modules
         from specserve.layers.backends.torch_ref import TorchRefBackend
 
-        attns = attention_modules(model)
-        first = attns[0]
+        attns = attention_modules(model)  # any attention kind: the pool follows their specs
         param = next(model.parameters())
         self.device = param.device
-        self.pool = KVPool(
-            len(attns),
-            num_pages,
-            page_size,
-            first.num_kv_heads,
-            first.head_dim,
-            param.dtype,
-            self.device,
-        )
+        specs = [m.kv_spec for m in attns]
+        self.pool = KVPool(specs, num_pages, page_size, param.dtype, self.device)
         self.pool.bind(attns)
         self.model = model
         self.page_size = page_size
