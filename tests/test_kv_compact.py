@@ -1,7 +1,8 @@
 """The KV-compaction kernel (kernels/kv_compact.py) against its torch reference and a naive
 per-pair loop: accepted-path patterns whose sources are other pairs' destinations, several
 requests, padding rows (src == dst, sharing one spare page), W not a power of two, k and v of
-different head dims, layers past `layers` untouched. The kernel runs on CUDA (marker `gpu`) and
+different head dims, a single MLA latent cache ([pages, page_size, 576]-style rows), layers
+past `layers` untouched. The kernel runs on CUDA (marker `gpu`) and
 under the Triton interpreter in a subprocess (TRITON_INTERPRET must be set before triton is
 imported): `TRITON_INTERPRET=1 python tests/test_kv_compact.py` prints "ok".
 """
@@ -72,7 +73,17 @@ CASES = [  # bs, w, layers, total layers, pages, page_size, kv heads, head_dim k
     (6, 7, 2, 2, 64, 8, 1, 32, 32, 2),
     (3, 4, 2, 3, 40, 2, 2, 160, 96, 1),  # 320 k features: two feature tiles
     (2, 1, 1, 2, 16, 4, 1, 8, 8, 0),
+    # MLA: kv heads None = one latent cache [L, pages, page_size, head_dim k] (no v)
+    (3, 5, 2, 3, 40, 4, None, 24, None, 1),
+    (2, 4, 3, 3, 32, 8, None, 288, None, 0),  # two feature tiles
 ]
+
+
+def make_caches(total: int, pages: int, ps: int, hk: int | None, dk: int, dv: int | None,
+                gen: torch.Generator) -> list[torch.Tensor]:
+    if hk is None:  # an MLA latent group: one tensor, rows of dk values
+        return [torch.randn(total, pages, ps, dk, generator=gen)]
+    return [torch.randn(total, pages, ps, hk, d, generator=gen) for d in (dk, dv)]
 
 
 def check(device: str, dtypes: list[torch.dtype], scale: int = 1) -> None:
@@ -82,15 +93,14 @@ def check(device: str, dtypes: list[torch.dtype], scale: int = 1) -> None:
             for reverse_row in (False, True):
                 pages_s = pages * scale
                 src, dst = make_paths(bs, w, ps, pages_s, pad, gen, reverse_row)
-                caches = [torch.randn(total, pages_s, ps, hk, d, generator=gen).to(dtype)
-                          for d in (dk, dv)]
+                caches = [c.to(dtype) for c in make_caches(total, pages_s, ps, hk, dk, dv, gen)]
                 want_ref = [c.clone() for c in caches]
-                compact_kv_ref(*want_ref, layers, src, dst)
+                compact_kv_ref(want_ref, layers, src, dst)
                 want = [c.clone() for c in caches]
                 for c in want:
                     naive(c, layers, src, dst)
                 got = [c.to(device, copy=True) for c in caches]
-                compact_kv(*got, layers, src.to(device), dst.to(device))
+                compact_kv(got, layers, src.to(device), dst.to(device))
                 label = (dtype, i, reverse_row)
                 for g, r, nv, c in zip(got, want_ref, want, caches):
                     assert torch.equal(r, nv), ("reference vs naive", *label)
@@ -125,9 +135,15 @@ def test_kernel_gpu() -> None:
         caches = [torch.randn(33, 2048, 16, 8, 128, generator=gen).to(dtype).cuda()
                   for _ in range(2)]
         want = [c.clone() for c in caches]
-        compact_kv_ref(*want, 32, src.cuda(), dst.cuda())
-        compact_kv(*caches, 32, src.cuda(), dst.cuda())
+        compact_kv_ref(want, 32, src.cuda(), dst.cuda())
+        compact_kv(caches, 32, src.cuda(), dst.cuda())
         assert all(torch.equal(g, r) for g, r in zip(caches, want))
+        # an MLA target: latent rows of 576 values, one tensor (8 of 9 layers compacted)
+        latent = [torch.randn(9, 2048, 16, 576, device="cuda").to(dtype)]
+        want = [latent[0].clone()]
+        compact_kv_ref(want, 8, src.cuda(), dst.cuda())
+        compact_kv(latent, 8, src.cuda(), dst.cuda())
+        assert torch.equal(latent[0], want[0])
 
 
 if __name__ == "__main__":

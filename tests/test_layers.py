@@ -10,10 +10,8 @@ import torch
 import torch.nn.functional as F
 from tiny_models import LLAMA3_ROPE
 
-from specserve.config import CacheConfig
 from specserve.distributed import parallel_state
 from specserve.engine.forward_batch import build_attention_metadata, build_positions
-from specserve.kv_cache.pool import KVPool, bytes_per_page, pages_for_budget, plan_num_pages
 from specserve.layers.activation import SiluAndMul
 from specserve.layers.attention import Attention
 from specserve.layers.attention_metadata import ForwardContext, set_forward_context
@@ -306,31 +304,3 @@ def test_build_attention_metadata_vs_naive() -> None:
     assert (md.max_query_len, md.max_seq_len) == (6, 10)
     assert md.query_lens_cpu == q_lens and md.seq_lens_cpu == seq_lens
     assert build_positions(q_lens, seq_lens, "cpu").tolist() == [5, 6, 7, 9, 0, 1, 2, 3, 4, 5]
-
-
-def test_kv_pool_sizes_and_bind() -> None:
-    assert bytes_per_page(3, 16, 2, 64, torch.bfloat16) == 2 * 3 * 16 * 2 * 64 * 2
-    per_page = bytes_per_page(3, 16, 2, 64, torch.float32)
-    assert pages_for_budget(10 * per_page + 7, 3, 16, 2, 64, torch.float32) == 10
-    assert KVPool.pages_for_budget(per_page - 1, 3, 16, 2, 64, torch.float32) == 0
-    cpu = torch.device("cpu")
-    budget = CacheConfig(page_size=16, kv_cache_bytes=10 * per_page + 7)
-    assert plan_num_pages(budget, 3, 2, 64, torch.float32, cpu) == 10
-    assert plan_num_pages(CacheConfig(num_pages=7), 3, 2, 64, torch.float32, cpu) == 7
-    with pytest.raises(ValueError, match="raise --kv-cache-bytes"):
-        plan_num_pages(CacheConfig(page_size=16, kv_cache_bytes=per_page), 3, 2, 64,
-                       torch.float32, cpu)
-    pool = KVPool(3, 5, 4, 2, 8, torch.float16, "cpu")
-    assert pool.total_bytes == 5 * pool.bytes_per_page(3, 4, 2, 8, torch.float16)
-    target = [Attention(4, 2, 8, 1.0, i) for i in range(2)]
-    draft = Attention(4, 2, 8, 1.0, 0)
-    pool.bind(target)
-    pool.bind([draft], first_layer=2)
-    for layer, module in enumerate([*target, draft]):
-        assert module.k_cache.shape == (5, 4, 2, 8)
-        module.k_cache[1, 2].fill_(layer + 1)
-        assert (pool.k[layer, 1, 2] == layer + 1).all()
-    with pytest.raises(ValueError, match="pool has 3"):
-        pool.bind(target, first_layer=2)
-    with pytest.raises(ValueError, match="kv heads"):
-        pool.bind([Attention(4, 4, 8, 1.0, 0)])

@@ -186,7 +186,7 @@ def test_ttt_steps_equal_inference_drafting(tmp_path: Path, target: str) -> None
     assert infer.config.aux_layer_ids == (1, 2, 3)
     assert torch.equal(infer.d2t, head.d2t)
     page_size, num_pages = 4, 24
-    pool = KVPool(1, num_pages, page_size, tcfg.num_kv_heads, tcfg.head_dim, torch.float32, "cpu")
+    pool = KVPool([infer.midlayer.attn.kv_spec], num_pages, page_size, torch.float32, "cpu")
     pool.bind([infer.midlayer.attn])
     pages = list(range(num_pages))
     random.Random(0).shuffle(pages)

@@ -118,19 +118,11 @@ class PagedSession:
         from specserve.layers.attention import attention_modules
         from specserve.layers.backends.torch_ref import TorchRefBackend
 
-        attns = attention_modules(model)
-        first = attns[0]
+        attns = attention_modules(model)  # any attention kind: the pool follows their specs
         param = next(model.parameters())
         self.device = param.device
-        self.pool = KVPool(
-            len(attns),
-            num_pages,
-            page_size,
-            first.num_kv_heads,
-            first.head_dim,
-            param.dtype,
-            self.device,
-        )
+        specs = [m.kv_spec for m in attns]
+        self.pool = KVPool(specs, num_pages, page_size, param.dtype, self.device)
         self.pool.bind(attns)
         self.model = model
         self.page_size = page_size
@@ -140,9 +132,12 @@ class PagedSession:
         self.seq_lens: dict[int, int] = {}
         self.pages: dict[int, list[int]] = {}
 
-    def step(self, new_tokens: dict[int, list[int]], logits: bool = True) -> list[torch.Tensor]:
+    def step(self, new_tokens: dict[int, list[int]], logits: bool = True,
+             custom_mask: torch.Tensor | None = None,
+             positions: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Run new_tokens[req] for each request; returns per request its logits [n, vocab]
-        (or its final hidden states [n, H] with logits=False)."""
+        (or its final hidden states [n, H] with logits=False). custom_mask [bs, max_q, W] and
+        positions [T] replace the causal mask and the linear positions (tree verify)."""
         from specserve.engine.forward_batch import build_attention_metadata, build_positions
         from specserve.layers.attention_metadata import ForwardContext, set_forward_context
 
@@ -156,13 +151,16 @@ class PagedSession:
             self.seq_lens[r] = total
         seq_lens = [self.seq_lens[r] for r in reqs]
         md = build_attention_metadata(
-            q_lens, seq_lens, [self.pages[r] for r in reqs], self.page_size, self.device
+            q_lens, seq_lens, [self.pages[r] for r in reqs], self.page_size, self.device,
+            custom_mask,
         )
+        if positions is None:
+            positions = build_positions(q_lens, seq_lens, self.device)
         ids = torch.tensor([t for r in reqs for t in new_tokens[r]], device=self.device)
         set_forward_context(ForwardContext(md, self.backend))
         try:
             with torch.no_grad():
-                out = self.model(ids, build_positions(q_lens, seq_lens, self.device))
+                out = self.model(ids, positions.to(self.device))
                 if logits:
                     out = self.model.compute_logits(out)
         finally:

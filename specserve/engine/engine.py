@@ -80,13 +80,14 @@ class Engine:
             self.max_model_len = window
         self.config = config.replace(scheduler={"max_model_len": self.max_model_len})
         self.drafter = None
-        extra_layers = 0
+        draft_kv = []  # the draft head's KV layers, after the target's in one pool
         if config.spec.enabled:
+            from specserve.models.eagle3 import eagle3_kv_specs
             from specserve.speculative.eagle3 import load_draft_config
 
-            extra_layers = load_draft_config(config.spec, self.model_config).num_layers
+            draft_kv = eagle3_kv_specs(load_draft_config(config.spec, self.model_config))
         t0 = time.perf_counter()
-        self.runner = ModelRunner(self.config, self.model_config, self.model_path, extra_layers)
+        self.runner = ModelRunner(self.config, self.model_config, self.model_path, draft_kv)
         if config.spec.enabled:
             from specserve.speculative.eagle3 import Eagle3Drafter
 

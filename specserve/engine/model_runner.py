@@ -8,6 +8,7 @@ a plain step is the final `tolist()` of the sampled ids.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,7 +21,8 @@ from specserve.engine.device import resolve_device, resolve_dtype, select_backen
 from specserve.engine.forward_batch import build_attention_metadata, to_device
 from specserve.engine.scheduler import ScheduledRequest
 from specserve.kv_cache.pool import KVPool, plan_num_pages
-from specserve.layers.attention import Attention
+from specserve.kv_cache.spec import KVCacheSpec
+from specserve.layers.attention import attention_modules
 from specserve.layers.attention_metadata import (
     AttentionMetadata,
     ForwardContext,
@@ -61,7 +63,7 @@ class LaunchedStep:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: str | None,
-                 extra_kv_layers: int = 0) -> None:
+                 extra_kv_specs: Sequence[KVCacheSpec] = ()) -> None:
         self.config = config
         self.model_config = model_config
         self.device = resolve_device(config.device)
@@ -78,8 +80,8 @@ class ModelRunner:
             self.model = load_model(model_config, model_path, self.dtype, self.device)
         self.backend = select_backend(self.device)
         self.sampler = Sampler()
-        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.extra_kv_layers = extra_kv_layers
+        self.attn_layers = attention_modules(self.model)
+        self.extra_kv_specs = list(extra_kv_specs)  # layers past the target's (draft heads)
         self.kv_pool = self._allocate_kv_pool()
         self.kv_pool.bind(self.attn_layers)
         # RoPE tables must cover every position before graphs are captured (replays run no
@@ -176,20 +178,12 @@ class ModelRunner:
 
     # -- KV memory ---------------------------------------------------------------------------
     def _allocate_kv_pool(self) -> KVPool:
-        mc, cc = self.model_config, self.config.cache
-        num_layers = len(self.attn_layers) + self.extra_kv_layers
-        kv_heads = mc.num_kv_heads // self.tp_size
-        num_pages = plan_num_pages(cc, num_layers, kv_heads, mc.head_dim, self.dtype, self.device)
+        cc = self.config.cache
+        specs = [m.kv_spec for m in self.attn_layers] + self.extra_kv_specs
+        num_pages = plan_num_pages(cc, specs, self.dtype, self.device)
         # one spare page past the allocator's range: CUDA-graph padding rows point at it
         self.spare_page = num_pages
-        return KVPool(num_layers, num_pages + 1, cc.page_size, kv_heads, mc.head_dim, self.dtype,
-                      self.device)
-
-    @property
-    def tp_size(self) -> int:
-        from specserve.distributed.parallel_state import get_tp_size
-
-        return get_tp_size()
+        return KVPool(specs, num_pages + 1, cc.page_size, self.dtype, self.device)
 
     @property
     def num_pages(self) -> int:

@@ -1,7 +1,9 @@
-"""Attention over the paged KV cache: the module models hold, and the backend protocol.
+"""Attention over the paged KV cache: the modules models hold, and the backend protocol.
 
 The module owns no math: it reshapes q/k/v to heads and hands them, with its layer's cache,
-to the backend of the current forward context (torch reference, Triton, ...).
+to the backend of the current forward context (torch reference, Triton, ...). Every module
+that keeps a paged cache derives from CachedAttention and declares its page layout
+(`kv_spec`, kv_cache/spec.py): `Attention` (MHA/GQA) here, `MLAAttention` in layers/mla.py.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from specserve.kv_cache.spec import KVCacheSpec
 from specserve.layers.attention_metadata import AttentionMetadata, get_forward_context
 
 
@@ -33,13 +36,30 @@ class AttentionBackend(Protocol):
         ...
 
 
-class Attention(nn.Module):
-    """One layer's attention (heads local to this TP rank).
+class CachedAttention(nn.Module):
+    """Base of the attention modules that keep a paged KV cache.
 
-    `k_cache` / `v_cache` are plain attributes (not parameters or buffers) set by
-    `KVPool.bind` once the pool exists; empty tensors before (the backend then attends over
-    the new tokens only).
+    A subclass sets `layer_idx`, declares `kv_spec` and starts with an empty tensor attribute
+    `<name>_cache` per tensor of its spec; `KVPool.bind` replaces those by its layer's views
+    ([num_pages, page_size, *row]; plain attributes, not parameters or buffers). Before that
+    (no pool) the backend attends over the new tokens only.
     """
+
+    layer_idx: int
+
+    @property
+    def kv_spec(self) -> KVCacheSpec:
+        raise NotImplementedError
+
+    def bind_kv_cache(self, caches: dict[str, torch.Tensor]) -> None:
+        assert tuple(caches) == self.kv_spec.names, (tuple(caches), self.kv_spec)
+        for name, tensor in caches.items():
+            setattr(self, f"{name}_cache", tensor)
+
+
+class Attention(CachedAttention):
+    """One layer's MHA/GQA attention (heads local to this TP rank); caches `k_cache` and
+    `v_cache` [num_pages, page_size, num_kv_heads, head_dim]."""
 
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_idx: int
@@ -53,6 +73,10 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+
+    @property
+    def kv_spec(self) -> KVCacheSpec:
+        return KVCacheSpec.mha(self.num_kv_heads, self.head_dim)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 positions: torch.Tensor | None = None, rotary: nn.Module | None = None
@@ -75,6 +99,7 @@ class Attention(nn.Module):
         return out.reshape(-1, self.num_heads * self.head_dim)  # [T, num_heads * head_dim]
 
 
-def attention_modules(model: nn.Module) -> list[Attention]:
-    """The model's Attention modules in registration order (layer 0 first)."""
-    return [m for m in model.modules() if isinstance(m, Attention)]
+def attention_modules(model: nn.Module) -> list[CachedAttention]:
+    """The model's cached attention modules (any kind) in registration order (layer 0 first):
+    the layers of its KV pool."""
+    return [m for m in model.modules() if isinstance(m, CachedAttention)]

@@ -41,6 +41,11 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention-temperature factor for a context scaled `scale` times."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
 def _yarn_inv_freq(
     head_dim: int, base: float, scaling: dict, max_position: int
 ) -> tuple[torch.Tensor, float]:
@@ -51,13 +56,11 @@ def _yarn_inv_freq(
     beta_fast = scaling.get("beta_fast") or 32
     beta_slow = scaling.get("beta_slow") or 1
 
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
     attn_factor = scaling.get("attention_factor")
     if attn_factor is None:
         m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
-        attn_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        attn_factor = (yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all
+                       else yarn_mscale(factor))
 
     def correction_dim(rotations: float) -> float:
         return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))

@@ -19,6 +19,8 @@ import torch
 from torch import nn
 
 from specserve.config import ModelConfig
+from specserve.distributed.parallel_state import get_tp_size
+from specserve.kv_cache.spec import KVCacheSpec
 from specserve.layers.activation import SiluAndMul
 from specserve.layers.attention import Attention
 from specserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -27,6 +29,7 @@ from specserve.layers.linear import (
     QKVParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
+    divide,
 )
 from specserve.layers.norm import RMSNorm
 from specserve.layers.rotary import RotaryEmbedding
@@ -66,6 +69,13 @@ class Eagle3Layer(nn.Module):
                                   self.rotary).reshape(t, -1))
         r = (normed_g if self.norm_before_residual else g) + a
         return r + self.down_proj(self.act(self.gate_up_proj(self.post_attention_layernorm(r))))
+
+
+def eagle3_kv_specs(cfg: ModelConfig) -> list[KVCacheSpec]:
+    """The KV layers an Eagle3Head of this config adds to the engine's pool: its one decoder
+    layer (MHA/GQA, kv heads local to this TP rank), whatever the target's attention kind."""
+    kv_heads = divide(cfg.num_kv_heads, get_tp_size(), "num_kv_heads")
+    return [KVCacheSpec.mha(kv_heads, cfg.head_dim)]
 
 
 class Eagle3Head(nn.Module):

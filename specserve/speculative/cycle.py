@@ -135,7 +135,10 @@ class SpecCycle:
         src = window.gather(1, torch.where(keep, nodes, depth))
         dst = window[:, :w].contiguous()
         pool, layers = self.runner.kv_pool, len(self.runner.attn_layers)
-        compact_kv(pool.k, pool.v, layers, src, dst)  # every target layer, k and v: one launch
+        # every target layer: one launch per pool group (llama: k and v of all target layers;
+        # MLA: the latent of all target layers), never the draft layers after them
+        for group, num in pool.groups_below(layers):
+            compact_kv(list(group.tensors.values()), num, src, dst)
 
     def extend(self, result: VerifyResult, feats: torch.Tensor, root_pos: torch.Tensor,
                page_table: torch.Tensor, valid: torch.Tensor,

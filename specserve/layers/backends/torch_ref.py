@@ -7,12 +7,19 @@ Per request r (host loop), with q_len new tokens and seq_len KV positions after 
         custom:  width W = custom_mask.shape[-1]: KV j < seq_len - W (the prefix), or
                  KV seq_len - W + j' iff custom_mask[r, i, j']
     out = softmax(q K^T * scale + mask) V, accumulated in fp32; GQA by repeating kv heads.
+
+MLA layers (layers/mla.py) use `TorchRefBackend.mla`: the latent-cache write and the absorbed
+form through the references of kernels/mla_attention.py, the compute form by expanding each
+request's latent rows to per-head K/V and attending as above.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from specserve.kernels import mla_attention as mla_ref
 from specserve.kernels.kv_store import store_kv_ref
 from specserve.layers.attention_metadata import AttentionMetadata
 
@@ -50,8 +57,46 @@ def attend(
     return torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)  # [q_len, num_heads, d]
 
 
+class TorchMLA:
+    """MLA ops of the reference backend (the MLABackend protocol of layers/mla.py)."""
+
+    def rope_and_store(self, positions: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor,
+                       k_pe: torch.Tensor, cos_sin: torch.Tensor, interleaved: bool,
+                       latent_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        mla_ref.mla_store_ref(positions, q_pe, c_kv, k_pe, cos_sin, latent_cache, slot_mapping,
+                              interleaved)
+
+    def absorbed(self, q_lat: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor,
+                 md: AttentionMetadata, scale: float) -> torch.Tensor:
+        return mla_ref.mla_attention_ref(q_lat, q_pe, latent_cache, md.query_start_loc,
+                                         md.seq_lens, md.page_table, scale, md.custom_mask)
+
+    def compute(self, q: torch.Tensor, latent_cache: torch.Tensor, md: AttentionMetadata,
+                scale: float, kv_lora_rank: int,
+                expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+                ) -> torch.Tensor:
+        # q [T, N, P + R] -> [T, N, V]; per request: K = [c W_UK^T | k_pe], V = c W_UV^T
+        starts = md.query_start_loc.tolist()
+        out = None
+        for r, seq_len in enumerate(md.seq_lens.tolist()):
+            a, b = starts[r], starts[r + 1]
+            rows = mla_ref.gather_latent(latent_cache, md.page_table[r], seq_len)  # [S, L + R]
+            k_nope, v = expand(rows[:, :kv_lora_rank])  # [S, N, P], [S, N, V]
+            k_pe = rows[:, None, kv_lora_rank:].expand(-1, k_nope.shape[1], -1)
+            if out is None:
+                out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
+            if a == b:
+                continue
+            custom = None if md.custom_mask is None else md.custom_mask[r]
+            mask = attention_mask(b - a, seq_len, custom, q.device)
+            out[a:b] = attend(q[a:b], torch.cat([k_nope, k_pe], dim=-1), v, mask, scale)
+        assert out is not None
+        return out
+
+
 class TorchRefBackend:
     name = "torch_ref"
+    mla = TorchMLA()
 
     def forward(
         self,
