@@ -231,6 +231,8 @@ class ModelConfig:
             rope_scaling = dict(rope_scaling)
             kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
             rope_scaling["rope_type"] = kind
+            for spelling in ("type", "rope_theta"):  # one spelling of the kind; theta apart
+                rope_scaling.pop(spelling, None)
             if kind == "default":
                 rope_scaling = None
         arch = archs[0]
