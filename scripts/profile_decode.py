@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specserve.bench.floor import sync, time_ms  # noqa: E402
 from specserve.bench.stats import parse_positive_list  # noqa: E402
+from specserve.engine.step_builder import build_step_input  # noqa: E402
 from specserve.llm import LLM  # noqa: E402
 from specserve.sampling_params import SamplingParams  # noqa: E402
 
@@ -66,14 +67,15 @@ def host_phases(engine, steps: int) -> dict[str, float]:
         sync(engine.runner.device)
         t0 = time.perf_counter()
         out = engine.scheduler.schedule()
+        step = build_step_input(out)
         t1 = time.perf_counter()
-        tokens = runner.execute(out.scheduled)
+        result = runner.execute(step)
         sync(engine.runner.device)
         t2 = time.perf_counter()
-        engine.scheduler.update(out, tokens, None)
+        engine.scheduler.update(out, result.token_ids, result.num_computed)
         engine._postprocess(out)
         t3 = time.perf_counter()
-        acc["schedule"].append((t1 - t0) * 1e3)
+        acc["schedule + step input"].append((t1 - t0) * 1e3)
         acc["execute (device + host)"].append((t2 - t1) * 1e3)
         acc["update + postprocess"].append((t3 - t2) * 1e3)
     return {k: statistics.mean(v) for k, v in acc.items()}

@@ -75,7 +75,7 @@ def main() -> None:
 @torch.inference_mode()
 def _last_logits(runner, ids: list[int]) -> torch.Tensor:
     """Logits after `ids` from a fresh eager prefill through spare pages."""
-    from specserve.engine.forward_batch import build_attention_metadata
+    from specserve.worker.forward_batch import build_attention_metadata
 
     ps = runner.page_size
     pages = list(range(-(-len(ids) // ps)))  # pages 0..: the engine is idle here

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from specserve.engine.forward_batch import build_attention_metadata
 from specserve.kernels.paged_attention import paged_attention_ref
 from specserve.layers.backends.torch_ref import TorchRefBackend
+from specserve.worker.forward_batch import build_attention_metadata
 
 
 def test_wide_custom_mask_matches_independent_reference() -> None:

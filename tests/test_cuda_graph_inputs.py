@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from specserve.engine.cuda_graph import SMALL_ROW_BYTES, StaticInputs, batch_buckets
+from specserve.worker.cuda_graph import SMALL_ROW_BYTES, StaticInputs, batch_buckets
 
 
 def make(max_bs: int = 8, pages: int = 6) -> StaticInputs:

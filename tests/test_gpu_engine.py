@@ -9,6 +9,7 @@ import torch
 from tiny_models import make_tiny_checkpoint
 
 from specserve.config import CacheConfig
+from specserve.engine.step_builder import build_step_input
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
 
@@ -35,15 +36,15 @@ def test_decode_graph_replay_equals_eager(target: str, temperature: float) -> No
     params = SamplingParams(temperature=temperature, top_k=50, top_p=0.9, max_tokens=4)
     ids = [llm.engine.add_request(None, p, params) for p in prompts]
     llm.engine.step()  # prefill all five
-    sched = llm.engine.scheduler.schedule()
-    assert all(s.num_new_tokens == 1 for s in sched.scheduled)
+    step = build_step_input(llm.engine.scheduler.schedule())
+    assert (step.num_new_tokens == 1).all() and step.bs == len(ids)
     # graph replay first (it writes the step's KV), then the eager forward over the same step
-    tokens, logits = (t.clone() for t in runner._graph_decode(sched.scheduled))
-    batch = runner.prepare(sched.scheduled)
+    tokens, logits = (t.clone() for t in runner._graph_decode(step))
+    batch = runner.prepare(step)
     eager_logits = runner.compute_logits(
         runner.forward(batch.input_ids, batch.positions, batch.md))
     assert torch.allclose(logits, eager_logits, atol=1e-4, rtol=1e-4)
-    st = runner.sampling_tensors(sched.scheduled, list(range(len(ids))))
+    st = runner.sampling_tensors(step)
     assert tokens.tolist() == runner.sampler.sample(eager_logits, st).tolist()
 
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from tiny_models import LLAMA3_ROPE
 
 from specserve.distributed import parallel_state
-from specserve.engine.forward_batch import build_attention_metadata, build_positions
+from specserve.worker.forward_batch import build_attention_metadata, build_positions
 from specserve.layers.activation import SiluAndMul
 from specserve.layers.attention import Attention
 from specserve.layers.attention_metadata import ForwardContext, set_forward_context
@@ -25,6 +25,7 @@ from specserve.layers.linear import (
 )
 from specserve.layers.norm import RMSNorm
 from specserve.layers.rotary import RotaryEmbedding, ensure_rope_capacity
+from specserve.worker.forward_batch import build_attention_metadata, build_positions
 
 ROPE_CASES = {
     "default": None,

@@ -266,7 +266,7 @@ def test_tree_verify_matches_transformers(name: str) -> None:
 @pytest.mark.parametrize("form", ["compute", "absorbed"])
 def test_uncached_prefill(form: str) -> None:
     """No pool bound (a profiling forward): every request a fresh prefill over its own tokens."""
-    from specserve.engine.forward_batch import build_attention_metadata, build_positions
+    from specserve.worker.forward_batch import build_attention_metadata, build_positions
 
     pair = Pair("yarn_interleaved", form)
     lens = [4, 9, 1]

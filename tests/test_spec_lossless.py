@@ -124,15 +124,15 @@ def _oracle_propose(llm: LLM, reference: dict, decoys: bool):
     stash: list = []
     speculate = drafter._speculate
 
-    def spy(entries, *args, **kw):
-        stash[:] = entries
-        return speculate(entries, *args, **kw)
+    def spy(rows, *args, **kw):
+        stash[:] = [rows]
+        return speculate(rows, *args, **kw)
 
     drafter._speculate = spy
 
     def propose(last_out, root_pos, root_tokens, page_table, valid):
-        reqs = [s.request for s in stash]
-        roots = [s.start for s in stash]
+        reqs = [llm.engine.get_request(rid) for rid in stash[0].request_ids]
+        roots = stash[0].starts.tolist()
         lp, ids = logp_and_ids([truth(r, p, 1) for r, p in zip(reqs, roots)], decoys)
         acc = TreeAccumulator(lp, ids, None)
         for s in range(1, steps):

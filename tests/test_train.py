@@ -18,7 +18,6 @@ from tiny_models import make_hf_model
 from tiny_tokenizer import make_tiny_tokenizer
 
 from specserve.config import ModelConfig
-from specserve.engine.forward_batch import build_attention_metadata
 from specserve.kv_cache.pool import KVPool
 from specserve.layers.attention_metadata import ForwardContext, set_forward_context
 from specserve.layers.backends.torch_ref import TorchRefBackend
@@ -29,6 +28,7 @@ from specserve.sampling_params import SamplingParams
 from specserve.train import data as D
 from specserve.train.eagle3 import Eagle3Trainer, TrainConfig
 from specserve.train.head import Eagle3TrainHead, draft_vocab_from_counts, export_head
+from specserve.worker.forward_batch import build_attention_metadata
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -241,8 +241,8 @@ class PagedSession:
         """Run new_tokens[req] for each request; returns per request its logits [n, vocab]
         (or its final hidden states [n, H] with logits=False). custom_mask [bs, max_q, W] and
         positions [T] replace the causal mask and the linear positions (tree verify)."""
-        from specserve.engine.forward_batch import build_attention_metadata, build_positions
         from specserve.layers.attention_metadata import ForwardContext, set_forward_context
+        from specserve.worker.forward_batch import build_attention_metadata, build_positions
 
         reqs = list(new_tokens)
         q_lens = [len(new_tokens[r]) for r in reqs]

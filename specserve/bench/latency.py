@@ -251,9 +251,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from specserve.bench.floor import measure_copy_bandwidth, measure_references
     from specserve.cli import engine_config_from_args
-    from specserve.engine.device import resolve_device
     from specserve.llm import LLM
     from specserve.models.presets import PRESETS
+    from specserve.worker.device import resolve_device
 
     batch_sizes = parse_positive_list(args.batch_sizes, int, "--batch-sizes")
     contexts = parse_positive_list(args.context_len, int, "--context-len")

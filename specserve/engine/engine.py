@@ -1,6 +1,10 @@
 """Engine: scheduler + model runner (+ drafter) + detokenization, driven one step at a time.
 
-    step = schedule -> forward (plain, or draft -> verify -> accept) -> update -> postprocess
+    step = schedule -> StepInput -> execute (plain, or draft -> verify -> accept)
+           -> update -> postprocess
+
+The workers (ModelRunner, Eagle3Drafter) see only the StepInput built from the scheduler's
+plan and answer a StepOutput; Request objects stay here.
 
 Not thread-safe: one thread owns an Engine (the server runs it in its own thread).
 """
@@ -15,9 +19,9 @@ import time
 from dataclasses import dataclass
 
 from specserve.config import EngineConfig, ModelConfig
-from specserve.engine.model_runner import ModelRunner
 from specserve.engine.request import Request
 from specserve.engine.scheduler import Scheduler, SchedulerOutput
+from specserve.engine.step_builder import build_step_input
 from specserve.kv_cache.allocator import PageAllocator
 from specserve.models.loader import resolve_model_path
 from specserve.models.presets import PRESETS
@@ -29,6 +33,8 @@ from specserve.tokenizer import (
     has_tokenizer,
     load_tokenizer,
 )
+from specserve.worker.model_runner import ModelRunner
+from specserve.worker.step_input import StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +137,7 @@ class Engine:
         self.runner.discard_launched()
         if self._drafter is not None:
             self._drafter.discard_launched()
+            self._drafter.release_all()  # nothing is in flight: no draft state is valid
         self._set_keep_ahead()
 
     def _set_keep_ahead(self) -> None:
@@ -173,9 +180,8 @@ class Engine:
         return list(prompt)
 
     def abort_request(self, request_id: str) -> None:
-        req = self.scheduler.abort(request_id)
-        if req is not None and self.drafter is not None:
-            self.drafter.release(req)
+        # the workers drop the request's state on the next step (StepInput.finished_ids)
+        self.scheduler.abort(request_id)
         self._requests.pop(request_id, None)
         self._text.pop(request_id, None)
 
@@ -187,12 +193,20 @@ class Engine:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
-        if self.drafter is not None:
-            token_ids, num_computed = self.drafter.step(out)
-        else:
-            token_ids, num_computed = self.runner.execute(out.scheduled), None
-        self.scheduler.update(out, token_ids, num_computed)
+        worker = self.drafter if self.drafter is not None else self.runner
+        result = worker.execute(build_step_input(out))
+        self._record_spec(out, result)
+        self.scheduler.update(out, result.token_ids, result.num_computed)
         return self._postprocess(out)
+
+    @staticmethod
+    def _record_spec(out: SchedulerOutput, result: StepOutput) -> None:
+        """Per-request speculation statistics of the rows that ran a verify cycle."""
+        if result.num_drafted is None:
+            return
+        for s, drafted, emitted in zip(out.scheduled, result.num_drafted, result.token_ids):
+            if drafted:
+                s.request.record_spec_cycle(drafted, len(emitted) - 1)
 
     def _postprocess(self, out: SchedulerOutput) -> list[RequestOutput]:
         results = []
@@ -210,8 +224,6 @@ class Engine:
                 req.request_id, new_ids, text, req.is_finished, req.finish_reason,
                 req.num_prompt_tokens, req.num_output_tokens))
             if req.is_finished:
-                if self.drafter is not None:
-                    self.drafter.release(req)
                 del self._text[req.request_id]
                 del self._requests[req.request_id]
         return results

@@ -54,6 +54,9 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]  # decodes first, then prefill chunks
     preempted: list[Request]
+    # requests that left the running set by finishing or aborting since the last non-empty
+    # schedule: the workers drop their per-request state (preempted ones are listed above)
+    finished_ids: list[str] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -100,6 +103,7 @@ class Scheduler:
         # runner launch the next decode step before this one's tokens reach the host, W +
         # lookahead the drafter its next speculative cycle
         self.keep_ahead = 0
+        self._finished_ids: list[str] = []  # running requests ended since the last plan
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -175,7 +179,10 @@ class Scheduler:
             self._admit_waiting(plan)
         entries = list(plan.entries.values())
         ordered = [e for e in entries if e.is_decode] + [e for e in entries if not e.is_decode]
-        return SchedulerOutput(scheduled=ordered, preempted=plan.preempted)
+        out = SchedulerOutput(scheduled=ordered, preempted=plan.preempted)
+        if ordered:  # an empty plan runs no step: the ids wait for the next one
+            out.finished_ids, self._finished_ids = self._finished_ids, []
+        return out
 
     @staticmethod
     def _is_decode(req: Request) -> bool:
@@ -314,6 +321,8 @@ class Scheduler:
             return
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+            # a waiting request holds no worker state (never run, or released when preempted)
+            self._finished_ids.append(request.request_id)
         elif request in self.waiting:
             self.waiting.remove(request)
         self._release_pages(request)

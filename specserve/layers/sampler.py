@@ -8,8 +8,10 @@ passes counter = the position of the token being decided and a salt per purpose.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from specserve.sampling_params import SamplingParams
@@ -63,16 +65,18 @@ def uniform_noise(
 GRAPH_FIELDS = ("temperatures", "top_ks", "top_ps", "min_ps", "seeds")
 
 
-def host_fields(params: list[SamplingParams], seeds: list[int],
-                vocab_size: int) -> dict[str, list]:
-    """The per-row sampling fields as host lists (no counters): what a captured graph's
-    static inputs take. Top-k 0 (off) becomes vocab_size."""
+def host_fields(temperature: Sequence[float], top_k: Sequence[int], top_p: Sequence[float],
+                min_p: Sequence[float], seeds: Sequence[int],
+                vocab_size: int) -> dict[str, np.ndarray]:
+    """The per-row sampling fields as host arrays (no counters), named as a captured graph's
+    static inputs. Top-k off (<= 0) or past the vocabulary becomes vocab_size."""
+    top_k = np.asarray(top_k, dtype=np.int64)
     return {
-        "temperatures": [p.temperature for p in params],
-        "top_ks": [vocab_size if p.top_k <= 0 else min(p.top_k, vocab_size) for p in params],
-        "top_ps": [p.top_p for p in params],
-        "min_ps": [p.min_p for p in params],
-        "seeds": list(seeds),
+        "temperatures": np.asarray(temperature, dtype=np.float32),
+        "top_ks": np.where(top_k <= 0, vocab_size, np.minimum(top_k, vocab_size)),
+        "top_ps": np.asarray(top_p, dtype=np.float32),
+        "min_ps": np.asarray(min_p, dtype=np.float32),
+        "seeds": np.asarray(seeds, dtype=np.int64),
     }
 
 
@@ -112,21 +116,37 @@ class SamplingTensors:
         vocab_size: int,
         device: torch.device | str,
     ) -> SamplingTensors:
-        """Pack every field into one host buffer and copy it to the device once."""
-        assert len(params) == len(seeds) == len(counters) and params
-        bs = len(params)
-        fields = host_fields(params, seeds, vocab_size)
-        sampled = [p for p in params if not p.greedy]
-        ints = torch.tensor([fields["top_ks"], seeds, counters], dtype=torch.int64)  # [3, bs]
-        floats = torch.tensor([fields["temperatures"], fields["top_ps"], fields["min_ps"]],
-                              dtype=torch.float32)  # [3, bs]
+        """From per-request SamplingParams (see from_fields)."""
+        fields = host_fields([p.temperature for p in params], [p.top_k for p in params],
+                             [p.top_p for p in params], [p.min_p for p in params], seeds,
+                             vocab_size)
+        return cls.from_fields(fields, counters, vocab_size, device)
+
+    @classmethod
+    def from_fields(
+        cls,
+        fields: dict[str, np.ndarray],
+        counters: Sequence[int],
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> SamplingTensors:
+        """host_fields' arrays plus counters: every field packed into one host buffer and
+        copied to the device once."""
+        temps = fields["temperatures"]
+        bs = len(temps)
+        assert bs and len(counters) == bs
+        ints = np.stack([fields["top_ks"], fields["seeds"],
+                         np.asarray(counters, dtype=np.int64)]).astype(np.int64)  # [3, bs]
+        floats = np.stack([temps, fields["top_ps"], fields["min_ps"]]).astype(np.float32)
         # int64 block first keeps the float32 block 4-byte aligned inside the byte buffer
-        host = torch.cat([ints.view(torch.uint8).flatten(), floats.view(torch.uint8).flatten()])
+        host = torch.from_numpy(np.concatenate([ints.reshape(-1).view(np.uint8),
+                                                floats.reshape(-1).view(np.uint8)]))
         if torch.device(device).type == "cuda":
             host = host.pin_memory()
         dev = host.to(device, non_blocking=True)
         ints_d = dev[: 24 * bs].view(torch.int64).view(3, bs)
         floats_d = dev[24 * bs :].view(torch.float32).view(3, bs)
+        sampled = temps != 0.0  # flags look at sampled (non-greedy) rows only
         return cls(
             temperatures=floats_d[0],
             top_ks=ints_d[0],
@@ -134,11 +154,11 @@ class SamplingTensors:
             min_ps=floats_d[2],
             seeds=ints_d[1],
             counters=ints_d[2],
-            all_greedy=not sampled,
-            any_greedy=len(sampled) < bs,
-            any_top_k=any(0 < p.top_k < vocab_size for p in sampled),
-            any_top_p=any(p.top_p < 1.0 for p in sampled),
-            any_min_p=any(p.min_p > 0.0 for p in sampled),
+            all_greedy=not sampled.any(),
+            any_greedy=not sampled.all(),
+            any_top_k=bool((fields["top_ks"][sampled] < vocab_size).any()),
+            any_top_p=bool((fields["top_ps"][sampled] < 1.0).any()),
+            any_min_p=bool((fields["min_ps"][sampled] > 0.0).any()),
         )
 
     @classmethod

@@ -5,7 +5,7 @@
     -> draft extend over the emitted tokens -> the head's next last output
 
 Every shape is fixed by (bs, topk, num_steps, num_draft_tokens) and no value goes to the host,
-so the whole cycle is captured as one CUDA graph per batch bucket (engine/cuda_graph.py); on
+so the whole cycle is captured as one CUDA graph per batch bucket (worker/cuda_graph.py); on
 the CPU the same function runs eagerly. Rows with valid == False are graph padding: they
 write no KV anywhere. Positions are explained in speculative/eagle3.py.
 """

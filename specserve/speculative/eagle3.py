@@ -23,14 +23,14 @@ import numpy as np
 import torch
 
 from specserve.config import ModelConfig, SpecConfig
-from specserve.engine.cuda_graph import BatchGraphs
-from specserve.engine.forward_batch import build_attention_metadata
-from specserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from specserve.layers.rotary import ensure_rope_capacity
-from specserve.layers.sampler import SamplingTensors, graph_sampling_inputs, host_fields
+from specserve.layers.sampler import SamplingTensors, graph_sampling_inputs
 from specserve.models.capture import AuxHiddenCapture, default_aux_layer_ids
 from specserve.models.eagle3 import Eagle3Head, load_eagle3_head
 from specserve.speculative.cycle import MODES, SpecCycle
+from specserve.worker.cuda_graph import BatchGraphs
+from specserve.worker.forward_batch import build_attention_metadata
+from specserve.worker.step_input import StepInput, StepOutput
 
 DUMMY = "dummy"  # --spec-draft-model dummy: a random head (cost benchmarks)
 
@@ -67,7 +67,7 @@ class SpecCounters:
 class LaunchedCycle:
     """A cycle launched before the host read the cycle that feeds it (see _speculate)."""
 
-    requests: list  # the rows' Request objects
+    request_ids: list[str]
     starts: list[int]  # each row's root position, known once the feeding cycle is read
     outputs: tuple[torch.Tensor, ...]  # _cycle's outputs (graph buffers on GPUs)
 
@@ -179,46 +179,52 @@ class Eagle3Drafter:
             head.lm_head.weight.data.mul_(50.0)
         return head.eval()
 
-    def release(self, req) -> None:
-        self.last_out.pop(req.request_id, None)
-        self.draft_len.pop(req.request_id, None)
+    def release(self, request_id: str) -> None:
+        self.last_out.pop(request_id, None)
+        self.draft_len.pop(request_id, None)
 
-    def _can_speculate(self, s: ScheduledRequest) -> bool:
+    def release_all(self) -> None:
+        self.last_out.clear()
+        self.draft_len.clear()
+
+    def _can_speculate(self, step: StepInput, i: int) -> bool:
         """A decode whose target and draft KV both cover [0, P) and whose pages hold the
         verify nodes and the draft scratch."""
-        req = s.request
-        return (s.num_new_tokens == 1 and s.samples
-                and self.draft_len.get(req.request_id) == s.start
-                and len(req.page_ids) * self.runner.page_size >= s.start + 1 + self.lookahead)
+        start = int(step.starts[i])
+        return bool(step.num_new_tokens[i] == 1 and step.samples[i]
+                    and self.draft_len.get(step.request_ids[i]) == start
+                    and step.page_counts[i] * self.runner.page_size >= start + 1 + self.lookahead)
 
     # -- the step ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def step(self, out: SchedulerOutput) -> tuple[list[list[int]], list[int]]:
-        entries = out.scheduled
-        tokens: list[list[int]] = [[] for _ in entries]
-        computed = [s.num_new_tokens for s in entries]
-        for req in out.preempted:  # their KV is gone; re-prefill rebuilds the draft state
-            self.release(req)
-        decodes = [i for i, s in enumerate(entries) if self._can_speculate(s)]
-        prefills = [i for i in range(len(entries)) if i not in set(decodes)]
+    def execute(self, step: StepInput) -> StepOutput:
+        tokens: list[list[int]] = [[] for _ in range(step.bs)]
+        computed = step.num_new_tokens.tolist()
+        drafted = [0] * step.bs
+        for rid in step.finished_ids + step.preempted_ids:
+            self.release(rid)  # preempted: their KV is gone; re-prefill rebuilds the draft
+        decodes = [i for i in range(step.bs) if self._can_speculate(step, i)]
+        prefills = [i for i in range(step.bs) if i not in set(decodes)]
         if prefills:
-            extend: list[tuple[ScheduledRequest, list[int], torch.Tensor]] = []
-            self._prefill([entries[i] for i in prefills], prefills, tokens, extend)
-            self._draft_extend(extend)
+            self._draft_extend(*self._prefill(step.select(prefills), prefills, tokens))
         if decodes:
             # requests finishing their prefill here speculate next step: no launch ahead
-            joining = any(entries[i].samples for i in prefills)
-            self._speculate([entries[i] for i in decodes], decodes, tokens, computed,
+            joining = bool(step.samples[prefills].any()) if prefills else False
+            self._speculate(step.select(decodes), decodes, tokens, computed,
                             launch_next=not joining)
+            for i in decodes:
+                drafted[i] = self.n - 1
         else:
             self._launched = None
-        return tokens, computed
+        return StepOutput(tokens, computed, drafted)
 
-    def _prefill(self, entries: list[ScheduledRequest], index: list[int],
-                 tokens: list[list[int]], extend: list) -> None:
-        """Plain target forward over prefill chunks; the draft then extends over them."""
+    def _prefill(self, rows: StepInput, index: list[int], tokens: list[list[int]]
+                 ) -> tuple[StepInput, list[list[int]], torch.Tensor]:
+        """Plain target forward over prefill chunks; returns what the draft then extends
+        over: the rows, each row's next tokens (t_{i+1} for each position i run) and the
+        target features [T, 3H]."""
         runner = self.runner
-        batch = runner.prepare(entries)
+        batch = runner.prepare(rows)
         self.capture.enable()
         hidden = runner.forward(batch.input_ids, batch.positions, batch.md)
         feats = self.capture.pop()  # [T, 3H]
@@ -226,19 +232,17 @@ class Eagle3Drafter:
         sampled: dict[int, int] = {}
         if batch.sample_index:
             logits = runner.compute_logits(hidden[batch.sample_rows])
-            st = runner.sampling_tensors(entries, batch.sample_index)
+            st = runner.sampling_tensors(rows, batch.sample_index)
             for j, tok in zip(batch.sample_index, runner.sampler.sample(logits, st).tolist()):
                 sampled[j] = tok
                 tokens[index[j]] = [tok]
-        offset = 0
-        for j, s in enumerate(entries):
-            req, end = s.request, s.start + s.num_new_tokens
-            nxt = req.all_token_ids[s.start + 1:end + 1] + ([sampled[j]] if j in sampled else [])
-            extend.append((s, nxt, feats[offset:offset + s.num_new_tokens]))
-            offset += s.num_new_tokens
+        nxt = [rows.tokens(j)[1:].tolist() + [sampled[j] if j in sampled
+                                              else int(rows.next_token_ids[j])]
+               for j in range(rows.bs)]
+        return rows, nxt, feats
 
-    def _speculate(self, entries: list[ScheduledRequest], index: list[int],
-                   tokens: list[list[int]], computed: list[int], launch_next: bool) -> None:
+    def _speculate(self, rows: StepInput, index: list[int], tokens: list[list[int]],
+                   computed: list[int], launch_next: bool) -> None:
         """One device cycle for every speculating request (a CUDA graph when captured), then
         the step's single device-to-host copy: the emitted tokens.
 
@@ -252,17 +256,16 @@ class Eagle3Drafter:
         cycle rewrites before reading and a later owner of freed pages writes after, in
         stream order.
         """
-        reqs = [s.request for s in entries]
-        starts = [s.start for s in entries]
+        starts = rows.starts.tolist()
         launched, self._launched = self._launched, None
-        rows = self._match(launched, reqs, starts)
-        if rows is None:
-            out = self._run(reqs, self._fresh_inputs(reqs, starts))
+        match = self._match(launched, rows.request_ids, starts)
+        if match is None:
+            out = self._run(rows, self._fresh_inputs(rows))
         else:
             out = launched.outputs
             self.cycles_launched_ahead += 1
-            if rows != list(range(len(launched.requests))):
-                idx = torch.tensor(rows, dtype=torch.long, pin_memory=self.runner.device.type
+            if match != list(range(len(launched.request_ids))):
+                idx = torch.tensor(match, dtype=torch.long, pin_memory=self.runner.device.type
                                    == "cuda").to(self.runner.device, non_blocking=True)
                 out = tuple(t.index_select(0, idx) for t in out)
         emitted, num_emitted, new_last, next_root, next_token = out
@@ -272,83 +275,81 @@ class Eagle3Drafter:
         if done is not None:
             done.record()
         if launch_next and self.overlap:
-            self._launch_next(entries, new_last, next_root, next_token)
+            self._launch_next(rows, new_last, next_root, next_token)
         if done is not None:
             done.synchronize()  # this cycle's tokens only; the next cycle keeps running
-        for j, (s, row) in enumerate(zip(entries, host.tolist())):
+        for j, (rid, start, row) in enumerate(zip(rows.request_ids, starts, host.tolist())):
             m = row[0]
             tokens[index[j]] = row[1:1 + m]
             computed[index[j]] = m
-            self.last_out[s.request.request_id] = new_last[j]
-            self.draft_len[s.request.request_id] = s.start + m
-            self._count(s.request, m - 1, self.n - 1)
+            self.last_out[rid] = new_last[j]
+            self.draft_len[rid] = start + m
+            self._count(m - 1, self.n - 1)
             if self._launched is not None:
-                self._launched.starts[j] = s.start + m
+                self._launched.starts[j] = start + m
 
-    def _fresh_inputs(self, reqs: list, starts: list[int]) -> dict[str, object]:
+    def _fresh_inputs(self, rows: StepInput) -> dict[str, object]:
         return {
-            "last_out": torch.stack([self.last_out[r.request_id] for r in reqs]),
-            "root_pos": np.array(starts, dtype=np.int64),
-            "root_tokens": np.array([r.all_token_ids[-1] for r in reqs], dtype=np.int64),
+            "last_out": torch.stack([self.last_out[rid] for rid in rows.request_ids]),
+            "root_pos": rows.starts.copy(),
+            "root_tokens": rows.token_ids.copy(),  # a decode row runs its root only
         }
 
-    def _run(self, reqs: list, inputs: dict[str, object]) -> tuple[torch.Tensor, ...]:
-        """Launch one cycle over reqs (inputs: last_out, root_pos, root_tokens, host or
+    def _run(self, rows: StepInput, inputs: dict[str, object]) -> tuple[torch.Tensor, ...]:
+        """Launch one cycle over the rows (inputs: last_out, root_pos, root_tokens, host or
         device values); returns its device outputs (see _cycle)."""
         runner = self.runner
-        params, seeds = [r.params for r in reqs], [r.seed for r in reqs]
         mode = ("synthetic" if self.spec.synthetic_accept_len
-                else "greedy" if all(p.greedy for p in params) else "sample")
-        table, width = runner.page_table(reqs)
-        inputs.update(page_table=table, valid=np.ones(len(reqs), dtype=bool))
+                else "greedy" if rows.greedy.all() else "sample")
+        table, width = runner.page_table(rows)
+        inputs.update(page_table=table, valid=np.ones(rows.bs, dtype=bool))
         graphs = self.graphs.get(mode) if self.graphs else None
-        if graphs is not None and len(reqs) <= graphs.max_bs:
-            inputs.update(host_fields(params, seeds, runner.model_config.vocab_size))
-            return graphs.replay(len(reqs), widths={"page_table": width}, **inputs)
+        if graphs is not None and rows.bs <= graphs.max_bs:
+            inputs.update(runner.sampling_fields(rows))
+            return graphs.replay(rows.bs, widths={"page_table": width}, **inputs)
         # counters are unused: verification keys its noise by root position
-        st = SamplingTensors.build(params, seeds, [0] * len(reqs),
-                                   runner.model_config.vocab_size, runner.device)
+        st = runner.sampling_tensors(rows, counters=np.zeros(rows.bs, dtype=np.int64))
         dev = {k: torch.as_tensor(v).to(runner.device) for k, v in inputs.items()}
         return self._cycle(mode, dev["last_out"], dev["root_pos"], dev["root_tokens"],
                            dev["page_table"], dev["valid"], st)
 
     @staticmethod
-    def _match(launched: LaunchedCycle | None, reqs: list, starts: list[int]) -> list[int] | None:
-        """Rows of the launched cycle for reqs, or None unless it holds every one of them."""
+    def _match(launched: LaunchedCycle | None, request_ids: list[str], starts: list[int]
+               ) -> list[int] | None:
+        """Rows of the launched cycle for these requests (same id, same root), or None unless
+        it holds every one of them."""
         if launched is None:
             return None
-        row_of = {id(r): j for j, r in enumerate(launched.requests)}
-        rows = [row_of.get(id(r)) for r in reqs]
+        row_of = {rid: j for j, rid in enumerate(launched.request_ids)}
+        rows = [row_of.get(rid) for rid in request_ids]
         if any(j is None or launched.starts[j] != p for j, p in zip(rows, starts)):
             return None
         return rows
 
-    def _launch_next(self, entries: list[ScheduledRequest], new_last: torch.Tensor,
+    def _launch_next(self, rows: StepInput, new_last: torch.Tensor,
                      next_root: torch.Tensor, next_token: torch.Tensor) -> None:
         """Launch the next cycle of these requests from this one's device outputs, if every
         request owns the slots it may need (root up to W past this one, plus lookahead)."""
-        reqs = [s.request for s in entries]
         runner, w = self.runner, self.num_steps + 1
-        for s in entries:
-            need = s.start + w + self.lookahead + 1
-            if len(s.request.page_ids) * runner.page_size < need or need > runner.max_positions:
-                return
-        if all(r.num_output_tokens + 1 >= r.max_tokens for r in reqs):
+        need = rows.starts + w + self.lookahead + 1
+        if (rows.page_counts * runner.page_size < need).any() \
+                or (need > runner.max_positions).any():
+            return
+        if (rows.tokens_left <= 1).all():
             return  # this cycle ends every one of them
-        out = self._run(reqs, {"last_out": new_last, "root_pos": next_root,
+        out = self._run(rows, {"last_out": new_last, "root_pos": next_root,
                                "root_tokens": next_token})
-        self._launched = LaunchedCycle(reqs, [-1] * len(reqs), out)
+        self._launched = LaunchedCycle(list(rows.request_ids), [-1] * rows.bs, out)
         self.cycles_launched += 1
 
     def discard_launched(self) -> None:
         self._launched = None
 
-    def _count(self, req, accepted: int, proposed: int) -> None:
+    def _count(self, accepted: int, proposed: int) -> None:
         c = self.counters
         c.num_drafts += 1
         c.num_draft_tokens += proposed
         c.num_accepted_tokens += accepted
-        req.record_spec_cycle(proposed, accepted)
         for d in range(accepted):
             c.accepted_per_pos[d] += 1
 
@@ -356,21 +357,19 @@ class Eagle3Drafter:
                        md) -> torch.Tensor:
         return self.cycle._head(ids, positions, g, md)
 
-    def _draft_extend(self, items: list[tuple[ScheduledRequest, list[int], torch.Tensor]]) -> None:
-        """Extend the draft KV over new target positions [start, start + m) with pairs
-        (feature f_i, token t_{i+1}); remember each request's last output."""
+    def _draft_extend(self, rows: StepInput, nxt: list[list[int]], feats: torch.Tensor) -> None:
+        """Extend the draft KV over new target positions [start, start + m) of each row with
+        pairs (feature f_i, token t_{i+1}); remember each request's last output."""
         runner = self.runner
-        q_lens = [len(nxt) for _, nxt, _ in items]
-        starts = [s.start for s, _, _ in items]
+        q_lens = [len(t) for t in nxt]
+        starts = rows.starts.tolist()
         md = build_attention_metadata(q_lens, [a + q for a, q in zip(starts, q_lens)],
-                                      [s.request.page_ids for s, _, _ in items],
-                                      runner.page_size, runner.device)
-        ids = runner.tensor([t for _, nxt, _ in items for t in nxt])
-        positions = runner.tensor([a + i for a, q in zip(starts, q_lens) for i in range(q)])
-        feats = torch.cat([f for _, _, f in items])
+                                      rows.page_lists(), runner.page_size, runner.device)
+        ids = runner.tensor([t for row in nxt for t in row])
+        positions = runner.tensor(rows.positions())
         y = self._draft_forward(ids, positions, feats, md)
         ends = runner.tensor(q_lens).cumsum(0) - 1
         last = y.index_select(0, ends)
-        for (s, _, _), row, q in zip(items, last, q_lens):
-            self.last_out[s.request.request_id] = row
-            self.draft_len[s.request.request_id] = s.start + q
+        for rid, row, a, q in zip(rows.request_ids, last, starts, q_lens):
+            self.last_out[rid] = row
+            self.draft_len[rid] = a + q

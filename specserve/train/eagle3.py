@@ -26,10 +26,10 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from specserve.config import ModelConfig
-from specserve.engine.device import resolve_device
 from specserve.models.capture import default_aux_layer_ids
 from specserve.train import data as D
 from specserve.train.head import Eagle3TrainHead, draft_vocab_from_counts, export_head
+from specserve.worker.device import resolve_device
 
 log = logging.getLogger(__name__)
 

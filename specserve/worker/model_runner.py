@@ -1,8 +1,9 @@
-"""ModelRunner: owns the target model, its KV pool and attention backend; runs one forward.
+"""ModelRunner: owns the target model, its KV pool and attention backend; runs one step.
 
-The runner turns a scheduled batch into device tensors (input ids, positions, attention
-metadata), runs the model under a forward context, and samples. The only device-to-host copy of
-a plain step is the final `tolist()` of the sampled ids.
+`execute(StepInput) -> StepOutput` is what a rank runs for a plain step: the runner turns the
+step's arrays into device tensors (input ids, positions, attention metadata), runs the model
+under a forward context, and samples. It reads no Request object: requests are known by id.
+The only device-to-host copy of a plain step is the final `tolist()` of the sampled ids.
 """
 
 from __future__ import annotations
@@ -16,10 +17,6 @@ import torch
 from torch import nn
 
 from specserve.config import EngineConfig, ModelConfig
-from specserve.engine.cuda_graph import BatchGraphs
-from specserve.engine.device import resolve_device, resolve_dtype, select_backend
-from specserve.engine.forward_batch import build_attention_metadata, to_device
-from specserve.engine.scheduler import ScheduledRequest
 from specserve.kv_cache.pool import KVPool, plan_num_pages
 from specserve.kv_cache.spec import KVCacheSpec
 from specserve.layers.attention import attention_modules
@@ -37,6 +34,10 @@ from specserve.layers.sampler import (
 )
 from specserve.models.loader import build_model, load_model
 from specserve.models.presets import random_init
+from specserve.worker.cuda_graph import BatchGraphs
+from specserve.worker.device import resolve_device, resolve_dtype, select_backend
+from specserve.worker.forward_batch import build_attention_metadata, to_device
+from specserve.worker.step_input import StepInput, StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ class BatchInputs:
 class LaunchedStep:
     """A decode step launched before the host read the step that feeds it (see execute)."""
 
-    requests: list  # the rows' Request objects
+    request_ids: list[str]
     starts: list[int]  # the position each row decodes (its input token's position)
     tokens: torch.Tensor  # [rows] sampled tokens on the device (a graph output buffer)
 
@@ -163,14 +164,15 @@ class ModelRunner:
 
         return fn
 
-    def page_table(self, reqs: list) -> tuple[np.ndarray, int]:
-        """[bs, width] int32 host array of the requests' page tables (width: the longest),
+    def page_table(self, step: StepInput) -> tuple[np.ndarray, int]:
+        """[bs, width] int32 host array of the rows' page tables (width: the longest),
         padded with the spare page; and the width."""
-        width = max(len(r.page_ids) for r in reqs)
-        table = np.full((len(reqs), width), self.spare_page, dtype=np.int32)
-        for i, req in enumerate(reqs):
-            table[i, : len(req.page_ids)] = req.page_ids
-        return table, width
+        return step.page_table(self.spare_page)
+
+    def sampling_fields(self, step: StepInput) -> dict[str, np.ndarray]:
+        """The rows' sampling fields as a captured graph's static inputs take them."""
+        return host_fields(step.temperature, step.top_k, step.top_p, step.min_p, step.seed,
+                           self.model_config.vocab_size)
 
     @property
     def num_graphs(self) -> int:
@@ -191,34 +193,19 @@ class ModelRunner:
         return self.spare_page
 
     # -- one forward -------------------------------------------------------------------------
-    def prepare(self, scheduled: list[ScheduledRequest]) -> BatchInputs:
-        ids: list[int] = []
-        positions: list[int] = []
-        query_lens, seq_lens, page_tables = [], [], []
-        sample_rows: list[int] = []
-        sample_index: list[int] = []
-        for i, s in enumerate(scheduled):
-            req = s.request
-            end = s.start + s.num_new_tokens
-            ids.extend(req.all_token_ids[s.start:end])
-            positions.extend(range(s.start, end))
-            query_lens.append(s.num_new_tokens)
-            seq_lens.append(end)
-            page_tables.append(req.page_ids)
-            if s.samples:
-                sample_rows.append(len(ids) - 1)
-                sample_index.append(i)
-        md = build_attention_metadata(query_lens, seq_lens, page_tables, self.page_size,
-                                      self.device)
+    def prepare(self, step: StepInput) -> BatchInputs:
+        sample_index = np.flatnonzero(step.samples)
+        md = build_attention_metadata(step.num_new_tokens.tolist(), step.seq_lens.tolist(),
+                                      step.page_lists(), self.page_size, self.device)
         return BatchInputs(
-            input_ids=self.tensor(ids),
-            positions=self.tensor(positions),
+            input_ids=self.tensor(step.token_ids),
+            positions=self.tensor(step.positions()),
             md=md,
-            sample_rows=self.tensor(sample_rows),
-            sample_index=sample_index,
+            sample_rows=self.tensor(step.tok_off[1:][sample_index] - 1),
+            sample_index=sample_index.tolist(),
         )
 
-    def tensor(self, values: list[int]) -> torch.Tensor:
+    def tensor(self, values: list[int] | np.ndarray) -> torch.Tensor:
         return to_device(values, torch.long, self.device)
 
     @torch.inference_mode()
@@ -240,70 +227,61 @@ class ModelRunner:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)
 
-    def sampling_tensors(self, scheduled: list[ScheduledRequest], index: list[int],
-                         extra_offset: int = 0) -> SamplingTensors:
-        """Sampling parameters of the entries that sample; the noise counter is the position
-        of the token being sampled, so a seeded request samples the same token whatever the
-        batch around it."""
-        reqs = [scheduled[i].request for i in index]
-        return SamplingTensors.build(
-            [r.params for r in reqs], [r.seed for r in reqs],
-            [r.num_tokens + extra_offset for r in reqs], self.model_config.vocab_size,
-            self.device)
+    def sampling_tensors(self, step: StepInput, index: list[int] | None = None,
+                         counters: np.ndarray | None = None) -> SamplingTensors:
+        """Sampling parameters of the rows `index` (default all); the noise counter is the
+        position of the token being sampled (default the request's length), so a seeded
+        request samples the same token whatever the batch around it."""
+        rows = step if index is None else step.select(index)
+        return SamplingTensors.from_fields(
+            self.sampling_fields(rows), rows.num_tokens if counters is None else counters,
+            self.model_config.vocab_size, self.device)
 
-    def _graph_decode(self, scheduled: list[ScheduledRequest]
-                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _graph_decode(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(sampled tokens [bs], logits [bs, V]) of an all-decode batch through a CUDA graph,
         or None when no graph applies. The outputs live in the graph's buffers."""
-        if self.decode_graphs is None or len(scheduled) > self.graph_max_bs:
+        if self.decode_graphs is None or step.bs > self.graph_max_bs:
             return None
-        if not all(s.num_new_tokens == 1 and s.samples for s in scheduled):
+        if not (step.samples.all() and (step.num_new_tokens == 1).all()):
             return None
-        reqs = [s.request for s in scheduled]
-        starts = [s.start for s in scheduled]
-        ids = np.fromiter((r.all_token_ids[p] for r, p in zip(reqs, starts)), dtype=np.int64,
-                          count=len(reqs))
-        return self._replay_decode(reqs, starts, ids)
+        return self._replay_decode(step, step.starts, step.token_ids)
 
-    def _replay_decode(self, reqs: list, starts: list[int], ids: np.ndarray | torch.Tensor
+    def _replay_decode(self, rows: StepInput, starts: np.ndarray, ids: np.ndarray | torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode graph replay: request r's token ids[r] at position starts[r]."""
-        ps, bs = self.page_size, len(reqs)
-        params = [r.params for r in reqs]
+        """One decode graph replay: row r's token ids[r] at position starts[r]."""
+        ps, bs = self.page_size, rows.bs
         pos = np.asarray(starts, dtype=np.int64)
-        table, width = self.page_table(reqs)
+        table, width = self.page_table(rows)
         slots = table[np.arange(bs), pos // ps].astype(np.int64) * ps + pos % ps
-        mode = "greedy" if all(p.greedy for p in params) else "sample"
+        mode = "greedy" if rows.greedy.all() else "sample"
         return self.decode_graphs[mode].replay(
             bs, widths={"page_table": width}, input_ids=ids.reshape(bs, 1),
             positions=pos[:, None], slots=slots[:, None], seq_lens=pos + 1, page_table=table,
-            **host_fields(params, [r.seed for r in reqs], self.model_config.vocab_size))
+            **self.sampling_fields(rows))
 
-    def _launch(self, scheduled: list[ScheduledRequest]) -> tuple[list[int], torch.Tensor | None]:
-        """Enqueue forward + sampling over `scheduled` without waiting for the device:
-        (indices of the entries that sample, their tokens on the device)."""
-        graphed = self._graph_decode(scheduled)
+    def _launch(self, step: StepInput) -> tuple[list[int], torch.Tensor | None]:
+        """Enqueue forward + sampling over the step's rows without waiting for the device:
+        (indices of the rows that sample, their tokens on the device)."""
+        graphed = self._graph_decode(step)
         if graphed is not None:
-            return list(range(len(scheduled))), graphed[0]
-        batch = self.prepare(scheduled)
+            return list(range(step.bs)), graphed[0]
+        batch = self.prepare(step)
         hidden = self.forward(batch.input_ids, batch.positions, batch.md)
         if not batch.sample_index:
             return [], None
         logits = self.compute_logits(hidden[batch.sample_rows])
-        st = self.sampling_tensors(scheduled, batch.sample_index)
+        st = self.sampling_tensors(step, batch.sample_index)
         return batch.sample_index, self.sampler.sample(logits, st)
 
-    def _decode_rows(self, reqs: list, starts: list[int], ids: torch.Tensor) -> torch.Tensor:
+    def _decode_rows(self, rows: StepInput, starts: np.ndarray, ids: torch.Tensor) -> torch.Tensor:
         """Sampled tokens [n] of one decode step whose input ids are already on the device."""
-        if self.decode_graphs is not None and len(reqs) <= self.graph_max_bs:
-            return self._replay_decode(reqs, starts, ids)[0]
-        n = len(reqs)
-        md = build_attention_metadata([1] * n, [p + 1 for p in starts],
-                                      [r.page_ids for r in reqs], self.page_size, self.device)
+        if self.decode_graphs is not None and rows.bs <= self.graph_max_bs:
+            return self._replay_decode(rows, starts, ids)[0]
+        n = rows.bs
+        md = build_attention_metadata([1] * n, (starts + 1).tolist(), rows.page_lists(),
+                                      self.page_size, self.device)
         hidden = self.forward(ids.reshape(-1), self.tensor(starts), md)
-        st = SamplingTensors.build([r.params for r in reqs], [r.seed for r in reqs],
-                                   [p + 1 for p in starts], self.model_config.vocab_size,
-                                   self.device)
+        st = self.sampling_tensors(rows, counters=starts + 1)
         return self.sampler.sample(self.compute_logits(hidden), st)
 
     def discard_launched(self) -> None:
@@ -311,50 +289,53 @@ class ModelRunner:
         self._launched = None
 
     @staticmethod
-    def _match(launched: LaunchedStep | None, scheduled: list[ScheduledRequest]) -> dict[int, int]:
-        """{index in scheduled: row of the launched step} for the entries it already decoded."""
+    def _match(launched: LaunchedStep | None, step: StepInput) -> dict[int, int]:
+        """{row of step: row of the launched step} for the rows it already decoded: same
+        request id, a decode at the position launched. Rows of requests released since are
+        never taken."""
         if launched is None:
             return {}
-        row_of = {id(r): j for j, r in enumerate(launched.requests)}
+        released = set(step.finished_ids) | set(step.preempted_ids)
+        row_of = {rid: j for j, rid in enumerate(launched.request_ids) if rid not in released}
         out = {}
-        for i, s in enumerate(scheduled):
-            j = row_of.get(id(s.request))
-            if j is not None and s.num_new_tokens == 1 and s.samples \
-                    and s.start == launched.starts[j]:
+        for i, rid in enumerate(step.request_ids):
+            j = row_of.get(rid)
+            if j is not None and step.num_new_tokens[i] == 1 and step.samples[i] \
+                    and step.starts[i] == launched.starts[j]:
                 out[i] = j
         return out
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest]) -> list[list[int]]:
-        """Plain step: forward, sample the entries that reached their last token.
+    def execute(self, step: StepInput) -> StepOutput:
+        """Plain step: forward, sample the rows that reached their last token.
 
         With overlap on, the next decode step of every request decoding here is launched
         before this step's tokens are read (its input ids are this step's sampled tokens, on
         the device), so the device runs it while the host updates requests and schedules.
-        The next call takes the rows it scheduled unchanged (same request, position + 1) from
-        that launch and runs only the rest. Rows it does not take were decoded for nothing;
-        their KV writes went to slots their requests still held (the scheduler keeps one
-        slot ahead), and any later owner of those pages writes after them in stream order.
+        The next call takes the rows it scheduled unchanged (same request id, position + 1)
+        from that launch and runs only the rest. Rows it does not take were decoded for
+        nothing; their KV writes went to slots their requests still held (the scheduler keeps
+        one slot ahead), and any later owner of those pages writes after them in stream order.
         The device-to-host copy of the tokens is the step's only synchronisation.
         """
         launched, self._launched = self._launched, None
-        matched = self._match(launched, scheduled)
+        matched = self._match(launched, step)
         parts: list[torch.Tensor] = []
-        where: dict[int, int] = {}  # entry index -> row of the step's token vector
+        where: dict[int, int] = {}  # row index -> row of the step's token vector
         if matched:  # copied before any replay below overwrites the graph output
             parts.append(launched.tokens.clone())
             where.update(matched)
             self.rows_launched_ahead += len(matched)
-        rest = [i for i in range(len(scheduled)) if i not in matched]
+        rest = [i for i in range(step.bs) if i not in matched]
         if rest:
-            index, tokens = self._launch([scheduled[i] for i in rest])
+            index, tokens = self._launch(step if not matched else step.select(rest))
             if tokens is not None:
                 base = len(launched.tokens) if matched else 0
                 where.update({rest[j]: base + k for k, j in enumerate(index)})
                 parts.append(tokens)
-        out: list[list[int]] = [[] for _ in scheduled]
+        out: list[list[int]] = [[] for _ in range(step.bs)]
         if not parts:
-            return out
+            return StepOutput(out)
         step_tokens = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
         host = step_tokens.to("cpu", non_blocking=True)
         done = None
@@ -362,34 +343,30 @@ class ModelRunner:
             done = torch.cuda.Event()
             done.record()
         if self.overlap:
-            self._launch_next(scheduled, where, step_tokens)
+            self._launch_next(step, where, step_tokens)
         if done is not None:
             done.synchronize()  # this step's tokens only; the next one keeps running
         values = host.tolist()
         for i, row in where.items():
             out[i] = [values[row]]
-        return out
+        return StepOutput(out)
 
-    def _launch_next(self, scheduled: list[ScheduledRequest], where: dict[int, int],
+    def _launch_next(self, step: StepInput, where: dict[int, int],
                      step_tokens: torch.Tensor) -> None:
         """Launch the next decode step of this step's decodes that will still run it."""
-        rows, reqs, starts = [], [], []
-        for i, s in enumerate(scheduled):
-            req, nxt = s.request, s.start + 1
-            if i not in where or s.num_new_tokens != 1:
-                continue
-            if len(req.page_ids) * self.page_size <= nxt:  # no slot for it (yet)
-                continue
-            if req.num_output_tokens + 1 >= req.max_tokens:  # this step's token ends it
-                continue
-            rows.append(where[i])
-            reqs.append(req)
-            starts.append(nxt)
-        if not reqs:
+        ps = self.page_size
+        index = [i for i in range(step.bs)
+                 if i in where and step.num_new_tokens[i] == 1
+                 and step.page_counts[i] * ps > step.starts[i] + 1  # a slot for it (yet)
+                 and step.tokens_left[i] > 1]  # this step's token does not end it
+        if not index:
             return
-        if self.decode_graphs is not None and len(reqs) > self.graph_max_bs:
+        if self.decode_graphs is not None and len(index) > self.graph_max_bs:
             return  # an eager step launched ahead would gain nothing
+        rows = [where[i] for i in index]
         ids = (step_tokens[:len(rows)] if rows == list(range(len(rows)))
                else step_tokens.index_select(0, self.tensor(rows)))
-        self._launched = LaunchedStep(reqs, starts, self._decode_rows(reqs, starts, ids))
-
+        nxt = step if len(index) == step.bs else step.select(index)
+        starts = nxt.starts + 1
+        self._launched = LaunchedStep(nxt.request_ids, starts.tolist(),
+                                      self._decode_rows(nxt, starts, ids))

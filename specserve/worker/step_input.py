@@ -1,0 +1,197 @@
+"""StepInput: everything a rank needs to run one engine step, as plain arrays (torch-free).
+
+The scheduler's plan becomes one StepInput per step (engine/step_builder.py); the model runner
+and the speculative worker read nothing else: no Request objects, requests keyed by their id.
+It round-trips through msgpack with every array as raw bytes (`encode` / `decode`; no pickle),
+so the same value can be sent to other processes.
+
+Row r (one scheduled request) runs tokens token_ids[tok_off[r] : tok_off[r+1]] at positions
+starts[r] .. starts[r] + num_new_tokens[r] - 1 and owns the KV pages
+page_ids[page_off[r] : page_off[r+1]]. A decode row (num_new_tokens 1, samples) runs its root:
+the newest token of the request (token_ids of the row) at position starts[r], the root a
+speculative cycle grows its draft from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import msgpack
+import numpy as np
+
+# per-row arrays and their dtypes; token_ids and page_ids are the rows' values concatenated
+ROW_ARRAYS: dict[str, type] = {
+    "starts": np.int64,  # position of the row's first new token (= KV entries already valid)
+    "num_new_tokens": np.int64,
+    "next_token_ids": np.int64,  # the token after the chunk, -1 when the row samples it
+    "samples": np.bool_,  # the chunk reaches the request's newest token: sample the next one
+    "is_decode": np.bool_,
+    "lookahead": np.int64,  # KV slots owned past the chunk for speculative drafts
+    "num_tokens": np.int64,  # the request's length when scheduled: the sampling counter base
+    "tokens_left": np.int64,  # output tokens the request may still emit (max_tokens - done)
+    "page_counts": np.int64,
+    "temperature": np.float32,  # 0 = greedy
+    "top_k": np.int64,  # <= 0: off
+    "top_p": np.float32,
+    "min_p": np.float32,
+    "seed": np.int64,
+}
+FLAT_ARRAYS: dict[str, type] = {"token_ids": np.int64, "page_ids": np.int32}
+ARRAYS = {**ROW_ARRAYS, **FLAT_ARRAYS}
+FORMAT_VERSION = 1
+
+
+@dataclass
+class StepInput:
+    request_ids: list[str]
+    starts: np.ndarray
+    num_new_tokens: np.ndarray
+    next_token_ids: np.ndarray
+    samples: np.ndarray
+    is_decode: np.ndarray
+    lookahead: np.ndarray
+    num_tokens: np.ndarray
+    tokens_left: np.ndarray
+    page_counts: np.ndarray
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    min_p: np.ndarray
+    seed: np.ndarray
+    token_ids: np.ndarray
+    page_ids: np.ndarray
+    # requests whose per-request state (draft KV bookkeeping, a step launched ahead) every
+    # rank drops before running this step: finished or aborted since the last step, and
+    # preempted by this step's schedule
+    finished_ids: list[str] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        bs = len(self.request_ids)
+        for name, dtype in ARRAYS.items():
+            arr = np.asarray(getattr(self, name), dtype=dtype)
+            setattr(self, name, arr)
+            assert arr.ndim == 1 and (name in FLAT_ARRAYS or len(arr) == bs), (name, arr.shape)
+        assert len(self.token_ids) == int(self.num_new_tokens.sum())
+        assert len(self.page_ids) == int(self.page_counts.sum())
+        self.tok_off = _offsets(self.num_new_tokens)  # [bs + 1]
+        self.page_off = _offsets(self.page_counts)  # [bs + 1]
+
+    # -- views ---------------------------------------------------------------------------------
+    @property
+    def bs(self) -> int:
+        return len(self.request_ids)
+
+    @property
+    def greedy(self) -> np.ndarray:
+        return self.temperature == 0.0
+
+    @property
+    def seq_lens(self) -> np.ndarray:
+        """[bs] KV entries valid once the row's chunk is computed."""
+        return self.starts + self.num_new_tokens
+
+    def tokens(self, r: int) -> np.ndarray:
+        return self.token_ids[self.tok_off[r] : self.tok_off[r + 1]]
+
+    def pages(self, r: int) -> np.ndarray:
+        return self.page_ids[self.page_off[r] : self.page_off[r + 1]]
+
+    def page_lists(self) -> list[list[int]]:
+        flat = self.page_ids.tolist()
+        off = self.page_off.tolist()
+        return [flat[off[r] : off[r + 1]] for r in range(self.bs)]
+
+    def positions(self) -> np.ndarray:
+        """[T] position of every token run, rows concatenated."""
+        total = len(self.token_ids)
+        within = np.arange(total, dtype=np.int64) - np.repeat(
+            self.tok_off[:-1], self.num_new_tokens
+        )
+        return np.repeat(self.starts, self.num_new_tokens) + within
+
+    def page_table(self, pad: int) -> tuple[np.ndarray, int]:
+        """[bs, width] int32 page tables padded with `pad` (width: the longest), and width."""
+        width = int(self.page_counts.max()) if self.bs else 0
+        table = np.full((self.bs, width), pad, dtype=np.int32)
+        cols = np.arange(len(self.page_ids)) - np.repeat(self.page_off[:-1], self.page_counts)
+        table[np.repeat(np.arange(self.bs), self.page_counts), cols] = self.page_ids
+        return table, width
+
+    def select(self, index: list[int] | np.ndarray) -> StepInput:
+        """The rows `index`, in that order, as a StepInput of their own (no release lists)."""
+        index = np.asarray(index, dtype=np.int64)
+        rows = {name: getattr(self, name)[index] for name in ROW_ARRAYS}
+        rows["token_ids"] = _gather(self.token_ids, self.tok_off, index)
+        rows["page_ids"] = _gather(self.page_ids, self.page_off, index)
+        return StepInput(request_ids=[self.request_ids[i] for i in index.tolist()], **rows)
+
+    # -- wire format ---------------------------------------------------------------------------
+    def encode(self) -> bytes:
+        """msgpack bytes: lists of ids as strings, every array as its raw little-endian bytes."""
+        msg: dict[str, object] = {
+            "v": FORMAT_VERSION,
+            "request_ids": self.request_ids,
+            "finished_ids": self.finished_ids,
+            "preempted_ids": self.preempted_ids,
+        }
+        for name, dtype in ARRAYS.items():
+            msg[name] = (
+                getattr(self, name).astype(np.dtype(dtype).newbyteorder("<"), copy=False).tobytes()
+            )
+        return msgpack.packb(msg, use_bin_type=True)
+
+    @classmethod
+    def decode(cls, data: bytes) -> StepInput:
+        msg = msgpack.unpackb(data, raw=False)
+        if msg.get("v") != FORMAT_VERSION:
+            raise ValueError(f"step message format {msg.get('v')!r}, expected {FORMAT_VERSION}")
+        arrays = {
+            name: np.frombuffer(msg[name], dtype=np.dtype(dtype).newbyteorder("<"))
+            for name, dtype in ARRAYS.items()
+        }
+        return cls(
+            request_ids=msg["request_ids"],
+            finished_ids=msg["finished_ids"],
+            preempted_ids=msg["preempted_ids"],
+            **arrays,
+        )
+
+    def equals(self, other: StepInput) -> bool:
+        """Field-by-field equality (arrays compared by value and dtype)."""
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(a, np.ndarray):
+                if a.dtype != b.dtype or not np.array_equal(a, b):
+                    return False
+            elif a != b:
+                return False
+        return True
+
+
+@dataclass
+class StepOutput:
+    """What a step produced, per row of its StepInput (plain lists: serializable as is)."""
+
+    token_ids: list[list[int]]  # tokens emitted ([] for a mid-prefill chunk)
+    # KV entries that became valid per row; None: every row's num_new_tokens (a verify keeps
+    # the root plus the accepted drafts)
+    num_computed: list[int] | None = None
+    # draft tokens proposed per row (0: the row did not speculate); None: no row did. A
+    # speculating row accepted len(token_ids[r]) - 1 of them.
+    num_drafted: list[int] | None = None
+
+
+def _offsets(counts: np.ndarray) -> np.ndarray:
+    off = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=off[1:])
+    return off
+
+
+def _gather(flat: np.ndarray, off: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """The segments off[i] : off[i+1] of flat for i in index, concatenated."""
+    if len(index) == 0:
+        return flat[:0]
+    counts = off[index + 1] - off[index]
+    within = np.arange(int(counts.sum())) - np.repeat(_offsets(counts)[:-1], counts)
+    return flat[np.repeat(off[index], counts) + within]
