@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from tiny_models import LLAMA3_ROPE
 
 from specserve.distributed import parallel_state
-from specserve.worker.forward_batch import build_attention_metadata, build_positions
 from specserve.layers.activation import SiluAndMul
 from specserve.layers.attention import Attention
 from specserve.layers.attention_metadata import ForwardContext, set_forward_context

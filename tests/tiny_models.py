@@ -154,12 +154,16 @@ def make_tiny_checkpoint(
     save_kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(path, **save_kwargs)
     if tokenizer:
-        try:
-            from tiny_tokenizer import make_tiny_tokenizer
-        except ImportError:
-            from tests.tiny_tokenizer import make_tiny_tokenizer
-        make_tiny_tokenizer(path, vocab_size=vocab_size)
+        _add_tokenizer(path, vocab_size)
     return path
+
+
+def _add_tokenizer(path: str, vocab_size: int) -> None:
+    try:
+        from tiny_tokenizer import make_tiny_tokenizer
+    except ImportError:
+        from tests.tiny_tokenizer import make_tiny_tokenizer
+    make_tiny_tokenizer(path, vocab_size=vocab_size)
 
 
 def make_kimi_k25_checkpoint(
@@ -171,7 +175,8 @@ def make_kimi_k25_checkpoint(
     routing (one group) that `make_hf_model("deepseek_v3", seed, vocab_size, n_group=1,
     topk_group=1, **config_overrides)` builds, its tensors under `language_model.` (layers as
     `language_model.layers.*` with nvfp4_names, as NVIDIA's exports spell them), a few vision
-    tensors, and the wrapper config.json with the text config in the hub's spelling."""
+    tensors, the wrapper config.json with the text config in the hub's spelling, and a
+    tokenizer."""
     import json
     import tempfile
 
@@ -206,6 +211,7 @@ def make_kimi_k25_checkpoint(
     }  # fmt: skip
     with open(os.path.join(path, "config.json"), "w") as fh:
         json.dump(config, fh)
+    _add_tokenizer(path, vocab_size)
     return path
 
 
