@@ -119,3 +119,38 @@ def test_oracle_tree_compacts_latent_kv(targets, head, single, name: str) -> Non
     for p, o in zip(prompts, outs):
         assert o.token_ids == single[name][tuple(p)], f"{name} diverged on prompt {p}"
         assert o.accept_length > 2.0  # the oracle path is (mostly) accepted
+
+
+def test_floor_counts_the_experts_a_step_reads(targets, single) -> None:
+    """The MoE floor: router + shared experts + the routed experts read; the probe that counts
+    them on live requests leaves their outputs unchanged."""
+    from specserve.bench.floor import floor_weights, moe_blocks, touched_experts
+
+    llm = LLM(targets["deepseek_v3"], device="cpu", dtype="float32")
+    engine = llm.engine
+    model = engine.runner.model
+    blocks = moe_blocks(model)
+    assert len(blocks) == 2
+    dense = [p for layer in model.model.layers for p in layer.parameters() if p.dim() == 2]
+    per_expert = sum(w[0].numel() for w in (blocks[0].experts.w13_weight,
+                                            blocks[0].experts.w2_weight))  # fmt: skip
+    for experts in ([2, 2], [5, 8]):
+        got = sum(w.numel() for w in floor_weights(model, experts))
+        want = sum(p.numel() for p in dense) + model.lm_head.weight.numel()
+        assert got == want + sum(experts) * per_expert
+    prompts = _prompts(8, 0)[:4]
+    ids = [engine.add_request(None, p, GREEDY) for p in prompts]
+    outs = {i: [] for i in ids}
+    for step in range(12):
+        for out in engine.step():
+            outs[out.request_id] += out.new_token_ids
+        if step == 6:
+            one = touched_experts(engine, ids[:1])
+            four = touched_experts(engine, ids)
+            assert one == [2, 2]  # top_k distinct experts per token
+            assert all(2 <= n <= 8 for n in four) and four != one
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs[out.request_id] += out.new_token_ids
+    for i, p in zip(ids, prompts):
+        assert outs[i] == single["deepseek_v3"][tuple(p)]

@@ -17,6 +17,7 @@ CUDA graph per batch bucket on GPUs); one device-to-host copy per step: the emit
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,6 +43,12 @@ def load_draft_config(spec: SpecConfig, target_cfg: ModelConfig) -> ModelConfig:
 
     if spec.draft_model == DUMMY:  # the target's shape, a 32k draft vocabulary
         cfg = dataclasses.replace(target_cfg, draft_vocab_size=min(32000, target_cfg.vocab_size))
+        if cfg.mla is not None or cfg.moe is not None:
+            # MLA / MoE targets (DeepSeek-V3, Kimi K2): a Llama-style head on the target's
+            # hidden size, GQA with 8 KV heads of 128 dims and the dense MLP width, the shape
+            # of the public Llama heads for these targets
+            cfg = dataclasses.replace(cfg, mla=None, moe=None, num_mtp_layers=0, head_dim=128,
+                                      num_kv_heads=math.gcd(8, cfg.num_heads))
     else:
         cfg = ModelConfig.from_hf(resolve_model_path(spec.draft_model))
     if spec.topk < 1 or spec.num_steps < 1:
