@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from tiny_models import PagedSession, make_kimi_k25_checkpoint, make_tiny_checkpoint
 
 from specserve.config import ModelConfig
+from specserve.models.capture import find_embedding_and_head
 from specserve.models.deepseek_v3 import KimiK25ForConditionalGeneration
 from specserve.models.loader import load_model
 from specserve.models.registry import MODEL_REGISTRY, get_model_class
@@ -143,7 +144,9 @@ def test_kimi_k25_loads_text_only(tmp_path: Path, caplog: pytest.LogCaptureFixtu
         model = _load(path)
     assert any("vision_tower" in r.message and "mm_projector" in r.message
                for r in caplog.records)  # fmt: skip
-    assert model.lm_head is model.language_model.lm_head
+    embed, head = find_embedding_and_head(model)  # what EAGLE-3 shares, found by structure
+    assert embed is model.language_model.model.embed_tokens
+    assert head is model.language_model.lm_head
     stray = _rewrite(path, tmp_path / "stray",
                      lambda t: t.__setitem__("audio_tower.w", torch.zeros(2)))  # fmt: skip
     with pytest.raises(ValueError, match="'audio_tower.w'.*language_model"):
@@ -163,3 +166,10 @@ def test_registry_adapters() -> None:
     )
     assert inner == {"hidden_size": 8, "eos_token_id": 7,
                      "architectures": ["KimiK25ForConditionalGeneration"]}  # fmt: skip
+
+
+def test_embedding_and_head_must_be_unambiguous(ckpt: str) -> None:
+    model = _load(ckpt)
+    model.extra_head = model.lm_head.__class__(16, 64)
+    with pytest.raises(ValueError, match="one LM head, found 1 and 2"):
+        find_embedding_and_head(model)

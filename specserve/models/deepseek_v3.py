@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from specserve.config import ModelConfig
-from specserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from specserve.layers.mla import MLAAttention, mla_rotary
 from specserve.layers.moe import make_mlp
 from specserve.models.decoder import CausalLM, DecoderModel
@@ -82,8 +81,9 @@ class KimiK25ForConditionalGeneration(nn.Module):
 
     Checkpoint names: `language_model.model.layers.*` (hub), `language_model.layers.*`
     (NVIDIA's NVFP4 exports: no `.model.`), `language_model.lm_head.weight`; the vision tower
-    and projector (`vision_tower.*`, `mm_projector.*`) are skipped. Capture, the embedding and
-    the LM head are found structurally by the drafter (models/capture.py)."""
+    and projector (`vision_tower.*`, `mm_projector.*`) are skipped. It has no EAGLE-3 hooks:
+    the drafter finds the decoder layers, the embedding and the LM head by structure
+    (models/capture.py)."""
 
     SKIPPED = ("vision_tower.", "mm_projector.", "model.mm_projector.", "model.vision_tower.")
 
@@ -97,13 +97,6 @@ class KimiK25ForConditionalGeneration(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden)
-
-    def get_input_embeddings(self) -> VocabParallelEmbedding:
-        return self.language_model.get_input_embeddings()
-
-    @property
-    def lm_head(self) -> ParallelLMHead:
-        return self.language_model.lm_head
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         skipped: dict[str, int] = {}

@@ -26,7 +26,11 @@ import torch
 from specserve.config import ModelConfig, SpecConfig
 from specserve.layers.rotary import ensure_rope_capacity
 from specserve.layers.sampler import SamplingTensors, graph_sampling_inputs
-from specserve.models.capture import AuxHiddenCapture, default_aux_layer_ids
+from specserve.models.capture import (
+    AuxHiddenCapture,
+    default_aux_layer_ids,
+    find_embedding_and_head,
+)
 from specserve.models.eagle3 import Eagle3Head, load_eagle3_head
 from specserve.speculative.cycle import MODES, SpecCycle
 from specserve.worker.cuda_graph import BatchGraphs
@@ -176,8 +180,7 @@ class Eagle3Drafter:
         torch.set_default_dtype(runner.dtype)
         try:
             with torch.device(runner.device):
-                head = Eagle3Head(cfg, tcfg.hidden_size, layer, target.get_input_embeddings(),
-                                  target.lm_head)
+                head = Eagle3Head(cfg, tcfg.hidden_size, layer, *find_embedding_and_head(target))
         finally:
             torch.set_default_dtype(previous)
         random_init(head, seed=1)
