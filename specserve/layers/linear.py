@@ -173,11 +173,15 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     """Input features split over ranks; partial products summed with all_reduce.
 
-    The bias is replicated and added once: by rank 0, before the sum.
+    The bias is replicated and added once: by rank 0, before the sum. `reduce_output=False`
+    returns the partial product, for a caller that adds several partials and reduces once.
     """
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, reduce_output: bool = True
+    ) -> None:
         super().__init__(divide(input_size, get_tp_size(), "input size"), output_size, bias)
+        self.reduce_output = reduce_output
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None
@@ -188,4 +192,5 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, input_size / tp] -> partial [T, output_size], summed over ranks
         bias = self.bias if self.tp_rank == 0 else None
-        return all_reduce(F.linear(x, self.weight, bias))
+        out = F.linear(x, self.weight, bias)
+        return all_reduce(out) if self.reduce_output else out

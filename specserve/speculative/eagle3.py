@@ -17,6 +17,7 @@ CUDA graph per batch bucket on GPUs); one device-to-host copy per step: the emit
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,7 +26,11 @@ import torch
 from specserve.config import ModelConfig, SpecConfig
 from specserve.layers.rotary import ensure_rope_capacity
 from specserve.layers.sampler import SamplingTensors, graph_sampling_inputs
-from specserve.models.capture import AuxHiddenCapture, default_aux_layer_ids
+from specserve.models.capture import (
+    AuxHiddenCapture,
+    default_aux_layer_ids,
+    find_embedding_and_head,
+)
 from specserve.models.eagle3 import Eagle3Head, load_eagle3_head
 from specserve.speculative.cycle import MODES, SpecCycle
 from specserve.worker.cuda_graph import BatchGraphs
@@ -42,6 +47,12 @@ def load_draft_config(spec: SpecConfig, target_cfg: ModelConfig) -> ModelConfig:
 
     if spec.draft_model == DUMMY:  # the target's shape, a 32k draft vocabulary
         cfg = dataclasses.replace(target_cfg, draft_vocab_size=min(32000, target_cfg.vocab_size))
+        if cfg.mla is not None or cfg.moe is not None:
+            # MLA / MoE targets (DeepSeek-V3, Kimi K2): a Llama-style head on the target's
+            # hidden size, GQA with 8 KV heads of 128 dims and the dense MLP width, the shape
+            # of the public Llama heads for these targets
+            cfg = dataclasses.replace(cfg, mla=None, moe=None, num_mtp_layers=0, head_dim=128,
+                                      num_kv_heads=math.gcd(8, cfg.num_heads))
     else:
         cfg = ModelConfig.from_hf(resolve_model_path(spec.draft_model))
     if spec.topk < 1 or spec.num_steps < 1:
@@ -169,8 +180,7 @@ class Eagle3Drafter:
         torch.set_default_dtype(runner.dtype)
         try:
             with torch.device(runner.device):
-                head = Eagle3Head(cfg, tcfg.hidden_size, layer, target.get_input_embeddings(),
-                                  target.lm_head)
+                head = Eagle3Head(cfg, tcfg.hidden_size, layer, *find_embedding_and_head(target))
         finally:
             torch.set_default_dtype(previous)
         random_init(head, seed=1)
