@@ -159,42 +159,6 @@ class MLAConfig:
 
 
 @dataclass(frozen=True)
-class MLAConfig:
-    """Multi-head latent attention dims (DeepSeek-V2/V3, Kimi K2, GLM-4.7-Flash, GLM-5).
-
-    Per token: q = q_b_proj(norm(q_a_proj(x))) (or q_proj(x) when q_lora_rank is None) gives
-    every head qk_nope + qk_rope dims; kv_a_proj_with_mqa(x) gives one latent c_kv
-    (kv_lora_rank, normed) and one shared rope key k_pe (qk_rope); kv_b_proj maps c_kv to each
-    head's k_nope (qk_nope) and v (v_head_dim). See layers/mla.py."""
-
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    q_lora_rank: int | None = None  # None: one q_proj (DeepSeek-V2-Lite)
-    rope_interleave: bool = True  # rope dims stored as interleaved pairs (2i, 2i+1), GPT-J style
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> MLAConfig | None:
-        """The MLA fields of a (text) config.json, or None for a model without MLA."""
-        if hf.get("kv_lora_rank") is None:
-            return None
-        q_lora = hf.get("q_lora_rank")
-        return cls(
-            kv_lora_rank=int(hf["kv_lora_rank"]),
-            qk_nope_head_dim=int(hf["qk_nope_head_dim"]),
-            qk_rope_head_dim=int(hf["qk_rope_head_dim"]),
-            v_head_dim=int(hf["v_head_dim"]),
-            q_lora_rank=None if q_lora is None else int(q_lora),
-            rope_interleave=bool(hf.get("rope_interleave", True)),
-        )
-
-
-@dataclass(frozen=True)
 class ModelConfig:
     """The normalised view of a model's config.json (llama family, DeepSeek-V2/V3 family with
     nested MLA and MoE fields, EAGLE-3 heads)."""
