@@ -100,10 +100,10 @@ def kernel_table(engine, repeats: int) -> list[dict]:
 
     runner, drafter = engine.runner, engine.drafter
     runner.discard_launched()
-    saved = runner.decode_graphs, runner.overlap, drafter.graphs if drafter else None
+    saved = runner.decode_graphs, runner.overlap, drafter.cycles.graphs if drafter else None
     runner.decode_graphs, runner.overlap = None, False
     if drafter is not None:
-        drafter.graphs = None
+        drafter.cycles.graphs = None
     try:
         engine.step()  # warm
         sync(engine.runner.device)
@@ -116,7 +116,7 @@ def kernel_table(engine, repeats: int) -> list[dict]:
     finally:
         runner.decode_graphs, runner.overlap = saved[0], saved[1]
         if drafter is not None:
-            drafter.graphs = saved[2]
+            drafter.cycles.graphs = saved[2]
     rows = defaultdict(lambda: [0, 0.0])
     for ev in prof.events():  # device kernels on a GPU; on the CPU, ops' own time (smoke test)
         if ev.device_type == torch.autograd.DeviceType.CUDA:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,16 +34,18 @@ class GenerationOutput:
 
 class LLM:
     """Keyword arguments are EngineConfig fields; `speculative=dict(...)` sets SpecConfig and
-    nested configs accept dicts (`cache=dict(page_size=32)`)."""
+    nested configs accept dicts (`cache=dict(page_size=32)`). `proposer` brings a drafter of
+    one's own (see Engine; speculative/proposer.py), drafting with SpecConfig's shape."""
 
     def __init__(self, model: str | EngineConfig,
-                 speculative: dict[str, Any] | SpecConfig | None = None, **kwargs: Any) -> None:
+                 speculative: dict[str, Any] | SpecConfig | None = None,
+                 proposer: Callable[..., Any] | None = None, **kwargs: Any) -> None:
         config = model if isinstance(model, EngineConfig) else EngineConfig(model=model)
         if isinstance(speculative, dict):
             kwargs["spec"] = SpecConfig(**speculative)
         elif speculative is not None:
             kwargs["spec"] = speculative
-        self.engine = Engine(config.replace(**kwargs))
+        self.engine = Engine(config.replace(**kwargs), proposer=proposer)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: str | list[str] | list[list[int]],

@@ -113,7 +113,7 @@ def test_oracle_tree_compacts_latent_kv(targets, head, single, name: str) -> Non
     spec = dict(algorithm="eagle3", draft_model=head, num_steps=3, topk=2, num_draft_tokens=6)
     # eager: the oracle replaces a Python method, which a captured graph would not call
     llm = LLM(targets[name], device="cpu", dtype="float32", speculative=spec, enforce_eager=True)
-    llm.engine.drafter.cycle.propose = oracle_propose(llm, single[name], decoys=True)
+    llm.engine.drafter.proposer.propose = oracle_propose(llm, single[name], decoys=True)
     prompts = _prompts(8, 0)[:4]
     outs = llm.generate(prompts, GREEDY)
     for p, o in zip(prompts, outs):

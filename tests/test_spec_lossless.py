@@ -99,7 +99,7 @@ def test_oracle_chain_accept_length_is_exact(pair, reference, steps: int) -> Non
     # eager: the oracle replaces a Python method, which a captured graph would not call
     llm = _llm(pair[0], dict(algorithm="eagle3", draft_model=pair[1], num_steps=steps, topk=1),
                enforce_eager=True)
-    llm.engine.drafter.cycle.propose = oracle_propose(llm, reference, decoys=False)
+    llm.engine.drafter.proposer.propose = oracle_propose(llm, reference, decoys=False)
     prompts = [list(p) for p in reference][:4]
     cycles = 3
     # one token from the prefill, then `cycles` full cycles of steps + 1 tokens
@@ -123,7 +123,7 @@ def test_oracle_tree_with_decoys_compacts_kv(pair, reference, topk: int, n: int)
     nodes' KV is moved into place."""
     llm = _llm(pair[0], dict(algorithm="eagle3", draft_model=pair[1], num_steps=3, topk=topk,
                              num_draft_tokens=n), enforce_eager=True)
-    llm.engine.drafter.cycle.propose = oracle_propose(llm, reference, decoys=True)
+    llm.engine.drafter.proposer.propose = oracle_propose(llm, reference, decoys=True)
     prompts = [list(p) for p in reference][:4]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
                                                 ignore_eos=True))

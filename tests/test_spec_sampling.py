@@ -69,8 +69,8 @@ def _fixed_proposals(llm: LLM, plain: list[list[int]]) -> None:
     k, steps = cycle.k, cycle.num_steps
     common = [[t for t, _ in Counter(s[d] for s in plain).most_common(k)] for d in (1, 2, 2)]
 
-    def propose(last_out, root_pos, root_tokens, page_table, valid):
-        bs = last_out.shape[0]
+    def propose(shape, state, root_pos, root_tokens, page_table, valid):
+        bs = state.shape[0]
         logp = torch.log(torch.linspace(0.6, 0.3, k)).expand(bs, k)
         acc = TreeAccumulator(logp, torch.tensor(common[0]).expand(bs, k), None)
         for s in range(1, steps):
@@ -78,7 +78,7 @@ def _fixed_proposals(llm: LLM, plain: list[list[int]]) -> None:
             acc.extend(logp[:, None, :].expand(bs, k, k), ids)
         return acc.build(root_tokens, cycle.n)
 
-    cycle.propose = propose
+    llm.engine.drafter.proposer.propose = propose
 
 
 @pytest.mark.parametrize("spec", [dict(num_steps=3, topk=1),

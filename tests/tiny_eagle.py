@@ -110,15 +110,15 @@ def oracle_propose(llm: LLM, reference: dict, decoys: bool):
         return torch.tensor(rows_lp, device=device), torch.tensor(rows_id, device=device)
 
     stash: list = []
-    speculate = drafter._speculate
+    speculate = drafter.cycles.speculate
 
     def spy(rows, *args, **kw):
         stash[:] = [rows]
         return speculate(rows, *args, **kw)
 
-    drafter._speculate = spy
+    drafter.cycles.speculate = spy
 
-    def propose(last_out, root_pos, root_tokens, page_table, valid):
+    def propose(shape, state, root_pos, root_tokens, page_table, valid):
         reqs = [llm.engine.get_request(rid) for rid in stash[0].request_ids]
         roots = stash[0].starts.tolist()
         lp, ids = logp_and_ids([truth(r, p, 1) for r, p in zip(reqs, roots)], decoys)

@@ -292,10 +292,11 @@ def record_preemptions(scheduler) -> list:
 
 
 def random_workload(engine, seed: int, max_tokens: int, arrival_p: float,
-                    arrivals_until: int = 120, max_steps: int = 600) -> dict:
+                    arrivals_until: int = 120, max_steps: int = 600,
+                    params_out: dict | None = None) -> dict:
     """A scripted random workload: greedy and sampled requests (seeded, with stop tokens)
     arrive over the first `arrivals_until` steps, some are aborted; stepped until all end.
-    Returns {request id: (tokens, finish reason)}."""
+    Returns {request id: (tokens, finish reason)}; params_out gets each one's params."""
     from specserve.sampling_params import SamplingParams
 
     rng = random.Random(seed)
@@ -312,6 +313,8 @@ def random_workload(engine, seed: int, max_tokens: int, arrival_p: float,
                 stop_token_ids=[rng.randrange(3, 500) for _ in range(3)], ignore_eos=True)
             engine.add_request(rid, prompt, params)
             outputs[rid] = []
+            if params_out is not None:
+                params_out[rid] = params
         if rng.random() < 0.03 and outputs:
             victim = rng.choice(sorted(outputs))
             if victim not in finished and engine.get_request(victim) is not None:

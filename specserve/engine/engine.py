@@ -3,7 +3,7 @@
     step = schedule -> StepInput -> execute (plain, or draft -> verify -> accept)
            -> update -> postprocess
 
-The workers (ModelRunner, Eagle3Drafter) see only the StepInput built from the scheduler's
+The workers (ModelRunner, SpecWorker) see only the StepInput built from the scheduler's
 plan and answer a StepOutput; Request objects stay here.
 
 Not thread-safe: one thread owns an Engine (the server runs it in its own thread).
@@ -12,20 +12,25 @@ Not thread-safe: one thread owns an Engine (the server runs it in its own thread
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from specserve.config import EngineConfig, ModelConfig
 from specserve.engine.request import Request
 from specserve.engine.scheduler import Scheduler, SchedulerOutput
+from specserve.engine.spec_policy import SpecPolicy, StaticPolicy
 from specserve.engine.step_builder import build_step_input
 from specserve.kv_cache.allocator import PageAllocator
 from specserve.models.loader import resolve_model_path
 from specserve.models.presets import PRESETS
 from specserve.sampling_params import SamplingParams
+from specserve.speculative.proposer import Proposer
+from specserve.speculative.worker import SpecWorker
 from specserve.tokenizer import (
     IncrementalDetokenizer,
     StopStringMatcher,
@@ -61,7 +66,11 @@ class _TextState:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig,
+                 proposer: Callable[[ModelRunner], Proposer] | None = None) -> None:
+        """proposer: builds the drafter from the runner (a class with a `kv_specs` attribute:
+        the page layouts of its own KV layers); default: the one config.spec.algorithm names. With one, the engine
+        speculates with the draft shape of config.spec."""
         if not config.model:
             raise ValueError("no model given: pass --model PATH (a directory or cached repo id)")
         if config.parallel.tp_size != 1:
@@ -85,19 +94,24 @@ class Engine:
                         "there (sliding-window attention is not implemented)", window)
             self.max_model_len = window
         self.config = config.replace(scheduler={"max_model_len": self.max_model_len})
-        self.drafter = None
-        draft_kv = []  # the draft head's KV layers, after the target's in one pool
-        if config.spec.enabled:
+        self.drafter: SpecWorker | None = None
+        draft_kv: list = []  # the proposer's own KV layers, after the target's in one pool
+        if proposer is not None:
+            draft_kv = list(proposer.kv_specs)
+        elif config.spec.enabled:
             from specserve.models.eagle3 import eagle3_kv_specs
             from specserve.speculative.eagle3 import load_draft_config
 
             draft_kv = eagle3_kv_specs(load_draft_config(config.spec, self.model_config))
         t0 = time.perf_counter()
         self.runner = ModelRunner(self.config, self.model_config, self.model_path, draft_kv)
-        if config.spec.enabled:
-            from specserve.speculative.eagle3 import Eagle3Drafter
+        if proposer is None and config.spec.enabled:
+            from specserve.speculative.eagle3 import Eagle3Proposer
 
-            self.drafter = Eagle3Drafter(self.config.spec, self.runner)
+            proposer = functools.partial(Eagle3Proposer, self.config.spec)
+        if proposer is not None:
+            self.drafter = SpecWorker(self.config.spec, self.runner, proposer(self.runner))
+        self.spec_policy: SpecPolicy = StaticPolicy()
         self.startup_seconds = time.perf_counter() - t0
         self.allocator = PageAllocator(self.runner.num_pages)
         eos = tuple(self.model_config.eos_token_ids)
@@ -142,7 +156,7 @@ class Engine:
 
     def _set_keep_ahead(self) -> None:
         """With overlap the next decode step (ModelRunner.execute) or speculative cycle
-        (Eagle3Drafter._speculate) is launched early: the slots it may write stay owned."""
+        (CycleRunner.speculate) is launched early: the slots it may write stay owned."""
         if self.drafter is not None:
             self.scheduler.keep_ahead = self.drafter.keep_ahead
         else:
@@ -183,6 +197,8 @@ class Engine:
         # the workers drop the request's state on the next step (StepInput.finished_ids)
         self.scheduler.abort(request_id)
         self._requests.pop(request_id, None)
+        if not self.scheduler.has_unfinished:
+            self._release(self.scheduler.schedule())
         self._text.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
@@ -190,14 +206,31 @@ class Engine:
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        speculate = False
+        if self.drafter is not None:  # decided before scheduling: off reserves no lookahead
+            speculate = self.spec_policy.choose()
+            self.scheduler.lookahead = self.drafter.lookahead if speculate else 0
         out = self.scheduler.schedule()
         if not out.scheduled:
+            self._release(out)
             return []
-        worker = self.drafter if self.drafter is not None else self.runner
-        result = worker.execute(build_step_input(out))
+        result = self._worker.execute(build_step_input(out, speculate))
         self._record_spec(out, result)
         self.scheduler.update(out, result.token_ids, result.num_computed)
-        return self._postprocess(out)
+        outputs = self._postprocess(out)
+        if not self.scheduler.has_unfinished:  # idle: the workers drop the last requests' state
+            self._release(self.scheduler.schedule())
+        return outputs
+
+    @property
+    def _worker(self) -> ModelRunner | SpecWorker:
+        return self.drafter if self.drafter is not None else self.runner
+
+    def _release(self, out: SchedulerOutput) -> None:
+        """An empty plan still carries release lists: a step of no rows delivers them."""
+        assert not out.scheduled
+        if out.finished_ids or out.preempted:
+            self._worker.execute(build_step_input(out))
 
     @staticmethod
     def _record_spec(out: SchedulerOutput, result: StepOutput) -> None:

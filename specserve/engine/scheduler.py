@@ -54,8 +54,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]  # decodes first, then prefill chunks
     preempted: list[Request]
-    # requests that left the running set by finishing or aborting since the last non-empty
-    # schedule: the workers drop their per-request state (preempted ones are listed above)
+    # requests that left the running set by finishing or aborting since the last schedule:
+    # the workers drop their per-request state (preempted ones are listed above)
     finished_ids: list[str] = field(default_factory=list)
 
     @property
@@ -103,7 +103,7 @@ class Scheduler:
         # runner launch the next decode step before this one's tokens reach the host, W +
         # lookahead the drafter its next speculative cycle
         self.keep_ahead = 0
-        self._finished_ids: list[str] = []  # running requests ended since the last plan
+        self._finished_ids: list[str] = []  # running requests ended since the last schedule
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -179,9 +179,9 @@ class Scheduler:
             self._admit_waiting(plan)
         entries = list(plan.entries.values())
         ordered = [e for e in entries if e.is_decode] + [e for e in entries if not e.is_decode]
-        out = SchedulerOutput(scheduled=ordered, preempted=plan.preempted)
-        if ordered:  # an empty plan runs no step: the ids wait for the next one
-            out.finished_ids, self._finished_ids = self._finished_ids, []
+        out = SchedulerOutput(scheduled=ordered, preempted=plan.preempted,
+                              finished_ids=self._finished_ids)
+        self._finished_ids = []
         return out
 
     @staticmethod

@@ -8,8 +8,9 @@ from specserve.engine.scheduler import SchedulerOutput
 from specserve.worker.step_input import StepInput
 
 
-def build_step_input(out: SchedulerOutput) -> StepInput:
-    """One row per scheduled entry, in out.scheduled order (a StepOutput's rows align)."""
+def build_step_input(out: SchedulerOutput, speculate: bool | np.ndarray = False) -> StepInput:
+    """One row per scheduled entry, in out.scheduled order (a StepOutput's rows align).
+    speculate: which rows may speculate this step (one flag for all, or one per row)."""
     rows = out.scheduled
     token_ids: list[int] = []
     page_ids: list[int] = []
@@ -29,6 +30,7 @@ def build_step_input(out: SchedulerOutput) -> StepInput:
         next_token_ids=np.array(next_ids, dtype=np.int64),
         samples=np.fromiter((s.samples for s in rows), np.bool_, len(rows)),
         is_decode=np.fromiter((s.is_decode for s in rows), np.bool_, len(rows)),
+        speculate=np.broadcast_to(np.asarray(speculate, dtype=np.bool_), (len(rows),)),
         lookahead=np.fromiter((s.lookahead for s in rows), np.int64, len(rows)),
         num_tokens=np.fromiter((r.num_tokens for r in reqs), np.int64, len(rows)),
         tokens_left=np.fromiter(

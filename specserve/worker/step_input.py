@@ -26,6 +26,9 @@ ROW_ARRAYS: dict[str, type] = {
     "next_token_ids": np.int64,  # the token after the chunk, -1 when the row samples it
     "samples": np.bool_,  # the chunk reaches the request's newest token: sample the next one
     "is_decode": np.bool_,
+    # the row may speculate this step (a decode runs a verify cycle, a prefill chunk feeds
+    # the proposer); False: a plain row. Decided on the engine side, per step
+    "speculate": np.bool_,
     "lookahead": np.int64,  # KV slots owned past the chunk for speculative drafts
     "num_tokens": np.int64,  # the request's length when scheduled: the sampling counter base
     "tokens_left": np.int64,  # output tokens the request may still emit (max_tokens - done)
@@ -49,6 +52,7 @@ class StepInput:
     next_token_ids: np.ndarray
     samples: np.ndarray
     is_decode: np.ndarray
+    speculate: np.ndarray
     lookahead: np.ndarray
     num_tokens: np.ndarray
     tokens_left: np.ndarray

@@ -1,0 +1,291 @@
+"""SpecWorker: one speculative engine step for any proposer (speculative/proposer.py).
+
+Positions, for a running request whose root (last emitted token, KV not yet computed) sits at
+target position P:
+    target KV  covers [0, P)          the verify forward writes P .. P+n-1 (node i at P + i);
+                                      the accepted path is then compacted to P .. P+m-1
+    proposer   covers [0, covered)    covered == P when caught up; its state row is the one
+                                      after position P - 1
+Each step, per row (StepInput.speculate says which rows may speculate this step):
+  - a decode that may speculate and whose proposer state covers [0, P), or can be caught up
+    to it, runs one cycle (speculative/cycle.py, through CycleRunner: graphs, overlap);
+  - every other row runs a plain target forward; a prefill chunk that may speculate and
+    whose state is caught up also feeds the proposer (with the target's aux features);
+  - a step in which no row may speculate is the runner's plain step (decode graphs and decode
+    overlap, no draft forward); the tokens it runs past each request's covered prefix are
+    recorded (host ints), and before that request speculates again the proposer is caught
+    up over them: one target forward that writes no KV (its KV is already there) gives the
+    features, then `Proposer.extend`. The catch-up costs a prefill of the tokens made while
+    off, paid once, and nothing while off.
+The only device-to-host copy of a speculative step is the emitted tokens (plus the sampled
+tokens of prefill chunks, when a step has any).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from specserve.config import SpecConfig
+from specserve.models.capture import AuxHiddenCapture
+from specserve.speculative.cycle import SpecCycle
+from specserve.speculative.cycle_runner import CycleRunner
+from specserve.speculative.proposer import DraftShape, Proposer
+from specserve.worker.forward_batch import build_attention_metadata
+from specserve.worker.step_input import StepInput, StepOutput
+
+
+@dataclass
+class SpecCounters:
+    """Totals with the meaning of vLLM's spec_decode metrics, plus catch-up work."""
+
+    num_drafts: int = 0  # draft-verify cycles
+    num_draft_tokens: int = 0  # draft tokens proposed (root excluded)
+    num_accepted_tokens: int = 0  # draft tokens accepted (bonus excluded)
+    accepted_per_pos: list[int] = field(default_factory=list)
+    num_catch_ups: int = 0  # rows whose proposer caught up after plain steps
+    num_catch_up_tokens: int = 0  # positions it caught up over
+
+
+class SpecWorker:
+    def __init__(self, spec: SpecConfig, runner, proposer: Proposer) -> None:
+        self.spec = spec
+        self.runner = runner  # ModelRunner
+        self.proposer = proposer
+        self.shape = DraftShape.from_config(spec)
+        self.k, self.num_steps, self.n = (
+            self.shape.topk,
+            self.shape.num_steps,
+            self.shape.num_draft_tokens,
+        )
+        self.capture = None
+        if proposer.needs_target_features:
+            self.capture = AuxHiddenCapture(runner.model, list(proposer.aux_layer_ids))
+            self.capture.disable()
+        # slots past the root a decode must own: the verify nodes and the draft scratch
+        self.lookahead = max(self.n, proposer.scratch_slots(self.shape)) - 1
+        self.counters = SpecCounters(accepted_per_pos=[0] * self.num_steps)
+        # per request id: the proposer's state row after position covered - 1, positions
+        # covered, and (while stale) the tokens run past them
+        self.state: dict[str, torch.Tensor] = {}
+        self.covered: dict[str, int] = {}
+        self.pending: dict[str, list[int]] = {}
+        self.cycle = SpecCycle(
+            runner, proposer, self.shape, self.lookahead, self.capture, spec.synthetic_accept_len
+        )
+        self.cycles = CycleRunner(
+            self.cycle,
+            proposer.state_dim,
+            proposer.state_dtype,
+            synthetic=bool(spec.synthetic_accept_len),
+        )
+        self.overlap = runner.overlap
+        # overlap: the next cycle is launched before this one is read; its requests keep the
+        # slots it may write, up to W + lookahead past their valid KV
+        self.keep_ahead = self.shape.width + self.lookahead if self.overlap else 0
+
+    # -- introspection -------------------------------------------------------------------------
+    @property
+    def graphs(self):
+        return self.cycles.graphs
+
+    @property
+    def cycles_launched(self) -> int:
+        return self.cycles.cycles_launched
+
+    @property
+    def cycles_launched_ahead(self) -> int:
+        return self.cycles.cycles_launched_ahead
+
+    # -- per-request state ---------------------------------------------------------------------
+    def release(self, request_id: str) -> None:
+        self.state.pop(request_id, None)
+        self.covered.pop(request_id, None)
+        self.pending.pop(request_id, None)
+        self.proposer.release(request_id)
+
+    def release_all(self) -> None:
+        for rid in list(self.covered):
+            self.release(rid)
+
+    def discard_launched(self) -> None:
+        self.cycles.discard_launched()
+
+    def _reachable(self, rid: str, start: int) -> bool:
+        """The proposer covers [0, start) or can be caught up to it."""
+        if not self.proposer.keeps_state:
+            return True
+        covered = self.covered.get(rid)
+        return covered is not None and covered + len(self.pending.get(rid, ())) == start
+
+    def _can_speculate(self, step: StepInput, i: int) -> bool:
+        """A decode that may speculate, whose proposer covers [0, P) (or can be caught up)
+        and whose pages hold the verify nodes and the draft scratch."""
+        start = int(step.starts[i])
+        return bool(
+            step.speculate[i]
+            and step.num_new_tokens[i] == 1
+            and step.samples[i]
+            and step.page_counts[i] * self.runner.page_size >= start + 1 + self.lookahead
+            and self._reachable(step.request_ids[i], start)
+        )
+
+    def _record(self, rows: StepInput, index: list[int] | range) -> None:
+        """Rows run by the target without feeding the proposer: remember their tokens past
+        its covered prefix, for the catch-up (a request first seen mid-way stays plain)."""
+        if not self.proposer.keeps_state:
+            return
+        for r in index:
+            rid, start = rows.request_ids[r], int(rows.starts[r])
+            covered = self.covered.get(rid)
+            if covered is None:
+                if start:
+                    continue
+                covered = self.covered[rid] = 0
+            pending = self.pending.setdefault(rid, [])
+            if covered + len(pending) != start:  # not contiguous: nothing to catch up from
+                self.release(rid)
+                continue
+            pending.extend(rows.tokens(r).tolist())
+
+    # -- the step ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> StepOutput:
+        for rid in step.finished_ids + step.preempted_ids:
+            self.release(rid)  # preempted: their KV is gone; re-prefill rebuilds the state
+        if not step.speculate.any():  # off: the plain step, no draft forward
+            self.cycles.discard_launched()
+            self._record(step, range(step.bs))
+            return self.runner.execute(step)
+        self.runner.discard_launched()
+        tokens: list[list[int]] = [[] for _ in range(step.bs)]
+        computed = step.num_new_tokens.tolist()
+        drafted = [0] * step.bs
+        decodes = [i for i in range(step.bs) if self._can_speculate(step, i)]
+        spec = set(decodes)
+        others = [i for i in range(step.bs) if i not in spec]
+        if others:
+            self._target_rows(step.select(others), others, tokens)
+        if decodes:
+            rows = step.select(decodes)
+            self._catch_up(rows)
+            # requests finishing their prefill here speculate next step: no launch ahead
+            joining = bool(step.samples[others].any()) if others else False
+            emitted, new_state = self.cycles.speculate(
+                rows, lambda: self._states(rows.request_ids), launch_next=not joining
+            )
+            for j, (i, rid) in enumerate(zip(decodes, rows.request_ids)):
+                m = len(emitted[j])
+                tokens[i], computed[i], drafted[i] = emitted[j], m, self.n - 1
+                self._set_state(rid, new_state[j], int(rows.starts[j]) + m)
+                self._count(m - 1, self.n - 1)
+        else:
+            self.cycles.discard_launched()
+        return StepOutput(tokens, computed, drafted)
+
+    def _states(self, request_ids: list[str]) -> torch.Tensor:
+        if self.proposer.state_dim == 0:
+            return torch.zeros(
+                len(request_ids), 0, dtype=self.proposer.state_dtype, device=self.runner.device
+            )
+        return torch.stack([self.state[rid] for rid in request_ids])
+
+    def _set_state(self, rid: str, row: torch.Tensor, covered: int) -> None:
+        if self.proposer.keeps_state:
+            self.state[rid] = row
+            self.covered[rid] = covered
+            self.pending.pop(rid, None)
+
+    def _target_rows(self, rows: StepInput, index: list[int], tokens: list[list[int]]) -> None:
+        """Plain target forward over rows that do not speculate; the prefill chunks that may
+        speculate and whose proposer is caught up then feed it (pairs f_i, t_{i+1})."""
+        runner, proposer = self.runner, self.proposer
+        feed = [
+            j
+            for j in range(rows.bs)
+            if proposer.keeps_state
+            and rows.speculate[j]
+            and self._caught_up(rows.request_ids[j], int(rows.starts[j]))
+        ]
+        capture = self.capture if feed else None
+        batch = runner.prepare(rows)
+        if capture is not None:
+            capture.enable()
+        hidden = runner.forward(batch.input_ids, batch.positions, batch.md)
+        feats = None
+        if capture is not None:
+            feats = capture.pop()  # [T, F]
+            capture.disable()
+        sampled: dict[int, int] = {}
+        if batch.sample_index:
+            logits = runner.compute_logits(hidden[batch.sample_rows])
+            st = runner.sampling_tensors(rows, batch.sample_index)
+            for j, tok in zip(batch.sample_index, runner.sampler.sample(logits, st).tolist()):
+                sampled[j] = tok
+                tokens[index[j]] = [tok]
+        fed = set(feed)
+        self._record(rows, [j for j in range(rows.bs) if j not in fed])
+        if not feed:
+            return
+        nxt = [
+            rows.tokens(j)[1:].tolist()
+            + [sampled[j] if j in sampled else int(rows.next_token_ids[j])]
+            for j in feed
+        ]
+        if feats is not None and len(feed) < rows.bs:
+            at = np.concatenate([np.arange(rows.tok_off[j], rows.tok_off[j + 1]) for j in feed])
+            feats = feats.index_select(0, runner.tensor(at))
+        sub = rows.select(feed)
+        new = proposer.extend(sub.starts.tolist(), sub.page_lists(), nxt, feats)
+        for j, rid in enumerate(sub.request_ids):
+            self._set_state(rid, new[j], int(sub.seq_lens[j]))
+
+    def _caught_up(self, rid: str, start: int) -> bool:
+        covered = self.covered.get(rid, 0 if start == 0 else None)
+        return covered == start and not self.pending.get(rid)
+
+    def _catch_up(self, rows: StepInput) -> None:
+        """Bring the proposer of rows whose state went stale during plain steps up to their
+        root: the target's features at the missed positions come from a forward over them
+        that writes no KV (it is in the cache already), then Proposer.extend."""
+        if not self.proposer.keeps_state:
+            return
+        need = [j for j in range(rows.bs) if self.pending.get(rows.request_ids[j])]
+        if not need:
+            return
+        runner = self.runner
+        rids = [rows.request_ids[j] for j in need]
+        starts = [self.covered[rid] for rid in rids]
+        missed = [self.pending[rid] for rid in rids]
+        pages = rows.select(need).page_lists()
+        roots = [int(rows.starts[j]) for j in need]
+        feats = None
+        if self.capture is not None:
+            md = build_attention_metadata(
+                [len(m) for m in missed], roots, pages, runner.page_size, runner.device
+            )
+            md = dataclasses.replace(md, slot_mapping=torch.full_like(md.slot_mapping, -1))
+            positions = [a + i for a, m in zip(starts, missed) for i in range(len(m))]
+            self.capture.enable()
+            runner.forward(
+                runner.tensor([t for m in missed for t in m]), runner.tensor(positions), md
+            )
+            feats = self.capture.pop()
+            self.capture.disable()
+        nxt = [m[1:] + [int(rows.token_ids[j])] for m, j in zip(missed, need)]
+        new = self.proposer.extend(starts, pages, nxt, feats)
+        for j, rid in enumerate(rids):
+            self._set_state(rid, new[j], roots[j])
+        self.counters.num_catch_ups += len(rids)
+        self.counters.num_catch_up_tokens += sum(len(m) for m in missed)
+
+    def _count(self, accepted: int, proposed: int) -> None:
+        c = self.counters
+        c.num_drafts += 1
+        c.num_draft_tokens += proposed
+        c.num_accepted_tokens += accepted
+        for d in range(accepted):
+            c.accepted_per_pos[d] += 1
