@@ -311,6 +311,12 @@ def config_adapter(architecture: str) -> Callable[[dict[str, Any]], dict[str, An
 @dataclass(frozen=True)
 class ParallelConfig:
     tp_size: int = _f(1, "tensor-parallel degree (GPUs per model replica)")
+    distributed_backend: str = _f(
+        "auto", "collectives between TP ranks: auto (nccl on GPUs, gloo on the CPU) | nccl | "
+        "gloo", choices=("auto", "nccl", "gloo"))
+    step_timeout_s: float = _f(
+        30.0, "a TP step running longer than this means a hung worker: the engine stops "
+        "(seconds)")
 
 
 @dataclass(frozen=True)
@@ -453,3 +459,26 @@ def config_from_cli_args(args: argparse.Namespace, cls: type = EngineConfig, pre
     if base is not None:
         return dataclasses.replace(base, **values)
     return cls(**values)
+
+
+def config_to_dict(config: EngineConfig) -> dict[str, Any]:
+    """Plain JSON-able dict of an EngineConfig (nested configs as dicts)."""
+    return dataclasses.asdict(config)
+
+
+def config_from_dict(values: dict[str, Any], cls: type = EngineConfig) -> Any:
+    """Inverse of `config_to_dict`; unknown keys are an error naming them."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} fields: {', '.join(unknown)}")
+    out: dict[str, Any] = {}
+    for name, value in values.items():
+        tp = _unwrap_optional(hints[name])
+        if dataclasses.is_dataclass(tp) and isinstance(value, dict):
+            value = config_from_dict(value, tp)
+        elif isinstance(value, list):
+            value = tuple(value)
+        out[name] = value
+    return cls(**out)

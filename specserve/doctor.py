@@ -193,23 +193,36 @@ def _symm_mem(facts: dict[str, Any]) -> FastPath:
     return FastPath(name, True, note)
 
 
+def _tensor_parallel(facts: dict[str, Any]) -> FastPath:
+    """Which --tensor-parallel-size values this box can run, and over what links."""
+    name = "NCCL tensor parallelism"
+    n = len(facts["gpus"])
+    if n < 2:
+        return FastPath(name, False, f"needs >= 2 GPUs, found {n}")
+    if not facts["nccl_available"]:
+        return FastPath(name, False, "this torch build has no NCCL")
+    sizes = [s for s in (2, 4, 8) if s <= n]
+    kinds = sorted({link["kind"] for link in facts.get("links", [])})
+    no_peer = [(i, j) for i in range(n) for j in range(i + 1, n)
+               if not facts["peer_access"][i][j]]
+    links = "links " + "/".join(kinds) if kinds else "links unknown (no nvidia-smi topo)"
+    peer = (f"no P2P between GPUs {no_peer[0]} (+{len(no_peer) - 1} more pairs): "
+            "all-reduces go through host memory" if no_peer else "P2P between every pair")
+    return FastPath(name, True, f"TP sizes {','.join(map(str, sizes))} on {n} GPUs; {links}; "
+                    f"{peer}; NCCL {facts['nccl']}")
+
+
 def evaluate_fast_paths(facts: dict[str, Any]) -> list[FastPath]:
     """One verdict per fast path; the first unmet requirement is the reason."""
     if not facts["cuda_available"] or not facts["gpus"]:
         why = "no CUDA GPU visible (torch.cuda.is_available() is False)"
         return [FastPath(name, False, why) for name in FAST_PATHS]
-    n, cc = len(facts["gpus"]), _min_cc(facts)
-    if n < 2:
-        tp = FastPath("NCCL tensor parallelism", False, f"needs >= 2 GPUs, found {n}")
-    elif not facts["nccl_available"]:
-        tp = FastPath("NCCL tensor parallelism", False, "this torch build has no NCCL")
-    else:
-        tp = FastPath("NCCL tensor parallelism", True, f"{n} GPUs, NCCL {facts['nccl']}")
+    cc = _min_cc(facts)
     return [
         _attention(facts),
         FastPath("CUDA graphs", True, ""),
         FastPath("bf16", facts["bf16"], "" if facts["bf16"] else f"compute capability {cc}"),
-        tp,
+        _tensor_parallel(facts),
         _symm_mem(facts),
         FastPath("FP8", cc >= (8, 9), "" if cc >= (8, 9) else f"compute capability {cc} < (8, 9)"),
     ]

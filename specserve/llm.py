@@ -48,6 +48,10 @@ class LLM:
         self.engine = Engine(config.replace(**kwargs), proposer=proposer)
         self.tokenizer = self.engine.tokenizer
 
+    def close(self) -> None:
+        """Stop the engine's TP workers and release its model and KV pool."""
+        self.engine.close()
+
     def generate(self, prompts: str | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[GenerationOutput]:

@@ -155,3 +155,17 @@ def test_report_text_from_facts() -> None:
     text = doctor.format_report(facts)
     assert "0-1  NV18 (NVLink)  peer yes" in text and "cc 9.0" in text
     assert "13.0; driver 580.1" in text
+
+
+def test_tp_verdict_names_sizes_links_and_missing_p2p() -> None:
+    links = [{"a": a, "b": b, "link": "NODE", "kind": "PCIe (same NUMA node)"}
+             for a in range(4) for b in range(a + 1, 4)]
+    facts = _facts([(9, 0)] * 4, links=links)
+    facts["peer_access"][1][2] = facts["peer_access"][2][1] = False
+    usable, reason = _verdicts(facts)["NCCL tensor parallelism"]
+    assert usable
+    assert "TP sizes 2,4 on 4 GPUs" in reason
+    assert "PCIe (same NUMA node)" in reason
+    assert "no P2P between GPUs (1, 2)" in reason
+    facts["peer_access"][1][2] = facts["peer_access"][2][1] = True
+    assert "P2P between every pair" in _verdicts(facts)["NCCL tensor parallelism"][1]

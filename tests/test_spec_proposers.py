@@ -37,7 +37,7 @@ class RepeatProposer:
     aux_layer_ids: tuple[int, ...] = ()
     keeps_state = False
     state_dim = 0
-    kv_specs = ()
+    num_kv_layers = 0
 
     def __init__(self, runner) -> None:
         self.state_dtype = runner.dtype

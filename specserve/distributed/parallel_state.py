@@ -56,6 +56,16 @@ def get_tp_group() -> dist.ProcessGroup | None:
     return _TP_GROUP
 
 
+def min_over_ranks(value: int) -> int:
+    """The smallest of every rank's `value` (each rank passes its own); `value` when alone."""
+    if _TP_GROUP is None:
+        return value
+    device = "cuda" if dist.get_backend(_TP_GROUP) == "nccl" else "cpu"
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_TP_GROUP)
+    return int(t.item())
+
+
 def destroy() -> None:
     """Leave the group (safe to call when never initialised)."""
     global _TP_RANK, _TP_SIZE, _TP_GROUP

@@ -12,24 +12,21 @@ Not thread-safe: one thread owns an Engine (the server runs it in its own thread
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import logging
 import random
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from specserve.config import EngineConfig, ModelConfig
+from specserve.config import EngineConfig
+from specserve.engine.executor import Executor
+from specserve.engine.local_worker import ProposerFactory, resolve_model
 from specserve.engine.request import Request
 from specserve.engine.scheduler import Scheduler, SchedulerOutput
 from specserve.engine.spec_policy import SpecPolicy, StaticPolicy
 from specserve.engine.step_builder import build_step_input
 from specserve.kv_cache.allocator import PageAllocator
-from specserve.models.loader import resolve_model_path
-from specserve.models.presets import PRESETS
 from specserve.sampling_params import SamplingParams
-from specserve.speculative.proposer import Proposer
 from specserve.speculative.worker import SpecWorker
 from specserve.tokenizer import (
     IncrementalDetokenizer,
@@ -38,7 +35,6 @@ from specserve.tokenizer import (
     has_tokenizer,
     load_tokenizer,
 )
-from specserve.worker.model_runner import ModelRunner
 from specserve.worker.step_input import StepOutput
 
 log = logging.getLogger(__name__)
@@ -67,23 +63,14 @@ class _TextState:
 
 class Engine:
     def __init__(self, config: EngineConfig,
-                 proposer: Callable[[ModelRunner], Proposer] | None = None) -> None:
-        """proposer: builds the drafter from the runner (a class with a `kv_specs` attribute:
-        the page layouts of its own KV layers); default: the one config.spec.algorithm names. With one, the engine
+                 proposer: ProposerFactory | None = None) -> None:
+        """proposer: builds the drafter from the runner (a class with a `num_kv_layers`
+        attribute); default: the one config.spec.algorithm names. With one, the engine
         speculates with the draft shape of config.spec."""
         if not config.model:
             raise ValueError("no model given: pass --model PATH (a directory or cached repo id)")
-        if config.parallel.tp_size != 1:
-            raise ValueError(
-                f"--tp-size {config.parallel.tp_size}: the layers are tensor-parallel but the "
-                "multi-process engine runtime is not built yet; use --tp-size 1")
         self.model_name = config.model
-        if config.load_format == "dummy" and config.model in PRESETS:
-            self.model_path = None
-            self.model_config = ModelConfig.from_hf(PRESETS[config.model])
-        else:
-            self.model_path = resolve_model_path(config.model)
-            self.model_config = ModelConfig.from_hf(self.model_path)
+        self.model_path, self.model_config = resolve_model(config)
         self.tokenizer = self._load_tokenizer(config)
         max_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
         self.max_model_len = min(max_len, self.model_config.max_position_embeddings)
@@ -94,23 +81,12 @@ class Engine:
                         "there (sliding-window attention is not implemented)", window)
             self.max_model_len = window
         self.config = config.replace(scheduler={"max_model_len": self.max_model_len})
-        self.drafter: SpecWorker | None = None
-        draft_kv: list = []  # the proposer's own KV layers, after the target's in one pool
-        if proposer is not None:
-            draft_kv = list(proposer.kv_specs)
-        elif config.spec.enabled:
-            from specserve.models.eagle3 import eagle3_kv_specs
-            from specserve.speculative.eagle3 import load_draft_config
-
-            draft_kv = eagle3_kv_specs(load_draft_config(config.spec, self.model_config))
         t0 = time.perf_counter()
-        self.runner = ModelRunner(self.config, self.model_config, self.model_path, draft_kv)
-        if proposer is None and config.spec.enabled:
-            from specserve.speculative.eagle3 import Eagle3Proposer
-
-            proposer = functools.partial(Eagle3Proposer, self.config.spec)
-        if proposer is not None:
-            self.drafter = SpecWorker(self.config.spec, self.runner, proposer(self.runner))
+        # rank 0 here; with tp_size > 1 the other ranks in worker processes
+        self.executor = Executor(self.config, self.model_path, proposer)
+        self.runner = self.executor.runner
+        self.drafter: SpecWorker | None = self.executor.drafter
+        self._drafter = self.drafter  # kept while speculation is switched off
         self.spec_policy: SpecPolicy = StaticPolicy()
         self.startup_seconds = time.perf_counter() - t0
         self.allocator = PageAllocator(self.runner.num_pages)
@@ -121,7 +97,6 @@ class Engine:
                                    self.max_model_len, eos)
         if self.drafter is not None:
             self.scheduler.lookahead = self.drafter.lookahead
-        self._drafter = self.drafter
         self._set_keep_ahead()
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
@@ -146,12 +121,9 @@ class Engine:
             raise ValueError("speculation can only be switched while no request is in flight")
         if enabled and self._drafter is None:
             raise ValueError("this engine was built without a draft model")
-        self.drafter = self._drafter if enabled else None
+        self.executor.control("set_speculation", enabled=enabled)
+        self.drafter = self.executor.drafter
         self.scheduler.lookahead = self._drafter.lookahead if enabled else 0
-        self.runner.discard_launched()
-        if self._drafter is not None:
-            self._drafter.discard_launched()
-            self._drafter.release_all()  # nothing is in flight: no draft state is valid
         self._set_keep_ahead()
 
     def _set_keep_ahead(self) -> None:
@@ -214,7 +186,7 @@ class Engine:
         if not out.scheduled:
             self._release(out)
             return []
-        result = self._worker.execute(build_step_input(out, speculate))
+        result = self.executor.execute(build_step_input(out, speculate))
         self._record_spec(out, result)
         self.scheduler.update(out, result.token_ids, result.num_computed)
         outputs = self._postprocess(out)
@@ -222,15 +194,11 @@ class Engine:
             self._release(self.scheduler.schedule())
         return outputs
 
-    @property
-    def _worker(self) -> ModelRunner | SpecWorker:
-        return self.drafter if self.drafter is not None else self.runner
-
     def _release(self, out: SchedulerOutput) -> None:
         """An empty plan still carries release lists: a step of no rows delivers them."""
         assert not out.scheduled
         if out.finished_ids or out.preempted:
-            self._worker.execute(build_step_input(out))
+            self.executor.execute(build_step_input(out))
 
     @staticmethod
     def _record_spec(out: SchedulerOutput, result: StepOutput) -> None:
@@ -295,3 +263,8 @@ class Engine:
 
     def get_request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
+
+    def close(self) -> None:
+        """Stop the TP workers and drop the model, KV pool and graphs (idempotent)."""
+        self.executor.close()
+        self.runner = self.drafter = self._drafter = None

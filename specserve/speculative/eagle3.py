@@ -25,7 +25,7 @@ from specserve.kernels.topk import top_log_probs
 from specserve.layers.attention_metadata import ForwardContext, set_forward_context
 from specserve.layers.rotary import ensure_rope_capacity
 from specserve.models.capture import default_aux_layer_ids, find_embedding_and_head
-from specserve.models.eagle3 import Eagle3Head, eagle3_kv_specs, load_eagle3_head
+from specserve.models.eagle3 import Eagle3Head, load_eagle3_head
 from specserve.speculative.cycle import kv_slots
 from specserve.speculative.proposer import DraftShape
 from specserve.speculative.tree import DraftTree, TreeAccumulator
@@ -61,7 +61,7 @@ class Eagle3Proposer:
     def __init__(self, spec: SpecConfig, runner) -> None:  # runner: ModelRunner
         self.runner = runner
         self.head = self._load_head(spec, runner)
-        self.kv_specs = eagle3_kv_specs(self.head.config)
+        self.num_kv_layers = 1
         # RoPE tables cover every position before any graph is captured (no growth later)
         ensure_rope_capacity(self.head, runner.max_positions)
         runner.kv_pool.bind([self.head.midlayer.attn], first_layer=len(runner.attn_layers))

@@ -25,13 +25,11 @@ target's features recomputed by a forward that writes no KV).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from specserve.kv_cache.spec import KVCacheSpec
 from specserve.speculative.tree import DraftTree
 from specserve.speculative.verify import VerifyResult
 
@@ -70,8 +68,7 @@ class Proposer(Protocol):
     keeps_state: bool  # covers a prefix of each request's positions (see module docstring)
     state_dim: int  # width of the per-request state row
     state_dtype: torch.dtype
-    # page layouts of its own KV layers (bound after the target's, in the same pool)
-    kv_specs: Sequence[KVCacheSpec]
+    num_kv_layers: int  # layers of its own in the KV pool (bound after the target's)
 
     def scratch_slots(self, shape: DraftShape) -> int:
         """KV slots past the root that `propose` writes (its own layers only)."""

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from specserve.config import EngineConfig, ModelConfig
+from specserve.distributed.parallel_state import min_over_ranks
 from specserve.kv_cache.pool import KVPool, plan_num_pages
 from specserve.kv_cache.spec import KVCacheSpec
 from specserve.layers.attention import attention_modules
@@ -183,6 +184,8 @@ class ModelRunner:
         cc = self.config.cache
         specs = [m.kv_spec for m in self.attn_layers] + self.extra_kv_specs
         num_pages = plan_num_pages(cc, specs, self.dtype, self.device)
+        # every rank holds the same pages (one allocator on rank 0): the least free memory wins
+        num_pages = min_over_ranks(num_pages)
         # one spare page past the allocator's range: CUDA-graph padding rows point at it
         self.spare_page = num_pages
         return KVPool(specs, num_pages + 1, cc.page_size, self.dtype, self.device)

@@ -1,0 +1,87 @@
+"""One rank's worker: the model runner and, with speculation, the speculative worker over it.
+
+Rank 0 builds it in the engine process, every other TP rank in its worker process
+(engine/tp_worker.py), from the same resolved EngineConfig: each holds its shard of the
+weights and of the KV pool and runs every StepInput itself.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from specserve.config import EngineConfig, ModelConfig
+from specserve.models.loader import resolve_model_path
+from specserve.models.presets import PRESETS
+from specserve.speculative.proposer import Proposer
+from specserve.speculative.worker import SpecWorker
+from specserve.worker.model_runner import ModelRunner
+from specserve.worker.step_input import StepInput, StepOutput
+
+ProposerFactory = Callable[[ModelRunner], Proposer]
+
+
+def resolve_model(config: EngineConfig) -> tuple[str | None, ModelConfig]:
+    """(checkpoint directory or None for a dummy preset, its normalised config)."""
+    if config.load_format == "dummy" and config.model in PRESETS:
+        return None, ModelConfig.from_hf(PRESETS[config.model])
+    path = resolve_model_path(config.model)
+    return path, ModelConfig.from_hf(path)
+
+
+class LocalWorker:
+    def __init__(self, runner: ModelRunner, drafter: SpecWorker | None) -> None:
+        self.runner = runner
+        self._drafter = drafter  # built once; None without a proposer
+        self.drafter = drafter  # the active one (None while speculation is switched off)
+
+    def execute(self, step: StepInput) -> StepOutput:
+        worker = self.drafter if self.drafter is not None else self.runner
+        return worker.execute(step)
+
+    def control(self, op: str, **args: Any) -> None:
+        """A change of worker state every rank applies at the same point between steps."""
+        if op == "set_speculation":
+            enabled = bool(args["enabled"])
+            self.drafter = self._drafter if enabled else None
+            self.runner.discard_launched()
+            if self._drafter is not None:
+                self._drafter.discard_launched()
+                self._drafter.release_all()  # nothing is in flight: no draft state is valid
+        else:
+            raise ValueError(f"unknown worker control operation {op!r}")
+
+    def close(self) -> None:
+        """Drop the references to the model, KV pool and graphs (freed with the last one)."""
+        self.runner = None  # type: ignore[assignment]
+        self.drafter = self._drafter = None
+
+
+def build_local_worker(config: EngineConfig, model_path: str | None,
+                       proposer: ProposerFactory | None = None) -> LocalWorker:
+    """config: the engine's resolved config (max_model_len set). proposer: builds the drafter
+    from the runner (a class with a `num_kv_layers` attribute); default: the one
+    config.spec.algorithm names."""
+    if model_path is None:
+        model_config = ModelConfig.from_hf(PRESETS[config.model])
+    else:
+        model_config = ModelConfig.from_hf(model_path)
+    draft_kv = []  # the proposer's own KV layers, after the target's in one pool
+    if proposer is not None:
+        draft_kv = list(getattr(proposer, "kv_specs", ()))
+        if len(draft_kv) != proposer.num_kv_layers:
+            raise ValueError("a proposer with KV layers of its own lists their KVCacheSpecs as "
+                             "`kv_specs` (one per layer)")
+    elif config.spec.enabled:
+        from specserve.models.eagle3 import eagle3_kv_specs
+        from specserve.speculative.eagle3 import load_draft_config
+
+        draft_kv = eagle3_kv_specs(load_draft_config(config.spec, model_config))
+    runner = ModelRunner(config, model_config, model_path, draft_kv)
+    if proposer is None and config.spec.enabled:
+        from specserve.speculative.eagle3 import Eagle3Proposer
+
+        proposer = functools.partial(Eagle3Proposer, config.spec)
+    drafter = SpecWorker(config.spec, runner, proposer(runner)) if proposer is not None else None
+    return LocalWorker(runner, drafter)
