@@ -96,8 +96,13 @@ def test_eagle3_greedy_equals_plain(targets, head, single, name: str, spec: str)
     if spec == "tree2x8":  # force preemptions: a pool far smaller than the batch needs
         kw = dict(cache=CacheConfig(page_size=4, num_pages=40),
                   scheduler=SchedulerConfig(max_num_batched_tokens=32))  # fmt: skip
-    llm = LLM(targets[name], device="cpu", dtype="float32",
-              speculative=dict(algorithm="eagle3", draft_model=head, **SPEC[spec]), **kw)
+    llm = LLM(
+        targets[name],
+        device="cpu",
+        dtype="float32",
+        speculative=dict(algorithm="eagle3", draft_model=head, **SPEC[spec]),
+        **kw,
+    )
     preempted = record_preemptions(llm.engine.scheduler)
     outs = llm.generate(prompts, GREEDY)
     for p, o in zip(prompts, outs):
@@ -154,3 +159,26 @@ def test_floor_counts_the_experts_a_step_reads(targets, single) -> None:
             outs[out.request_id] += out.new_token_ids
     for i, p in zip(ids, prompts):
         assert outs[i] == single["deepseek_v3"][tuple(p)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", [None, "chain3"])
+def test_tp2_engine_equals_single_requests(targets, head, single, spec: str | None) -> None:
+    """The multi-process TP runtime (gloo): MLA heads, routed and shared experts and the dense
+    MLP split over 2 ranks give the tokens of TP 1."""
+    from specserve.config import ParallelConfig
+
+    prompts = _prompts(8, 0)[:4]
+    llm = LLM(
+        targets["deepseek_v3"],
+        device="cpu",
+        dtype="float32",
+        parallel=ParallelConfig(tp_size=2),
+        speculative=spec and dict(algorithm="eagle3", draft_model=head, **SPEC[spec]),
+    )
+    try:
+        outs = llm.generate(prompts, GREEDY)
+    finally:
+        llm.close()
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == single["deepseek_v3"][tuple(p)], f"TP 2 {spec} diverged on {p}"

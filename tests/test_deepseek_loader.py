@@ -173,3 +173,24 @@ def test_embedding_and_head_must_be_unambiguous(ckpt: str) -> None:
     model.extra_head = model.lm_head.__class__(16, 64)
     with pytest.raises(ValueError, match="one LM head, found 1 and 2"):
         find_embedding_and_head(model)
+
+
+@pytest.mark.parametrize("name,layers,experts,heads", [
+    ("kimi-k2-3l", ["dense", "moe", "moe"], 384, 64),
+    ("deepseek-v3-4l", ["dense", "moe", "moe", "moe"], 256, 128),
+])  # fmt: skip
+def test_cost_presets(name: str, layers: list[str], experts: int, heads: int) -> None:
+    """Real per-layer dims, few layers; built on the meta device (no memory)."""
+    from specserve.layers.moe import DeepseekMoE
+    from specserve.models.loader import build_model
+    from specserve.models.presets import PRESETS
+
+    cfg = ModelConfig.from_hf(PRESETS[name])
+    assert cfg.mla is not None and cfg.mla.kv_lora_rank == 512 and cfg.num_heads == heads
+    model = build_model(cfg, torch.bfloat16, "meta")
+    kinds = ["moe" if isinstance(layer.mlp, DeepseekMoE) else "dense"
+             for layer in model.model.layers]  # fmt: skip
+    assert kinds == layers
+    moe = model.model.layers[1].mlp
+    assert moe.experts.w13_weight.shape == (experts, 2 * 2048, 7168)
+    assert moe.gate.weight.dtype == torch.float32

@@ -294,11 +294,14 @@ def run(args: argparse.Namespace) -> int:
             check_point(engine, bs, ctx, args.output_len)
     points = []
     experts: dict[int, list[int]] = {}  # MoE: routed experts a decode step reads, per batch
+    # the probe is one eager forward on this process: with TP ranks elsewhere the floor
+    # counts top_k experts per token instead
+    probe_experts = floor and config.parallel.tp_size == 1
     for ctx in contexts:
         for bs in batch_sizes:
             prompts = make_prompts(engine, args.prompts, bs, ctx, config.seed)
             points.append(bench_point(engine, prompts, modes, args.output_len, args.runs,
-                                      args.warmup, experts if floor else None))
+                                      args.warmup, experts if probe_experts else None))
     first = make_prompts(engine, args.prompts, 1, contexts[0], config.seed)[0]
     refs = measure_references(engine, batch_sizes, floor, args.compare_hf, first,
                               args.output_len, args.runs, args.warmup, experts or None)
