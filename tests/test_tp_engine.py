@@ -19,7 +19,7 @@ from tiny_eagle import make_tiny_eagle3_head
 from tiny_models import make_tiny_checkpoint, record_preemptions
 
 from specserve.config import CacheConfig, ParallelConfig, SchedulerConfig
-from specserve.engine.tp_group import EngineDeadError
+from specserve.engine.errors import EngineDeadError
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
 

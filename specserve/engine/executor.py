@@ -13,17 +13,25 @@ from __future__ import annotations
 
 import logging
 import socket
-from typing import Any
+import zlib
+from typing import TYPE_CHECKING, Any
 
 from specserve.config import EngineConfig, config_to_dict
 from specserve.distributed import parallel_state
-from specserve.engine.channel import pack
+from specserve.engine.errors import EngineDeadError
 from specserve.engine.local_worker import LocalWorker, ProposerFactory, build_local_worker
-from specserve.engine.tp_group import EngineDeadError, WorkerGroup
-from specserve.engine.tp_worker import token_digest
 from specserve.worker.step_input import StepInput, StepOutput
 
+if TYPE_CHECKING:  # the TP group (and ZMQ) are imported only when tp_size > 1
+    from specserve.engine.tp_group import WorkerGroup
+
 log = logging.getLogger(__name__)
+
+
+def token_digest(digest: int, token_ids: list[list[int]]) -> int:
+    """Running CRC32 over a step's emitted tokens (rows in order, -1 between rows)."""
+    flat = [t for row in token_ids for t in (*row, -1)]
+    return zlib.crc32(repr(flat).encode(), digest)
 
 
 def _free_port() -> int:
@@ -59,6 +67,8 @@ class Executor:
         if parallel_state.get_tp_size() != 1:
             raise ValueError("this process already is a rank of a TP group: close the other "
                              "engine first (one TP engine per process)")
+        from specserve.engine.tp_group import WorkerGroup
+
         backend = distributed_backend(config)
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         spec = {"config": config_to_dict(config), "model_path": model_path,
@@ -113,6 +123,8 @@ class Executor:
 
     def control(self, op: str, **args: Any) -> None:
         if self.group is not None:
+            from specserve.engine.channel import pack
+
             self.group.send(b"control", pack({"op": op, **args}))
         self.local.control(op, **args)
 

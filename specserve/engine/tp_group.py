@@ -28,15 +28,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from specserve.engine.channel import EngineChannel
+from specserve.engine.errors import EngineDeadError
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05
 EXIT_STATUS_DEAD = 70
-
-
-class EngineDeadError(RuntimeError):
-    """A TP worker died or hung: the engine cannot run another step (restart it)."""
 
 
 def _package_root() -> str:

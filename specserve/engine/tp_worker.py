@@ -18,7 +18,6 @@ import logging
 import signal
 import sys
 import traceback
-import zlib
 
 from specserve.engine.channel import WorkerChannel, unpack
 
@@ -34,12 +33,6 @@ def _die_with_parent() -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):  # pragma: no cover - not Linux
         pass
-
-
-def token_digest(digest: int, token_ids: list[list[int]]) -> int:
-    """Running CRC32 over a step's emitted tokens (rows in order, -1 between rows)."""
-    flat = [t for row in token_ids for t in (*row, -1)]
-    return zlib.crc32(repr(flat).encode(), digest)
 
 
 def main(argv: list[str]) -> int:
@@ -67,6 +60,7 @@ def _serve(spec: dict, channel: WorkerChannel) -> int:
 
     from specserve.config import config_from_dict
     from specserve.distributed import parallel_state
+    from specserve.engine.executor import token_digest
     from specserve.engine.local_worker import build_local_worker
     from specserve.worker.step_input import StepInput
 

@@ -16,8 +16,10 @@ rows and columns in use. Values already on the device are copied device to devic
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -130,6 +132,22 @@ def _numpy(t: torch.Tensor) -> np.ndarray | None:
         return None
 
 
+@contextlib.contextmanager
+def no_gc_during_capture() -> Iterator[None]:
+    """Keep the cyclic garbage collector off while a graph is captured.
+
+    torch no longer collects when a capture begins, so a collection triggered mid-capture could
+    free an earlier engine's CUDA graphs or events: their destruction is a CUDA call that is
+    not permitted while a stream captures, and it invalidates the capture (collect before)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 class BatchGraphs:
     def __init__(self, fn: BatchFn, inputs: dict[str, torch.Tensor],
                  pads: dict[str, int | float | bool], max_bs: int, name: str,
@@ -143,6 +161,7 @@ class BatchGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, Sequence[torch.Tensor]] = {}
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        gc.collect()  # garbage holding CUDA objects goes now, not during a capture
         for bs in tqdm(list(reversed(self.buckets)), desc=f"capturing {name} graphs",
                        leave=False):
             self._capture(bs)
@@ -155,7 +174,7 @@ class BatchGraphs:
                 self.fn(**self.inputs.views(bs))
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with no_gc_during_capture(), torch.cuda.graph(graph, pool=self.pool):
             self.outputs[bs] = tuple(self.fn(**self.inputs.views(bs)))
         self.graphs[bs] = graph
 
