@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks in one invocation (an H200 or any CUDA machine):
 #   bash scripts/gpu_suite.sh OUT_DIR [steps]
-# steps: any of tests,profile,plain,spec,match,serve,mla,quant (default: all but profile and quant).
-# Results and logs go to OUT_DIR;
+# steps: any of tests,profile,plain,spec,moe,match,serve,mla,quant (default: all but profile and
+# quant). Results and logs go to OUT_DIR;
 # benchmark rows are appended to experiments/ (LOG.md, results.jsonl, PNGs).
 set -u
-out=${1:-out}; steps=${2:-tests,plain,spec,match,serve,mla}
+out=${1:-out}; steps=${2:-tests,plain,spec,moe,match,serve,mla}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -48,6 +48,22 @@ if has spec; then
       --label "llama-3.1-8b $3 synthetic AL4" --json-out "$out/$3.json" > "$out/$3.log" 2>&1
     echo "$3 rc=$?"; tail -12 "$out/$3.log"
   done
+fi
+if has moe; then
+  # Kimi K2 dims, 1 dense + 2 MoE layers (384 experts), random weights: bs-1 decode vs the
+  # active-weight floor (attention + router + shared + top-8 routed experts + LM head), bs 64 vs
+  # the floor of the experts the batch touches (counted on the run's requests), then EAGLE-3
+  # chain 3 at a synthetic accept length of 3 (efficiency at bs 1)
+  moe=(--model kimi-k2-3l --load-format dummy --context-len 1024 --output-len 64 --runs 3
+       --warmup 1 --log --exp-dir experiments)
+  timeout 300 "${ss[@]}" bench latency "${moe[@]}" --batch-sizes 1,64 --max-num-seqs 64 --floor \
+    --label "kimi-k2-3l plain" --json-out "$out/kimi-plain.json" > "$out/kimi-plain.log" 2>&1
+  echo "kimi-k2-3l plain rc=$?"; tail -12 "$out/kimi-plain.log"
+  timeout 300 "${ss[@]}" bench latency "${moe[@]}" --batch-sizes 1 --max-num-seqs 4 \
+    --spec-algorithm eagle3 --spec-draft-model dummy --spec-num-steps 3 --spec-topk 1 \
+    --spec-synthetic-accept-len 3 --cuda-graph-max-bs 4 --label "kimi-k2-3l chain3 synthetic AL3" \
+    --json-out "$out/kimi-chain3.json" > "$out/kimi-chain3.log" 2>&1
+  echo "kimi-k2-3l chain3 rc=$?"; tail -10 "$out/kimi-chain3.log"
 fi
 if has quant; then
   timeout 300 python -m pytest -q -m gpu -n 4 -rfE --tb=short -p no:cacheprovider \

@@ -13,6 +13,7 @@ import json
 import os
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,103 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 def _f(default: Any, help: str, **kw: Any) -> Any:
     """A dataclass field carrying its CLI help text."""
     return field(default=default, metadata={"help": help, **kw})
+
+
+def _first(hf: dict[str, Any], *names: str, default: Any = None) -> Any:
+    """The value of the first of `names` present (and not null) in `hf`: one field, several
+    spellings (hub config.json vs transformers' saved names)."""
+    for name in names:
+        if hf.get(name) is not None:
+            return hf[name]
+    return default
+
+
+MOE_TOPK_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """DeepSeek-style mixture of experts (DeepSeek-V2/V3, Kimi K2, GLM-4.5+).
+
+    Routing: sigmoid (or softmax) scores; `noaux_tc` adds e_score_correction_bias for the
+    selection only; n_group / topk_group restrict the choice to the best groups; weights from
+    the unbiased scores, renormalised if norm_topk_prob, times routed_scaling_factor.
+    """
+
+    num_experts: int  # routed experts
+    num_experts_per_tok: int
+    intermediate_size: int  # of one routed expert
+    num_shared_experts: int = 0  # one shared MLP of intermediate_size * num_shared_experts
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    scoring_func: str = "sigmoid"  # sigmoid | softmax
+    topk_method: str = "noaux_tc"  # noaux_tc | greedy | group_limited_greedy
+    first_k_dense_replace: int = 0  # layers below this one have a dense MLP
+    moe_layer_freq: int = 1  # a layer at or past first_k_dense_replace is MoE if i % freq == 0
+    # explicit per-layer kinds ("dense" / "sparse"), when a config gives them
+    mlp_layer_types: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.scoring_func not in ("sigmoid", "softmax"):
+            raise ValueError(
+                f"scoring_func must be 'sigmoid' or 'softmax', got {self.scoring_func!r}"
+            )
+        if self.topk_method not in MOE_TOPK_METHODS:
+            raise ValueError(
+                f"topk_method must be one of {MOE_TOPK_METHODS}, got {self.topk_method!r}"
+            )
+        if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
+            raise ValueError(
+                f"n_group ({self.n_group}) must divide n_routed_experts ({self.num_experts}) "
+                f"and 1 <= topk_group ({self.topk_group}) <= n_group"
+            )
+        per_group = self.num_experts // self.n_group
+        if self.n_group > 1 and self.topk_method == "noaux_tc" and per_group < 2:
+            raise ValueError("noaux_tc group scores sum the top 2 experts: need >= 2 per group")
+        if not 0 < self.num_experts_per_tok <= self.topk_group * per_group:
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be >= 1 and at most the "
+                f"experts of the topk_group kept groups ({self.topk_group * per_group})"
+            )
+
+    @property
+    def has_correction_bias(self) -> bool:
+        return self.topk_method == "noaux_tc"
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        if self.mlp_layer_types is not None:
+            return self.mlp_layer_types[layer_idx] == "sparse"
+        return layer_idx >= self.first_k_dense_replace and layer_idx % self.moe_layer_freq == 0
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> MoEConfig | None:
+        """The MoE fields of a config.json (hub or transformers-saved spelling); None if the
+        model has no routed experts."""
+        num_experts = _first(hf, "n_routed_experts", "num_local_experts", "num_experts")
+        if not num_experts:
+            return None
+        method = _first(hf, "topk_method", default="noaux_tc")
+        scoring = _first(
+            hf, "scoring_func", default="sigmoid" if method == "noaux_tc" else "softmax"
+        )
+        layer_types = hf.get("mlp_layer_types")
+        return cls(
+            num_experts=int(num_experts),
+            num_experts_per_tok=int(_first(hf, "num_experts_per_tok", "moe_top_k", default=1)),
+            intermediate_size=int(_first(hf, "moe_intermediate_size", "intermediate_size")),
+            num_shared_experts=int(_first(hf, "n_shared_experts", "num_shared_experts", default=0)),
+            n_group=int(_first(hf, "n_group", default=1)),
+            topk_group=int(_first(hf, "topk_group", default=1)),
+            norm_topk_prob=bool(_first(hf, "norm_topk_prob", default=method == "noaux_tc")),
+            routed_scaling_factor=float(_first(hf, "routed_scaling_factor", default=1.0)),
+            scoring_func=str(scoring),
+            topk_method=str(method),
+            first_k_dense_replace=int(_first(hf, "first_k_dense_replace", default=0)),
+            moe_layer_freq=int(_first(hf, "moe_layer_freq", default=1)),
+            mlp_layer_types=tuple(layer_types) if layer_types else None,
+        )
 
 
 @dataclass(frozen=True)
@@ -62,7 +160,8 @@ class MLAConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The normalised view of a model's config.json (llama family, and EAGLE-3 heads)."""
+    """The normalised view of a model's config.json (llama family, DeepSeek-V2/V3 family with
+    nested MLA and MoE fields, EAGLE-3 heads)."""
 
     architecture: str
     vocab_size: int
@@ -98,6 +197,10 @@ class ModelConfig:
     # hf_quant_config.json (tagged {"quant_method": "modelopt", ...}); None = unquantized.
     # Parsed by specserve.layers.quantization; an EAGLE-3 head never inherits it.
     quantization: dict | None = field(default=None, hash=False, compare=False)
+    # routed experts (DeepSeek-V2/V3, Kimi K2); None = dense MLPs
+    moe: MoEConfig | None = None
+    # MTP / NextN layers stored after the decoder layers (DeepSeek-V3: 1; not used yet)
+    num_mtp_layers: int = 0
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any] | str | os.PathLike) -> ModelConfig:
@@ -114,14 +217,13 @@ class ModelConfig:
                 hf = json.load(fh)
         hf = dict(hf)
         quantization = _read_quantization(hf, quant_file)
-        if "text_config" in hf and "hidden_size" not in hf:  # wrapper (e.g. vision-language)
-            inner = dict(hf["text_config"])
-            inner.setdefault("architectures", hf.get("architectures"))
-            hf = inner
+        hf = config_adapter((hf.get("architectures") or [""])[0])(hf)
         archs = hf.get("architectures") or ["LlamaForCausalLM"]
         heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
-        head_dim = hf.get("head_dim") or hidden // heads
+        mla = MLAConfig.from_hf(hf)
+        # MLA: the q/k head dim (transformers saves head_dim = qk_rope_head_dim)
+        head_dim = mla.qk_head_dim if mla else hf.get("head_dim") or hidden // heads
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         eagle = hf.get("eagle_config") or {}
@@ -137,6 +239,8 @@ class ModelConfig:
             rope_scaling = dict(rope_scaling)
             kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
             rope_scaling["rope_type"] = kind
+            for spelling in ("type", "rope_theta"):  # one spelling of the kind; theta apart
+                rope_scaling.pop(spelling, None)
             if kind == "default":
                 rope_scaling = None
         arch = archs[0]
@@ -166,9 +270,51 @@ class ModelConfig:
             norm_before_residual=bool(hf.get("norm_before_residual", False)),
             sliding_window=hf.get("sliding_window") if hf.get("use_sliding_window", True)
             else None,
-            mla=MLAConfig.from_hf(hf),
+            mla=mla,
             quantization=quantization,
+            moe=MoEConfig.from_hf(hf),
+            num_mtp_layers=int(_first(hf, "num_nextn_predict_layers", "num_mtp_layers", default=0)),
         )
+
+
+# Config adapters: an architecture's config.json -> the flat text-model config `from_hf` reads.
+
+def _unwrap_text_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """A wrapper (vision-language) config: its text_config, under the text model's own
+    architecture when it names one (the wrapper's weights are then its text model's)."""
+    if "text_config" not in hf or "hidden_size" in hf:
+        return hf
+    inner = dict(hf["text_config"])
+    inner.setdefault("architectures", hf.get("architectures"))
+    return inner
+
+
+def _wrapped_text_model(hf: dict[str, Any]) -> dict[str, Any]:
+    """A wrapper served text-only by its own model class (which maps the wrapper's weight
+    names): the text_config, under the WRAPPER's architecture; token ids and tying fall back
+    to the wrapper's fields."""
+    if "text_config" not in hf:
+        raise ValueError(
+            f"{hf.get('architectures')}: config.json has no text_config; expected the "
+            "language model's config nested under text_config"
+        )
+    inner = dict(hf["text_config"])
+    for key in ("bos_token_id", "eos_token_id", "tie_word_embeddings", "torch_dtype", "dtype"):
+        if inner.get(key) is None and hf.get(key) is not None:
+            inner[key] = hf[key]
+    inner["architectures"] = hf["architectures"]
+    return inner
+
+
+CONFIG_ADAPTERS = {
+    "KimiK25ForConditionalGeneration": _wrapped_text_model,
+    "Kimi_K25ForConditionalGeneration": _wrapped_text_model,  # transformers' spelling
+}
+
+
+def config_adapter(architecture: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """The adapter of `architecture` (default: unwrap any text_config)."""
+    return CONFIG_ADAPTERS.get(architecture, _unwrap_text_config)
 
 
 def _read_quantization(hf: dict[str, Any], quant_file: str | None) -> dict | None:

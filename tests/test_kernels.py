@@ -9,12 +9,8 @@ line of results that `test_interpreter` reads.
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
-import os
-import subprocess
 import sys
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +21,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from interpreted import report, run_interpreted  # noqa: E402
 
 from specserve.kernels import fused_ops as fo  # noqa: E402
 from specserve.kernels import kv_store  # noqa: E402
@@ -302,13 +300,7 @@ INTERPRETER_CHECKS = {
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, str]:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, cwd=REPO, capture_output=True, text=True, timeout=600
-    )
-    lines = proc.stdout.strip().splitlines()
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1])
+    return run_interpreted(__file__)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
@@ -462,12 +454,4 @@ def test_cuda_graph_replay_gpu(tree: bool, fused_combine: bool) -> None:
 
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run through test_interpreter"
-    results = {}
-    for check_name, check in INTERPRETER_CHECKS.items():
-        try:
-            check()
-            results[check_name] = "ok"
-        except Exception:
-            results[check_name] = traceback.format_exc(limit=4)
-    print(json.dumps(results))
+    report(INTERPRETER_CHECKS)

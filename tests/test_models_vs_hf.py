@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import LLAMA3_ROPE, PagedSession, make_hf_model, make_tiny_checkpoint
+from tiny_models import (
+    LLAMA3_ROPE,
+    PagedSession,
+    make_hf_model,
+    make_kimi_k25_checkpoint,
+    make_tiny_checkpoint,
+)
 
 from specserve.config import ModelConfig
 from specserve.models.loader import load_model
@@ -33,15 +39,31 @@ CASES = {
     "head_dim_32": ("llama", {"head_dim": 32}),
     "past_max_position": ("qwen3", {"max_position_embeddings": 8}),  # RoPE cache must grow
     "sharded_mqa": ("mistral", {"max_shard_size": "20KB", "num_key_value_heads": 1}),
+    # MLA + MoE: DeepSeek-V3 routing (4 groups, 2 kept, random correction bias), layer 0 dense
+    "deepseek_v3": ("deepseek_v3", {}),
+    # Kimi K2 routing (one group), top 3 of 8, two MoE layers after one dense
+    "kimi_k2": ("deepseek_v3", {"n_group": 1, "topk_group": 1, "num_experts_per_tok": 3}),
+    # softmax routing over groups by their best expert, no bias, plain rope
+    "deepseek_v2": ("deepseek_v2", {}),
+    # the Kimi K2.5 wrapper, hub names and NVIDIA's `language_model.layers.*` names; the
+    # reference is the plain DeepseekV3 with the same weights
+    "kimi_k25": ("kimi_k25", {}),
+    "kimi_k25_nvfp4_names": ("kimi_k25", {"nvfp4_names": True}),
 }
+MOE_CASES = {"deepseek_v3", "kimi_k2", "deepseek_v2", "kimi_k25", "kimi_k25_nvfp4_names"}
 
 
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
     family, overrides = CASES[request.param]
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), family, **overrides)
-    hf_kwargs = {k: v for k, v in overrides.items() if k != "max_shard_size"}
-    hf = make_hf_model(family, **hf_kwargs)  # same seed: the same weights as saved
+    where = tmp_path_factory.mktemp(request.param)
+    if family == "kimi_k25":
+        path = make_kimi_k25_checkpoint(where, **overrides)
+        hf = make_hf_model("deepseek_v3", n_group=1, topk_group=1)  # the same weights
+    else:
+        path = make_tiny_checkpoint(where, family, **overrides)
+        hf_kwargs = {k: v for k, v in overrides.items() if k != "max_shard_size"}
+        hf = make_hf_model(family, **hf_kwargs)  # same seed: the same weights as saved
     config = ModelConfig.from_hf(path)
     model = load_model(config, path, torch.float32, torch.device("cpu"))
     gen = torch.Generator().manual_seed(1)
@@ -111,6 +133,9 @@ def test_prefill_then_decode(case: dict) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_cuda_matches_transformers(case: dict, dtype: torch.dtype) -> None:
+    if case["name"] in MOE_CASES and dtype == torch.bfloat16:
+        pytest.skip("bf16 activations move router near-ties against the fp32 reference (a "
+                    "flipped expert is a different function); test_moe_layer covers bf16 MoE")
     config = ModelConfig.from_hf(case["path"])
     model = load_model(config, case["path"], dtype, torch.device("cuda"))
     scale = max(ref.abs().max().item() for ref in case["refs"])

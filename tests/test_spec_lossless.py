@@ -10,13 +10,12 @@ import random
 
 import pytest
 import torch
-from tiny_eagle import make_tiny_eagle3_head
+from tiny_eagle import make_tiny_eagle3_head, oracle_propose
 from tiny_models import make_tiny_checkpoint, record_preemptions
 
 from specserve.config import CacheConfig, SchedulerConfig
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
-from specserve.speculative.tree import TreeAccumulator
 
 MAX_TOKENS = 24
 CONFIGS = {
@@ -95,65 +94,12 @@ def test_greedy_speculation_equals_plain(pair, reference, name: str, bs: int) ->
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_total
 
 
-def _oracle_propose(llm: LLM, reference: dict, decoys: bool):
-    """A drafter that knows the target's greedy continuation. With decoys, the true depth-1
-    token gets a sibling scored above it (whose subtree is kept too), so the accepted path's
-    nodes are not at slots 1, 2, ... and its KV must be compacted into place."""
-    drafter = llm.engine.drafter
-    k, steps = drafter.k, drafter.num_steps
-    device = drafter.runner.device
-
-    def truth(req, root: int, depth: int) -> int:
-        full = list(req.prompt_token_ids) + reference[tuple(req.prompt_token_ids)]
-        pos = root + depth
-        return full[pos] if pos < len(full) else 0
-
-    def logp_and_ids(true_ids: list[int], decoy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        # [bs, k]: the true token first, or second behind a better-scored decoy
-        rows_lp, rows_id = [], []
-        for t in true_ids:
-            ids = [t] + [(t + 7 * (j + 1)) % 500 for j in range(k - 1)]
-            lp = [0.0] + [-2.0 - j for j in range(k - 1)]
-            if decoy and k > 1:
-                ids[0], ids[1] = ids[1], ids[0]
-                lp[0], lp[1] = -0.1, -0.2
-            rows_id.append(ids)
-            rows_lp.append(lp)
-        return torch.tensor(rows_lp, device=device), torch.tensor(rows_id, device=device)
-
-    stash: list = []
-    speculate = drafter.cycles.speculate
-
-    def spy(rows, *args, **kw):
-        stash[:] = [rows]
-        return speculate(rows, *args, **kw)
-
-    drafter.cycles.speculate = spy
-
-    def propose(shape, state, root_pos, root_tokens, page_table, valid):
-        reqs = [llm.engine.get_request(rid) for rid in stash[0].request_ids]
-        roots = stash[0].starts.tolist()
-        lp, ids = logp_and_ids([truth(r, p, 1) for r, p in zip(reqs, roots)], decoys)
-        acc = TreeAccumulator(lp, ids, None)
-        for s in range(1, steps):
-            # children of every frontier slot: the true next token only matters on the true path
-            child_lp, child_ids = [], []
-            for r, p in zip(reqs, roots):
-                lp_b, id_b = logp_and_ids([truth(r, p, s + 1)] * k, False)
-                child_lp.append(lp_b)
-                child_ids.append(id_b)
-            acc.extend(torch.stack(child_lp), torch.stack(child_ids))
-        return acc.build(root_tokens, drafter.n)
-
-    return propose
-
-
 @pytest.mark.parametrize("steps", [1, 3, 5])
 def test_oracle_chain_accept_length_is_exact(pair, reference, steps: int) -> None:
     # eager: the oracle replaces a Python method, which a captured graph would not call
     llm = _llm(pair[0], dict(algorithm="eagle3", draft_model=pair[1], num_steps=steps, topk=1),
                enforce_eager=True)
-    llm.engine.drafter.proposer.propose = _oracle_propose(llm, reference, decoys=False)
+    llm.engine.drafter.proposer.propose = oracle_propose(llm, reference, decoys=False)
     prompts = [list(p) for p in reference][:4]
     cycles = 3
     # one token from the prefill, then `cycles` full cycles of steps + 1 tokens
@@ -177,7 +123,7 @@ def test_oracle_tree_with_decoys_compacts_kv(pair, reference, topk: int, n: int)
     nodes' KV is moved into place."""
     llm = _llm(pair[0], dict(algorithm="eagle3", draft_model=pair[1], num_steps=3, topk=topk,
                              num_draft_tokens=n), enforce_eager=True)
-    llm.engine.drafter.proposer.propose = _oracle_propose(llm, reference, decoys=True)
+    llm.engine.drafter.proposer.propose = oracle_propose(llm, reference, decoys=True)
     prompts = [list(p) for p in reference][:4]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
                                                 ignore_eos=True))

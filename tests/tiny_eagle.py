@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import save_file
+
+from specserve.speculative.tree import TreeAccumulator
+
+if TYPE_CHECKING:
+    from specserve.llm import LLM
 
 
 def make_tiny_eagle3_head(path: str, target_dir: str, draft_vocab_size: int | None = 64,
@@ -75,3 +81,56 @@ def make_tiny_eagle3_head(path: str, target_dir: str, draft_vocab_size: int | No
     with open(os.path.join(path, "config.json"), "w") as fh:
         json.dump(cfg, fh, indent=2)
     return path
+
+
+def oracle_propose(llm: LLM, reference: dict, decoys: bool):
+    """A drafter that knows the target's greedy continuation. With decoys, the true depth-1
+    token gets a sibling scored above it (whose subtree is kept too), so the accepted path's
+    nodes are not at slots 1, 2, ... and its KV must be compacted into place."""
+    drafter = llm.engine.drafter
+    k, steps = drafter.k, drafter.num_steps
+    device = drafter.runner.device
+
+    def truth(req, root: int, depth: int) -> int:
+        full = list(req.prompt_token_ids) + reference[tuple(req.prompt_token_ids)]
+        pos = root + depth
+        return full[pos] if pos < len(full) else 0
+
+    def logp_and_ids(true_ids: list[int], decoy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        # [bs, k]: the true token first, or second behind a better-scored decoy
+        rows_lp, rows_id = [], []
+        for t in true_ids:
+            ids = [t] + [(t + 7 * (j + 1)) % 500 for j in range(k - 1)]
+            lp = [0.0] + [-2.0 - j for j in range(k - 1)]
+            if decoy and k > 1:
+                ids[0], ids[1] = ids[1], ids[0]
+                lp[0], lp[1] = -0.1, -0.2
+            rows_id.append(ids)
+            rows_lp.append(lp)
+        return torch.tensor(rows_lp, device=device), torch.tensor(rows_id, device=device)
+
+    stash: list = []
+    speculate = drafter.cycles.speculate
+
+    def spy(rows, *args, **kw):
+        stash[:] = [rows]
+        return speculate(rows, *args, **kw)
+
+    drafter.cycles.speculate = spy
+
+    def propose(shape, state, root_pos, root_tokens, page_table, valid):
+        reqs = [llm.engine.get_request(rid) for rid in stash[0].request_ids]
+        roots = stash[0].starts.tolist()
+        lp, ids = logp_and_ids([truth(r, p, 1) for r, p in zip(reqs, roots)], decoys)
+        acc = TreeAccumulator(lp, ids, None)
+        for s in range(1, steps):
+            # children of every frontier slot: the true next token only matters on the true path
+            child_lp, child_ids = [], []
+            for r, p in zip(reqs, roots):
+                lp_b, id_b = logp_and_ids([truth(r, p, s + 1)] * k, False)
+                child_lp.append(lp_b)
+                child_ids.append(id_b)
+            acc.extend(torch.stack(child_lp), torch.stack(child_ids))
+        return acc.build(root_tokens, drafter.n)
+
+    return propose

@@ -7,7 +7,47 @@ import random
 
 import torch
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "deepseek_v3", "deepseek_v2")
+
+# a yarn rope like Kimi K2's (beta_fast = beta_slow = 1), scaled 4x from 128 positions
+DEEPSEEK_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 50000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 128,
+    "beta_fast": 1.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+# DeepSeek-V3 shapes shrunk (research note section 5): MLA, 8 routed experts in 4 groups of which
+# 2 are kept, top 2, one shared expert, layer 0 dense, no MTP layer
+DEEPSEEK_TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.827,
+    norm_topk_prob=True,
+    num_mtp_layers=0,
+    rope_parameters=DEEPSEEK_YARN,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -26,6 +66,8 @@ def _classes(family: str) -> tuple[type, type, str]:
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, "Qwen2ForCausalLM"),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, "Qwen3ForCausalLM"),
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM, "MistralForCausalLM"),
+        "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM, "DeepseekV3ForCausalLM"),
+        "deepseek_v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM, "DeepseekV2ForCausalLM"),
     }
     if family not in table:
         raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES}")
@@ -47,6 +89,9 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(0.2 * noise)
             else:
                 p.copy_(noise / p.shape[-1] ** 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # selection only; some negative
+                b.copy_(0.1 * torch.randn(b.shape, generator=gen))
 
 
 def make_hf_model(
@@ -54,8 +99,26 @@ def make_hf_model(
 ) -> torch.nn.Module:
     """The transformers model (fp32, eager attention, eval) with random weights."""
     config_cls, model_cls, arch = _classes(family)
+    kwargs: dict = dict(vocab_size=vocab_size, architectures=[arch])
+    if family.startswith("deepseek"):
+        kwargs.update(DEEPSEEK_TINY)
+        if family == "deepseek_v2":  # softmax routing, no correction bias, plain rope
+            kwargs.update(topk_method="group_limited_greedy", norm_topk_prob=False,
+                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+            kwargs.pop("num_mtp_layers")
+    else:
+        kwargs.update(_llama_kwargs(family))
+    kwargs.update(config_overrides)
+    config = config_cls(**kwargs)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = model_cls(config).float().eval()
+    _randomize(model, seed)
+    return model
+
+
+def _llama_kwargs(family: str) -> dict:
     kwargs: dict = dict(
-        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -65,17 +128,10 @@ def make_hf_model(
         rms_norm_eps=1e-6,
         rope_theta=10000.0,
         tie_word_embeddings=False,
-        architectures=[arch],
     )
     if family == "qwen3":
         kwargs["head_dim"] = 32  # Qwen3 declares head_dim; make it differ from hidden / heads
-    kwargs.update(config_overrides)
-    config = config_cls(**kwargs)
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = model_cls(config).float().eval()
-    _randomize(model, seed)
-    return model
+    return kwargs
 
 
 def make_tiny_checkpoint(
@@ -98,11 +154,64 @@ def make_tiny_checkpoint(
     save_kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(path, **save_kwargs)
     if tokenizer:
-        try:
-            from tiny_tokenizer import make_tiny_tokenizer
-        except ImportError:
-            from tests.tiny_tokenizer import make_tiny_tokenizer
-        make_tiny_tokenizer(path, vocab_size=vocab_size)
+        _add_tokenizer(path, vocab_size)
+    return path
+
+
+def _add_tokenizer(path: str, vocab_size: int) -> None:
+    try:
+        from tiny_tokenizer import make_tiny_tokenizer
+    except ImportError:
+        from tests.tiny_tokenizer import make_tiny_tokenizer
+    make_tiny_tokenizer(path, vocab_size=vocab_size)
+
+
+def make_kimi_k25_checkpoint(
+    path: str | os.PathLike, seed: int = 0, vocab_size: int = 512, nvfp4_names: bool = False,
+    **config_overrides: object,
+) -> str:  # fmt: skip
+    """A Kimi K2.5 wrapper checkpoint written by hand (transformers' own save writes
+    `language_model.model.blocks.*`, not the hub's names): the tiny DeepseekV3 with Kimi's
+    routing (one group) that `make_hf_model("deepseek_v3", seed, vocab_size, n_group=1,
+    topk_group=1, **config_overrides)` builds, its tensors under `language_model.` (layers as
+    `language_model.layers.*` with nvfp4_names, as NVIDIA's exports spell them), a few vision
+    tensors, the wrapper config.json with the text config in the hub's spelling, and a
+    tokenizer."""
+    import json
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+
+    path = os.fspath(path)
+    overrides = {"n_group": 1, "topk_group": 1, **config_overrides}
+    model = make_hf_model("deepseek_v3", seed, vocab_size, **overrides)
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)  # per-expert tensor names
+        tensors = load_file(os.path.join(tmp, "model.safetensors"))
+    out = {}
+    for name, t in tensors.items():
+        if nvfp4_names and name.startswith("model.layers."):
+            name = name[len("model.") :]
+        out["language_model." + name] = t
+    gen = torch.Generator().manual_seed(seed)
+    out["vision_tower.encoder.blocks.0.wqkv.weight"] = torch.randn(96, 32, generator=gen)
+    out["vision_tower.patch_embed.proj.weight"] = torch.randn(32, 3, 2, 2, generator=gen)
+    out["mm_projector.proj.0.weight"] = torch.randn(64, 32, generator=gen)
+    os.makedirs(path, exist_ok=True)
+    save_file(out, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    text = model.config.to_dict()
+    rope = dict(text.pop("rope_parameters"))  # hub spelling: rope_theta + rope_scaling.type
+    text["rope_theta"] = rope.pop("rope_theta")
+    text["rope_scaling"] = {"type": rope.pop("rope_type"), **rope}
+    text.update(model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"])
+    config = {
+        "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+        "tie_word_embeddings": False, "media_placeholder_token_id": 163605,
+        "text_config": text, "vision_config": {"model_type": "moonvit", "hidden_size": 32},
+    }  # fmt: skip
+    with open(os.path.join(path, "config.json"), "w") as fh:
+        json.dump(config, fh)
+    _add_tokenizer(path, vocab_size)
     return path
 
 

@@ -1,9 +1,13 @@
-"""Tiny quantized Llama checkpoints, quantized here with plain torch (no quantization library).
+"""Tiny quantized checkpoints (Llama, DeepSeek-V3), quantized here with plain torch (no
+quantization library).
 
 Each format turns a dense fp32 [N, K] weight into the tensors its producer writes (the real
 names, dtypes and layouts) and into the fp32 weight those tensors mean; the reference model is
-transformers' Llama with the dequantized weights (and, for W8A8 formats, its linear inputs
-fake-quantized the way the format quantizes activations).
+transformers' model with the dequantized weights (and, for W8A8 formats, its linear inputs
+fake-quantized the way the format quantizes activations). DeepSeek-V3: the MLA projections,
+dense MLPs and shared experts are quantized; the routed experts stay dense (the config's
+ignore list names them); kv_b_proj's input is never quantized (the engine dequantizes that
+weight at load and reads it as W_UK / W_UV).
 """
 
 from __future__ import annotations
@@ -14,11 +18,15 @@ from collections.abc import Callable
 
 import torch
 from safetensors.torch import save_file
-from tiny_models import make_hf_model
+from tiny_models import DEEPSEEK_TINY, make_hf_model
 from tiny_tokenizer import make_tiny_tokenizer
 
 FP8 = torch.float8_e4m3fn
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEARS = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+    "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+)  # fmt: skip
+DENSE_INPUT = ("kv_b_proj",)  # dequantized at load: its input is never quantized
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 # head_dim 64: q/k/v shards (256/128/128) and gate/up (384) fall on 128-row blocks
 SHAPE = dict(
@@ -146,7 +154,21 @@ def _ct_config(weights: dict, acts: dict | None, fmt: str) -> dict:
     }
 
 
-def quant_config(fmt: str) -> dict:
+def quant_config(fmt: str, dense_experts: list[str] | None = None) -> dict:
+    """The checkpoint's quantization config; `dense_experts`: the routed-expert modules
+    (`model.layers.L.mlp.experts`) left unquantized, added to the format's ignore list."""
+    raw = _quant_config(fmt)
+    if dense_experts:
+        if fmt == "fp8-block":
+            raw["ignored_layers"] = list(dense_experts)
+        elif raw["quant_method"] == "compressed-tensors":
+            raw["ignore"] = [*raw["ignore"], r"re:.*\.experts\..*"]
+        else:
+            raw["ignore"] = [*raw["ignore"], "*.experts.*"]
+    return raw
+
+
+def _quant_config(fmt: str) -> dict:
     fp8w = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False}
     if fmt == "fp8-block":
         return {
@@ -220,6 +242,8 @@ def _fake_quant_groups(x: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def activation_quant(fmt: str, module_name: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    if module_name.endswith(DENSE_INPUT):
+        return None
     if fmt in ("fp8-block", "ct-fp8-block"):
         return lambda x: _fake_quant_groups(x, 128)
     if fmt == "ct-fp8-channel":
@@ -237,17 +261,37 @@ def activation_quant(fmt: str, module_name: str) -> Callable[[torch.Tensor], tor
 SHARD_OF = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "gate_proj": 0, "up_proj": 1}
 
 
+def _per_expert(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """transformers' stacked expert tensors (gate_up_proj [E, 2I, H], down_proj [E, H, I])
+    under the per-expert names a checkpoint stores."""
+    prefix, _, kind = name.rpartition(".")
+    if kind == "down_proj":
+        return {f"{prefix}.{e}.down_proj.weight": t for e, t in enumerate(tensor)}
+    inter = tensor.shape[1] // 2
+    return {
+        f"{prefix}.{e}.{part}_proj.weight": t[i * inter : (i + 1) * inter]
+        for e, t in enumerate(tensor)
+        for i, part in enumerate(("gate", "up"))
+    }
+
+
 def make_quantized_checkpoint(
-    path: str | os.PathLike, fmt: str, seed: int = 0, **overrides: object
+    path: str | os.PathLike, fmt: str, seed: int = 0, family: str = "llama", **overrides: object
 ) -> torch.nn.Module:
-    """Write a tiny Llama in `fmt` at `path`; return the fp32 reference transformers model."""
+    """Write a tiny `family` model (llama | deepseek_v3) in `fmt` at `path`; return the fp32
+    reference transformers model."""
     path = os.fspath(path)
-    model = make_hf_model("llama", seed, **{**SHAPE, **overrides})
+    shape = SHAPE if family == "llama" else DEEPSEEK_TINY
+    model = make_hf_model(family, seed, **{**shape, **overrides})
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     out: dict[str, torch.Tensor] = {}
+    experts = sorted({n.rsplit(".", 1)[0] for n in state if ".mlp.experts." in n})
     for name, tensor in state.items():
         module, _, leaf = name.rpartition(".")
         part = module.rsplit(".", 1)[-1]
+        if module in experts:  # routed experts: dense, per-expert names
+            out.update({k: t.contiguous() for k, t in _per_expert(name, tensor).items()})
+            continue
         if part not in LINEARS or leaf != "weight":
             out[name] = tensor
             continue
@@ -271,13 +315,13 @@ def make_quantized_checkpoint(
                         "quant_algo": "NVFP4",
                         "kv_cache_quant_algo": None,
                         "group_size": 16,
-                        "exclude_modules": ["lm_head"],
+                        "exclude_modules": ["lm_head"] + (["*.experts.*"] if experts else []),
                     },
                 },
                 fh,
             )
     else:
-        config["quantization_config"] = quant_config(fmt)
+        config["quantization_config"] = quant_config(fmt, experts)
     with open(os.path.join(path, "config.json"), "w") as fh:
         json.dump(config, fh)
     make_tiny_tokenizer(path, vocab_size=config["vocab_size"])

@@ -7,7 +7,10 @@
   weight bytes / time is the bandwidth the matmuls achieve. A quantized linear streams the
   bytes its format reads (`linear_stream_bytes`): its packed codes, viewed as an
   activation-dtype matrix (no copy), and its scales, whose bytes over all layers go into one
-  more matrix of that size (one extra matmul).
+  more matrix of that size (one extra matmul). A MoE layer contributes its router, its shared
+  experts and only the routed experts a step reads: top_k at batch 1, and at larger batches the
+  distinct experts the batch's tokens touch, counted on the benchmark's own requests
+  (`touched_experts`); each routed expert streams its matrices in their stored format too.
 - Device copy bandwidth: read + write bytes of a large device-to-device copy over its time.
 - The transformers peer: `generate` on a transformers model of the same shape whose parameters
   are views of ours (same random init, no second copy of the weights), with a static cache
@@ -21,12 +24,14 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+
+from specserve.layers.moe import DeepseekMoE
 
 GIB = 1 << 30
 CPU_COPY_BYTES = 64 << 20  # the CPU form copies less: it is a smoke test, not a ceiling
@@ -64,10 +69,12 @@ def linear_stream_bytes(linear: nn.Module) -> int:
     return linear.quant_method.stream_bytes(linear)
 
 
-def floor_weights(model: nn.Module) -> list[torch.Tensor]:
+def floor_weights(model: nn.Module, experts: Sequence[int] | None = None) -> list[torch.Tensor]:
     """Every 2-D weight of the decoder layers in order (qkv, o, gate_up, down per layer), then
     the LM head: the tensors a decode step must stream from memory. Quantized linears give
-    their codes as a matrix in the activation dtype, and their scales' bytes one more matrix."""
+    their codes as a matrix in the activation dtype, and their scales' bytes one more matrix.
+    A MoE layer's routed experts count `experts[j]` each (its j-th MoE block; default: its
+    top_k), as 2-D slices of the stacked weights: w13[e] then w2[e]."""
     from specserve.layers.linear import LinearBase
 
     layers = next((m for name, m in model.named_modules()
@@ -77,22 +84,69 @@ def floor_weights(model: nn.Module) -> list[torch.Tensor]:
         raise ValueError(f"{type(model).__name__} has no decoder `layers` list and `lm_head`; "
                          "the weight-stream floor supports decoder-only language models")
     dtype = head.weight.dtype
-    weights, extra = [], 0
+    weights: list[torch.Tensor] = []
+    extra = 0  # scale bytes, streamed as one more matrix
+
+    def stream(tensors: list[torch.Tensor]) -> None:
+        nonlocal extra
+        codes = tensors[0]  # the same bytes, as a matrix a matmul streams
+        weights.append(codes if codes.dtype == dtype
+                       else codes.reshape(codes.shape[0], -1).view(dtype))
+        extra += sum(t.numel() * t.element_size() for t in tensors[1:])
+
+    j = 0  # MoE blocks so far
     for layer in layers:
         linears = [m for m in layer.modules() if isinstance(m, LinearBase)]
-        owned = {id(p) for m in linears for p in m.parameters(recurse=False)}
+        blocks = [m for m in layer.modules() if isinstance(m, DeepseekMoE)]
+        owned = {id(p) for m in [*linears, *(b.experts for b in blocks)]
+                 for p in m.parameters(recurse=False)}
         for linear in linears:
-            codes = linear.quant_method.stream_tensors(linear)[0]
-            matrix = codes if codes.dtype == dtype else codes.reshape(codes.shape[0], -1).view(
-                dtype)  # the same bytes, as a matrix a matmul streams
-            weights.append(matrix)
-            extra += linear_stream_bytes(linear) - codes.numel() * codes.element_size()
+            stream(linear.quant_method.stream_tensors(linear))
         weights += [p for p in layer.parameters() if p.dim() == 2 and id(p) not in owned]
+        for block in blocks:
+            n = block.gate.rule.top_k if experts is None else experts[j]
+            for e in range(n):
+                for tensors in block.experts.stream_tensors(e):
+                    stream(tensors)
+            j += 1
     if extra:
         width = head.weight.shape[1]
         rows = -(-extra // (width * head.weight.element_size()))
         weights.append(torch.zeros(rows, width, dtype=dtype, device=head.weight.device))
     return [*weights, head.weight]
+
+
+def moe_blocks(model: nn.Module) -> list[DeepseekMoE]:
+    return [m for m in model.modules() if isinstance(m, DeepseekMoE)]
+
+
+@torch.inference_mode()
+def touched_experts(engine: Any, request_ids: Sequence[str]) -> list[int]:
+    """Distinct routed experts each MoE block reads in one decode step of these running
+    requests (one entry per block; [] for a dense model): each request's newest computed token
+    is run again at its position, eagerly, with the routers observed. The KV it rewrites is
+    its own slot, with the value it already holds."""
+    from specserve.worker.forward_batch import build_attention_metadata
+
+    blocks = moe_blocks(engine.runner.model)
+    if not blocks:
+        return []
+    runner = engine.runner
+    reqs = [engine.get_request(rid) for rid in request_ids]
+    positions = [r.num_computed_tokens - 1 for r in reqs]
+    tokens = [r.all_token_ids[p] for r, p in zip(reqs, positions)]
+    md = build_attention_metadata([1] * len(reqs), [p + 1 for p in positions],
+                                  [list(r.page_ids) for r in reqs], runner.page_size,
+                                  runner.device)  # fmt: skip
+    counts: list[int] = []
+    hooks = [b.gate.register_forward_hook(
+        lambda _m, _in, out: counts.append(int(out[1].unique().numel()))) for b in blocks]
+    try:
+        runner.forward(runner.tensor(tokens), runner.tensor(positions), md)
+    finally:
+        for h in hooks:
+            h.remove()
+    return counts
 
 
 @dataclass
@@ -101,6 +155,7 @@ class FloorPoint:
     ms: float  # median of the replays
     weight_bytes: int
     graphed: bool  # one CUDA graph (False: eager launches on the CPU)
+    experts_per_layer: list[int] = field(default_factory=list)  # routed experts read (MoE)
 
     @property
     def bandwidth_gbs(self) -> float:
@@ -111,25 +166,29 @@ class FloorPoint:
         return {**asdict(self), "bandwidth_gbs": self.bandwidth_gbs}
 
 
-def _chain(weights: list[torch.Tensor], inputs: dict[int, torch.Tensor]) -> None:
-    for w in weights:  # w [out, in]; inputs[in] [bs, in] -> [bs, out], discarded
-        torch.mm(inputs[w.shape[1]], w.t())
+def _chain(weights: list[torch.Tensor], inputs: dict[tuple, torch.Tensor]) -> None:
+    for w in weights:  # w [out, in]; inputs[in, dtype] [bs, in] -> [bs, out], discarded
+        torch.mm(inputs[w.shape[1], w.dtype], w.t())
 
 
 @torch.inference_mode()
 def measure_floor(model: nn.Module, batch_sizes: list[int], replays: int = 100,
-                  warmup: int = 5) -> list[FloorPoint]:
-    """Median time of the weight-stream matmul chain at each batch size."""
-    weights = floor_weights(model)
-    device, dtype = weights[0].device, weights[0].dtype
-    nbytes = sum(w.numel() * w.element_size() for w in weights)
-    graphed = device.type == "cuda"
+                  warmup: int = 5, experts: dict[int, list[int]] | None = None
+                  ) -> list[FloorPoint]:  # fmt: skip
+    """Median time of the weight-stream matmul chain at each batch size; `experts[bs]`: the
+    routed experts each MoE block reads at that batch (default: top_k)."""
     points = []
     for bs in batch_sizes:
-        inputs = {k: torch.randn(bs, k, device=device, dtype=dtype)
-                  for k in sorted({w.shape[1] for w in weights})}
+        touched = (experts or {}).get(bs)
+        weights = floor_weights(model, touched)
+        device = weights[0].device
+        nbytes = sum(w.numel() * w.element_size() for w in weights)
+        graphed = device.type == "cuda"
+        inputs = {(k, dt): torch.randn(bs, k, device=device, dtype=dt)
+                  for k, dt in sorted({(w.shape[1], w.dtype) for w in weights}, key=str)}
 
-        def step(inputs: dict[int, torch.Tensor] = inputs) -> None:
+        def step(inputs: dict[tuple, torch.Tensor] = inputs,
+                 weights: list[torch.Tensor] = weights) -> None:
             _chain(weights, inputs)
 
         if graphed:
@@ -147,7 +206,8 @@ def measure_floor(model: nn.Module, batch_sizes: list[int], replays: int = 100,
             run = step
         time_ms(run, device, warmup)
         ms = statistics.median(time_ms(run, device, replays))
-        points.append(FloorPoint(bs, ms, nbytes, graphed))
+        per_layer = touched or [b.gate.rule.top_k for b in moe_blocks(model)]
+        points.append(FloorPoint(bs, ms, nbytes, graphed, list(per_layer)))
         del inputs
         if graphed:
             del graph
@@ -311,15 +371,15 @@ def measure_hf_generate(peer: nn.Module, prompt: list[int], output_len: int, run
 
 
 def measure_references(engine: Any, batch_sizes: list[int], floor: bool, compare_hf: bool,
-                       prompt: list[int], output_len: int, runs: int,
-                       warmup: int) -> dict[str, Any]:
+                       prompt: list[int], output_len: int, runs: int, warmup: int,
+                       experts: dict[int, list[int]] | None = None) -> dict[str, Any]:
     """The floor at each batch size and the transformers peer at batch 1, as JSON-ready dicts;
-    a part not measured carries {"skipped": reason}."""
+    a part not measured carries {"skipped": reason}. `experts`: see measure_floor."""
     from specserve.bench.stats import summarize
 
     out: dict[str, Any] = {}
     if floor:
-        points = measure_floor(engine.runner.model, batch_sizes)
+        points = measure_floor(engine.runner.model, batch_sizes, experts=experts)
         out["floor"] = {"points": [p.to_dict() for p in points]}
     else:
         out["floor"] = {"skipped": "off by default without CUDA; --floor runs an eager CPU form"}
@@ -347,6 +407,8 @@ def describe_references(report: dict[str, Any], speedup: dict[str, float] | None
              f"{copy['nbytes'] / GIB:.2f} GiB)"]
     lines += [f"floor bs {f['batch_size']}: {f['ms']:.3f} ms, {f['weight_bytes'] / 1e9:.3f} GB "
               f"at {f['bandwidth_gbs']:.0f} GB/s" + ("" if f["graphed"] else " (eager, no graph)")
+              + (f", routed experts read per MoE layer {f['experts_per_layer']}"
+                 if f.get("experts_per_layer") else "")
               for f in floor.get("points", ())]
     if "skipped" in floor:
         lines.append(f"floor: skipped ({floor['skipped']})")

@@ -25,10 +25,11 @@ import math
 import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from specserve.bench.floor import describe_references, sync
+from specserve.bench.floor import describe_references, sync, touched_experts
 from specserve.bench.log import append_result, environment_info
 from specserve.bench.stats import (
     Summary,
@@ -76,8 +77,10 @@ def _spec_counters(engine: Any) -> tuple[int, int, list[int]]:
     return stats["num_drafts"], stats["num_accepted_tokens"], list(stats["accepted_per_pos"])
 
 
-def run_once(engine: Any, prompts: list[list[int]], output_len: int, spec: bool) -> RunResult:
-    """Prefill the batch, then time a decode phase of >= output_len tokens per request."""
+def run_once(engine: Any, prompts: list[list[int]], output_len: int, spec: bool,
+             probe: Callable[[list[str]], None] | None = None) -> RunResult:
+    """Prefill the batch, then time a decode phase of >= output_len tokens per request;
+    `probe(request ids)` runs after the timed phase, before the requests are aborted."""
     per_step = engine.config.spec.verify_tokens if spec else 1
     budget = engine.config.scheduler.max_num_batched_tokens
     prefill_steps = math.ceil(sum(map(len, prompts)) / budget) + 2
@@ -110,6 +113,8 @@ def run_once(engine: Any, prompts: list[list[int]], output_len: int, spec: bool)
         decode_s = time.perf_counter() - t0
         sync(engine.runner.device)
         after = _spec_counters(engine) if spec else (0, 0, [])
+        if probe is not None:
+            probe(ids)
     finally:  # the engine is left empty either way
         for i in ids:
             engine.abort_request(i)
@@ -207,14 +212,24 @@ def check_point(engine: Any, batch_size: int, context_len: int, output_len: int)
 
 
 def bench_point(engine: Any, prompts: list[list[int]], modes: list[str], output_len: int,
-                runs: int, warmup: int) -> dict[str, ModeResult]:
-    """Warm-up, then `runs` timed runs per mode, interleaved A B A B."""
+                runs: int, warmup: int, experts: dict[int, list[int]] | None = None
+                ) -> dict[str, ModeResult]:  # fmt: skip
+    """Warm-up, then `runs` timed runs per mode, interleaved A B A B. With `experts` (a MoE
+    model), the routed experts the batch touches in a decode step after the last run are
+    recorded as experts[bs] (for the floor)."""
     bs, ctx = len(prompts), len(prompts[0])
     results = {m: ModeResult(m, bs, ctx, []) for m in modes}
+
+    def probe(ids: list[str]) -> None:
+        assert experts is not None
+        experts.setdefault(bs, touched_experts(engine, ids))
+
     for i in range(warmup + runs):
         for mode in modes:
             engine.set_speculation(mode == SPEC)
-            run = run_once(engine, prompts, output_len, mode == SPEC)
+            last = i == warmup + runs - 1 and mode == modes[0]
+            run = run_once(engine, prompts, output_len, mode == SPEC,
+                           probe if last and experts is not None else None)
             if i >= warmup:
                 results[mode].runs.append(run)
             log.info("bs %d ctx %d %s run %d: %.1f tok/s", bs, ctx, mode, i - warmup,
@@ -278,14 +293,18 @@ def run(args: argparse.Namespace) -> int:
         for bs in batch_sizes:
             check_point(engine, bs, ctx, args.output_len)
     points = []
+    experts: dict[int, list[int]] = {}  # MoE: routed experts a decode step reads, per batch
+    # the probe is one eager forward on this process: with TP ranks elsewhere the floor
+    # counts top_k experts per token instead
+    probe_experts = floor and config.parallel.tp_size == 1
     for ctx in contexts:
         for bs in batch_sizes:
             prompts = make_prompts(engine, args.prompts, bs, ctx, config.seed)
             points.append(bench_point(engine, prompts, modes, args.output_len, args.runs,
-                                      args.warmup))
+                                      args.warmup, experts if probe_experts else None))
     first = make_prompts(engine, args.prompts, 1, contexts[0], config.seed)[0]
     refs = measure_references(engine, batch_sizes, floor, args.compare_hf, first,
-                              args.output_len, args.runs, args.warmup)
+                              args.output_len, args.runs, args.warmup, experts or None)
     spec = config.spec
     report = {
         "benchmark": "latency", "label": args.label, "model": config.model,

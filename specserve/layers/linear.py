@@ -22,7 +22,13 @@ from torch import nn
 
 from specserve.distributed.comm import all_reduce
 from specserve.distributed.parallel_state import get_tp_rank, get_tp_size
-from specserve.layers.quantization.base import ParamSpec, QuantConfig, add_param, load_shard
+from specserve.layers.quantization.base import (
+    ParamSpec,
+    QuantConfig,
+    add_param,
+    check_dense_dtype,
+    load_shard,
+)
 from specserve.layers.quantization.unquantized import UNQUANTIZED
 
 
@@ -47,6 +53,7 @@ def copy_shard(
     dim None: `loaded` is replicated and must match `param` exactly. Otherwise the rank's block
     of `shard_size` rows along `dim` goes to param[param_offset : param_offset + shard_size].
     """
+    check_dense_dtype(loaded)
     target = param.data
     source = loaded
     expected = list(target.shape)
@@ -77,6 +84,10 @@ class LinearBase(nn.Module):
 
     out_shards[i] = (full size, local offset, local size) of fused shard i along the output
     (one entry for an unfused layer); out_split / in_split: whether TP splits that axis.
+    reduce_output (row-parallel layers): False returns this rank's partial product, for a
+    caller that adds several partials and reduces once. dequantize_after_loading: a layer whose
+    weight its owner reads as a dense matrix (MLA's kv_b_proj, viewed as W_UK / W_UV) loads in
+    the checkpoint's format, then becomes a dense layer holding the dequantized weight.
     """
 
     out_split = False
@@ -89,8 +100,14 @@ class LinearBase(nn.Module):
         bias: bool = False,
         quant_config: QuantConfig | None = None,
         prefix: str = "",
+        *,
+        reduce_output: bool = True,
+        dequantize_after_loading: bool = False,
     ) -> None:
         super().__init__()
+        self.reduce_output = reduce_output
+        self.dequantize_after_loading = dequantize_after_loading
+        self.params_dtype = torch.get_default_dtype()
         if isinstance(output_sizes, int):
             output_sizes = [output_sizes]
         self.tp_rank = get_tp_rank()
@@ -126,6 +143,12 @@ class LinearBase(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         self.quant_method.process_weights_after_loading(self)
+        if self.dequantize_after_loading and self.quant_method is not UNQUANTIZED:
+            weight = self.quant_method.dequantized_weight(self).to(self.params_dtype)
+            for name in [n for n in self._parameters if n != "bias"]:
+                del self._parameters[name]
+            self.quant_method = UNQUANTIZED
+            self.weight = nn.Parameter(weight, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)
@@ -204,7 +227,8 @@ class QKVParallelLinear(LinearBase):
 class RowParallelLinear(LinearBase):
     """Input features split over ranks; partial products summed with all_reduce.
 
-    The bias is replicated and added once: by rank 0, before the sum.
+    The bias is replicated and added once: by rank 0, before the sum. `reduce_output=False`
+    returns the partial product, for a caller that adds several partials and reduces once.
     """
 
     in_split = True
@@ -212,4 +236,5 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, input_size / tp] -> partial [T, output_size], summed over ranks
         bias = self.bias if self.tp_rank == 0 else None
-        return all_reduce(self.quant_method.apply(self, x, bias))
+        out = self.quant_method.apply(self, x, bias)
+        return all_reduce(out) if self.reduce_output else out

@@ -41,8 +41,9 @@ Interface for model code (DeepseekV3 / Kimi decoder layers):
 Parameter names are the checkpoint's under `self_attn.` (q_a_proj, q_a_layernorm, q_b_proj or
 q_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj; biases iff attention_bias),
 each with its `weight_loader`, so `load_weights` passes them through unchanged. W_UK / W_UV
-are views of kv_b_proj.weight taken at each forward: loading (or random init) needs no
-post-processing step.
+are views of kv_b_proj.weight taken at each forward. With a quantized checkpoint the
+projections take the format its config gives them, except kv_b_proj: it loads in that format
+and is dequantized to the activation dtype after loading (its only post-processing step).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ from specserve.layers.linear import (
     divide,
 )
 from specserve.layers.norm import RMSNorm
+from specserve.layers.quantization.base import QuantConfig, child
 from specserve.layers.rotary import RotaryEmbedding, yarn_mscale
 
 # q_a_layernorm / kv_a_layernorm: RMSNorm's default eps in transformers and the reference
@@ -177,6 +179,8 @@ class MLAAttention(CachedAttention):
         layer_idx: int,
         rotary: RotaryEmbedding | None = None,
         form: str = "auto",
+        quant_config: QuantConfig | None = None,
+        prefix: str = "",
     ) -> None:
         super().__init__()
         if config.mla is None:
@@ -194,18 +198,28 @@ class MLAAttention(CachedAttention):
         self.form = form
         self.num_heads = divide(config.num_heads, get_tp_size(), "num_heads")
         q_out = config.num_heads * m.qk_head_dim
+        qc = quant_config
+
+        def name(leaf: str) -> str:
+            return child(prefix, leaf)
+
         if m.q_lora_rank is None:
-            self.q_proj = ColumnParallelLinear(h, q_out)
+            self.q_proj = ColumnParallelLinear(h, q_out, False, qc, name("q_proj"))
         else:
-            self.q_a_proj = ReplicatedLinear(h, m.q_lora_rank, bias)
+            self.q_a_proj = ReplicatedLinear(h, m.q_lora_rank, bias, qc, name("q_a_proj"))
             self.q_a_layernorm = RMSNorm(m.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = ColumnParallelLinear(m.q_lora_rank, q_out)
-        self.kv_a_proj_with_mqa = ReplicatedLinear(h, m.kv_lora_rank + m.qk_rope_head_dim, bias)
-        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = ColumnParallelLinear(
-            m.kv_lora_rank, config.num_heads * (m.qk_nope_head_dim + m.v_head_dim)
+            self.q_b_proj = ColumnParallelLinear(m.q_lora_rank, q_out, False, qc, name("q_b_proj"))
+        self.kv_a_proj_with_mqa = ReplicatedLinear(
+            h, m.kv_lora_rank + m.qk_rope_head_dim, bias, qc, name("kv_a_proj_with_mqa")
         )
-        self.o_proj = RowParallelLinear(config.num_heads * m.v_head_dim, h, bias)
+        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS)
+        # read as W_UK / W_UV: a quantized checkpoint's kv_b_proj is dequantized once loaded
+        self.kv_b_proj = ColumnParallelLinear(
+            m.kv_lora_rank, config.num_heads * (m.qk_nope_head_dim + m.v_head_dim), False, qc,
+            name("kv_b_proj"), dequantize_after_loading=True,
+        )  # fmt: skip
+        self.o_proj = RowParallelLinear(config.num_heads * m.v_head_dim, h, bias, qc,
+                                        name("o_proj"))  # fmt: skip
         self.rotary = rotary if rotary is not None else mla_rotary(config)
         assert self.rotary.head_dim == m.qk_rope_head_dim
         self.scale = mla_softmax_scale(m, config.rope_scaling)

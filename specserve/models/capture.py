@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from specserve.layers.embedding import VocabParallelEmbedding
+from specserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
@@ -51,6 +51,21 @@ def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
             f"decoder layers (e.g. model.layers)"
         )
     return max(scored, key=lambda s: (s[0], s[1]))[2]
+
+
+def find_embedding_and_head(model: nn.Module) -> tuple[VocabParallelEmbedding, ParallelLMHead]:
+    """The language model's token embedding (the table beside its decoder layers) and its LM
+    head (the model's one ParallelLMHead), found by structure: a wrapper class needs no hook."""
+    layers = find_decoder_layers(model)
+    parent = next(m for m in model.modules() if any(c is layers for c in m.children()))
+    tables = [c for c in parent.children() if isinstance(c, VocabParallelEmbedding)]
+    heads = [m for m in model.modules() if isinstance(m, ParallelLMHead)]
+    if len(tables) != 1 or len(heads) != 1:
+        raise ValueError(
+            f"{type(model).__name__}: expected one token embedding beside the decoder layers "
+            f"and one LM head, found {len(tables)} and {len(heads)}"
+        )
+    return tables[0], heads[0]
 
 
 def _residual_stream(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:

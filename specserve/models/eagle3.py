@@ -35,6 +35,7 @@ from specserve.layers.linear import (
 from specserve.layers.norm import RMSNorm
 from specserve.layers.quantization.base import CODE_DTYPES
 from specserve.layers.rotary import RotaryEmbedding
+from specserve.models.capture import find_embedding_and_head
 
 
 class Eagle3Layer(nn.Module):
@@ -201,9 +202,9 @@ def load_eagle3_head(path: str, target: nn.Module, target_cfg: ModelConfig, laye
         rows = weights["lm_head.weight"].shape[0]
         if rows != target_cfg.vocab_size:
             cfg = _with_draft_vocab(cfg, rows)
+    embed, lm_head = find_embedding_and_head(target)
     with torch.device(device):
-        head = Eagle3Head(cfg, ht, layer_idx, target.get_input_embeddings(),
-                          getattr(target, "lm_head", None), own_embed,
+        head = Eagle3Head(cfg, ht, layer_idx, embed, lm_head, own_embed,
                           fc_bias="fc.bias" in weights)
     head.to(dtype)
     _load_head_weights(head, weights, path)

@@ -28,10 +28,41 @@ _TINY_LLAMA = {
     "torch_dtype": "float32", "eos_token_id": 2,
 }
 
+# Kimi K2 (0905 / Thinking / K2.5 text) per-layer dimensions, 3 layers: the dense first layer
+# and two MoE layers (384 routed experts, top 8, one shared); ~74 GB of bf16 weights
+_KIMI_K2_3L = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "vocab_size": 163840,
+    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+    "num_hidden_layers": 3, "num_attention_heads": 64, "num_key_value_heads": 64,
+    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "n_routed_experts": 384, "num_experts_per_tok": 8, "n_shared_experts": 1,
+    "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.827,
+    "scoring_func": "sigmoid", "topk_method": "noaux_tc", "first_k_dense_replace": 1,
+    "moe_layer_freq": 1, "num_nextn_predict_layers": 0, "rms_norm_eps": 1e-6,
+    "rope_theta": 50000.0, "rope_scaling": {
+        "type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096,
+        "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+    "max_position_embeddings": 262144, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "bos_token_id": 163584, "eos_token_id": 163585,
+}
+# DeepSeek-V3 per-layer dimensions (Kimi K2's but 128 heads, 256 routed experts in 8 groups
+# of which 4 are kept, its rope and vocabulary), 4 layers: one dense and three MoE; ~74 GB
+_DEEPSEEK_V3_4L = {
+    **_KIMI_K2_3L, "model_type": "deepseek_v3", "vocab_size": 129280, "num_hidden_layers": 4,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "n_routed_experts": 256,
+    "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "rope_theta": 10000.0,
+    "rope_scaling": {
+        "type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+    "max_position_embeddings": 163840, "bos_token_id": 0, "eos_token_id": 1,
+}
+
 PRESETS: dict[str, dict] = {
     "llama-3.1-8b": _LLAMA_31_8B,
     "qwen3-8b": _QWEN3_8B,
     "tiny-llama": _TINY_LLAMA,
+    "kimi-k2-3l": _KIMI_K2_3L,
+    "deepseek-v3-4l": _DEEPSEEK_V3_4L,
 }
 
 

@@ -16,6 +16,7 @@ layer of the target's KV pool, addressed through the same page tables.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -23,7 +24,7 @@ from specserve.config import ModelConfig, SpecConfig
 from specserve.kernels.topk import top_log_probs
 from specserve.layers.attention_metadata import ForwardContext, set_forward_context
 from specserve.layers.rotary import ensure_rope_capacity
-from specserve.models.capture import default_aux_layer_ids
+from specserve.models.capture import default_aux_layer_ids, find_embedding_and_head
 from specserve.models.eagle3 import Eagle3Head, load_eagle3_head
 from specserve.speculative.cycle import kv_slots
 from specserve.speculative.proposer import DraftShape
@@ -41,6 +42,12 @@ def load_draft_config(spec: SpecConfig, target_cfg: ModelConfig) -> ModelConfig:
 
     if spec.draft_model == DUMMY:  # the target's shape, a 32k draft vocabulary
         cfg = dataclasses.replace(target_cfg, draft_vocab_size=min(32000, target_cfg.vocab_size))
+        if cfg.mla is not None or cfg.moe is not None:
+            # MLA / MoE targets (DeepSeek-V3, Kimi K2): a Llama-style head on the target's
+            # hidden size, GQA with 8 KV heads of 128 dims and the dense MLP width, the shape
+            # of the public Llama heads for these targets
+            cfg = dataclasses.replace(cfg, mla=None, moe=None, num_mtp_layers=0, head_dim=128,
+                                      num_kv_heads=math.gcd(8, cfg.num_heads))
     else:
         cfg = ModelConfig.from_hf(resolve_model_path(spec.draft_model))
     DraftShape.from_config(spec)  # validates the tree size
@@ -82,8 +89,7 @@ class Eagle3Proposer:
         torch.set_default_dtype(runner.dtype)
         try:
             with torch.device(runner.device):
-                head = Eagle3Head(cfg, tcfg.hidden_size, layer, target.get_input_embeddings(),
-                                  target.lm_head)
+                head = Eagle3Head(cfg, tcfg.hidden_size, layer, *find_embedding_and_head(target))
         finally:
             torch.set_default_dtype(previous)
         random_init(head, seed=1)

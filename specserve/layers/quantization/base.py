@@ -162,13 +162,18 @@ def load_shard(
     target.copy_(source)
 
 
+def check_dense_dtype(loaded: torch.Tensor) -> None:
+    """A tensor loaded into a parameter in the activation dtype must hold values, not codes."""
+    if loaded.dtype in CODE_DTYPES:
+        raise ValueError(
+            f"dtype {loaded.dtype} holds quantized codes but this layer is not quantized: "
+            "the checkpoint's quantization config is missing, or excludes this layer"
+        )
+
+
 def _check_dtype(spec: ParamSpec, loaded: torch.Tensor) -> None:
     if spec.dtypes is None:
-        if loaded.dtype in CODE_DTYPES:
-            raise ValueError(
-                f"dtype {loaded.dtype} holds quantized codes but this layer is not quantized: "
-                "the checkpoint's quantization config is missing, or excludes this layer"
-            )
+        check_dense_dtype(loaded)
     elif loaded.dtype not in spec.dtypes:
         names = " or ".join(str(d).removeprefix("torch.") for d in spec.dtypes)
         raise ValueError(
@@ -233,6 +238,11 @@ FUSED_PARTS = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),
 }
+
+
+def child(prefix: str, name: str) -> str:
+    """The checkpoint name of submodule `name` of module `prefix` ("" at the top)."""
+    return f"{prefix}.{name}" if prefix else name
 
 
 def checkpoint_names(prefix: str) -> list[str]:

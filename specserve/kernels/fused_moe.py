@@ -1,0 +1,221 @@
+"""Fused mixture-of-experts: token-expert alignment + grouped GEMM (Triton), torch reference.
+
+    x [M, H], topk_ids / topk_weights [M, k], w13 [E, 2I, H] (gate rows | up rows), w2 [E, H, I]
+    y[m] = sum_j topk_weights[m, j] * w2[e] @ (silu(w13[e, :I] @ x[m]) * w13[e, I:] @ x[m]),
+           e = topk_ids[m, j]
+
+The M*k (token, expert) pairs are numbered p = m*k + j. Alignment sorts them by expert and
+pads each expert's run to a multiple of BLOCK_M with the sentinel M*k, so every BLOCK_M-row
+block of `sorted_ids` belongs to one expert (an expert with no pair owns no block):
+
+    sorted_ids    [ 4 9 2 - | 0 3 7 8 | 11 - - - | 1 5 - - | - - - - ... ]   ("-" = M*k)
+    block_expert  [ 0       | 2       | 2        | 5       | -1 ... ]
+
+The buffers have a static size, M*k + E*(BLOCK_M - 1) rows rounded up to whole blocks (no host
+sync; CUDA-graph safe): programs of blocks at or past `num_padded` return at once. When the
+pairs are few against the experts (M*k*4 <= E, decode), block b holds pair b alone instead:
+no sort, and no grid of empty blocks.
+
+GEMM 1, one program per (block, BLOCK_N columns of I): gathers x rows p // k, computes the gate
+and up tiles of the block's expert and writes silu(gate) * up to act [M*k, I] at row p.
+GEMM 2: act row p times w2[e]^T, times topk_weights[p], to out [M*k, H]; then a sum over k.
+Rounding follows the transformers experts: projections, SiLU and each expert's output are
+rounded to the activation dtype; the k-sum is done in fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specserve.kernels.dispatch import jit, next_power_of_2, tl, triton
+
+
+@dataclass(frozen=True)
+class MoELaunch:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int  # M-blocks per L2 group (consecutive programs reuse one weight tile)
+    num_warps: int
+    num_stages: int
+
+
+def moe_launch_config(num_tokens: int, n: int, k: int, num_experts: int, top_k: int,
+                      dtype: torch.dtype) -> MoELaunch:  # fmt: skip
+    """Block sizes for one grouped GEMM of output width `n` and depth `k`.
+
+    Rows per expert (M*k/E) pick BLOCK_M: decode has ~1 row per hit expert (BLOCK_M 16, the
+    smallest MMA tile; the GEMM is a weight stream, so narrow BLOCK_N gives more programs),
+    prefill fills whole tiles (BLOCK_M up to 128, BLOCK_N 128, GROUP_M 8 for L2 reuse).
+    """
+    rows = num_tokens * top_k / max(num_experts, 1)
+    if rows <= 16:
+        bm, bn, bk, group, warps, stages = 16, 64, 128, 1, 4, 4
+    elif rows <= 48:
+        bm, bn, bk, group, warps, stages = 32, 64, 128, 8, 4, 4
+    elif rows <= 128:
+        bm, bn, bk, group, warps, stages = 64, 128, 64, 8, 8, 3
+    else:
+        bm, bn, bk, group, warps, stages = 128, 128, 64, 8, 8, 3
+    if dtype == torch.float32:  # twice the bytes per element: halve the K tile
+        bk //= 2
+    bn = max(16, min(bn, next_power_of_2(n)))
+    bk = max(16, min(bk, next_power_of_2(k)))
+    return MoELaunch(bm, bn, bk, group, warps, stages)
+
+
+@dataclass(frozen=True)
+class MoEAlignment:
+    sorted_ids: torch.Tensor  # [num_blocks * block_m] int32: pair ids, num_pairs = padding
+    block_expert: torch.Tensor  # [num_blocks] int32: the expert of each block (-1: unused)
+    num_padded: torch.Tensor  # [1] int32: rows in use (blocks past it return at once)
+    block_m: int
+
+
+def align_pairs(topk_ids: torch.Tensor, block_m: int, num_experts: int) -> MoEAlignment:
+    """Sort the (token, expert) pairs by expert, each expert's run padded to whole blocks."""
+    num_pairs = topk_ids.numel()
+    dev = topk_ids.device
+    flat = topk_ids.flatten().long()  # [P] expert of pair p
+    if num_pairs * 4 <= num_experts:  # one pair per block
+        sorted_ids = torch.full((num_pairs * block_m,), num_pairs, dtype=torch.int32, device=dev)
+        sorted_ids[::block_m] = torch.arange(num_pairs, dtype=torch.int32, device=dev)
+        num_padded = torch.full((1,), num_pairs * block_m, dtype=torch.int32, device=dev)
+        return MoEAlignment(sorted_ids, flat.int(), num_padded, block_m)
+    num_blocks = -(-(num_pairs + num_experts * (block_m - 1)) // block_m)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # no bincount: its size syncs
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)  # [E] end row of each expert's run
+    order = torch.sort(flat, stable=True).indices  # pairs grouped by expert, in pair order
+    expert = flat[order]
+    rank = torch.arange(num_pairs, device=dev) - (counts.cumsum(0) - counts)[expert]
+    sorted_ids = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=dev)
+    sorted_ids[ends[expert] - padded[expert] + rank] = order.int()
+    block_start = torch.arange(num_blocks, device=dev) * block_m
+    block_expert = torch.searchsorted(ends, block_start, right=True)  # E past the last run
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).int()
+    return MoEAlignment(sorted_ids, block_expert, ends[-1:].int(), block_m)
+
+
+@jit
+def _moe_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
+    n, k, num_pairs, num_rows, stride_am, stride_be, stride_bn, stride_cm, up_offset,
+    A_ROW_DIV: tl.constexpr, SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    # c[p, cols] = f(a[p // A_ROW_DIV] @ b[e, cols]^T) for the BLOCK_M pairs p of this block
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(num_rows, BLOCK_M)
+    num_pid_n = tl.cdiv(n, BLOCK_N)
+    group = pid // (GROUP_M * num_pid_n)  # GROUP_M M-blocks sweep one column tile in turn
+    first_m = group * GROUP_M
+    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % group_size
+    pid_n = (pid % (GROUP_M * num_pid_n)) // group_size
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ids_ptr + offs_m)  # [BLOCK_M] pair ids, num_pairs = padding
+    row_ok = pair < num_pairs
+    a_row = (pair // A_ROW_DIV).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    b_ptrs = b_ptr + expert * stride_be + cols[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        k_ok = offs_k < k - k0
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        if SILU_MUL:
+            b_up = tl.load(b_ptrs + up_offset * stride_bn, mask=k_ok[:, None] & col_ok[None, :],
+                           other=0.0)  # fmt: skip
+            acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    out_ty = c_ptr.dtype.element_ty
+    y = acc.to(out_ty).to(tl.float32)
+    if SILU_MUL:  # round gate and up, round silu(gate), then the product
+        y = (y / (1.0 + tl.exp(-y))).to(out_ty).to(tl.float32) * acc_up.to(out_ty).to(tl.float32)
+    if MUL_WEIGHT:
+        y = y * tl.load(weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
+    c_ptrs = c_ptr + pair[:, None].to(tl.int64) * stride_cm + cols[None, :]
+    tl.store(c_ptrs, y.to(out_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _grouped_gemm(
+    a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, topk_weights: torch.Tensor | None,
+    align: MoEAlignment, n: int, a_row_div: int, silu_mul: bool, launch: MoELaunch,
+) -> None:  # fmt: skip
+    k = a.shape[1]
+    assert a.stride(1) == 1 and b.stride(2) == 1 and out.stride(1) == 1
+    num_rows = align.sorted_ids.shape[0]
+    grid = (triton.cdiv(num_rows, launch.block_m) * triton.cdiv(n, launch.block_n),)
+    _moe_gemm_kernel[grid](
+        a, b, out, topk_weights if topk_weights is not None else a, align.sorted_ids,
+        align.block_expert, align.num_padded, n, k, out.shape[0], num_rows,
+        a.stride(0), b.stride(0), b.stride(1), out.stride(0), n,
+        A_ROW_DIV=a_row_div, SILU_MUL=silu_mul, MUL_WEIGHT=topk_weights is not None,
+        BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
+        GROUP_M=launch.group_m, DOT_PRECISION="ieee" if a.dtype == torch.float32 else None,
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
+    )  # fmt: skip
+
+
+def fused_moe(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor, launch: tuple[MoELaunch, MoELaunch] | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Routed-expert output [M, H] (Triton). w13 [E, 2I, H], w2 [E, H, I]; topk_* [M, k].
+
+    `launch`: (gate_up config, down config); None picks them from the shapes.
+    """
+    m, hidden = x.shape
+    num_experts, two_inter, _ = w13.shape
+    inter = two_inter // 2
+    top_k = topk_ids.shape[1]
+    assert w2.shape == (num_experts, hidden, inter) and topk_weights.shape == topk_ids.shape
+    if m == 0:
+        return x.new_zeros(0, hidden)
+    if launch is None:
+        launch = (
+            moe_launch_config(m, inter, hidden, num_experts, top_k, x.dtype),
+            moe_launch_config(m, hidden, inter, num_experts, top_k, x.dtype),
+        )
+    assert launch[0].block_m == launch[1].block_m, "both GEMMs walk one alignment"
+    align = align_pairs(topk_ids, launch[0].block_m, num_experts)
+    weights = topk_weights.float().contiguous().view(-1)
+    act = x.new_empty(m * top_k, inter)
+    _grouped_gemm(x.contiguous(), w13, act, None, align, inter, top_k, True, launch[0])
+    out = x.new_empty(m * top_k, hidden)
+    _grouped_gemm(act, w2, out, weights, align, hidden, 1, False, launch[1])
+    return out.view(m, top_k, hidden).sum(1, dtype=torch.float32).to(x.dtype)
+
+
+def fused_moe_ref(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """Torch form of `fused_moe` (one batched matmul per hit expert; the CPU path)."""
+    m, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    flat = topk_ids.flatten()
+    out = x.new_empty(m * top_k, hidden)
+    for e in torch.unique(flat).tolist():
+        pairs = (flat == e).nonzero().flatten()  # pair p = token p // k, slot p % k
+        gate, up = F.linear(x[pairs // top_k], w13[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[e])  # [pairs, H] in x.dtype
+        out[pairs] = (y * topk_weights.flatten()[pairs, None].float()).to(x.dtype)
+    return out.view(m, top_k, hidden).sum(1, dtype=torch.float32).to(x.dtype)

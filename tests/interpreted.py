@@ -1,0 +1,42 @@
+"""Kernel checks under the Triton interpreter, run in a subprocess (TRITON_INTERPRET must be set
+before triton is imported).
+
+A test file keeps a dict of named checks, calls `report(checks)` when run as a script, and
+reads the results through `run_interpreted(__file__)`: {check name: "ok" or its traceback}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_interpreted(test_file: str, timeout: int = 600) -> dict[str, str]:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, test_file], env=env, cwd=REPO, capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+    lines = proc.stdout.strip().splitlines()
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1])
+
+
+def report(checks: dict[str, Callable[[], None]]) -> None:
+    """Run every check (in the interpreter subprocess) and print the results as one JSON line."""
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run through run_interpreted"
+    results = {}
+    for name, check in checks.items():
+        try:
+            check()
+            results[name] = "ok"
+        except Exception:
+            results[name] = traceback.format_exc(limit=4)
+    print(json.dumps(results))

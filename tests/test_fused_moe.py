@@ -1,0 +1,292 @@
+"""Fused MoE and expert-selection kernels vs their torch references and a naive per-token loop.
+
+On the CPU the kernels run on tiny fp32 shapes under the Triton interpreter, in one subprocess
+(TRITON_INTERPRET must be set before triton is imported): `python tests/test_fused_moe.py`
+runs the checks and prints a JSON line of results that `test_interpreter` reads. GPU tests
+(marker `gpu`) run them in bf16 and fp32 on Kimi-sized shapes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from interpreted import report, run_interpreted  # noqa: E402
+
+from specserve.kernels import fused_moe as fm  # noqa: E402
+from specserve.kernels import moe_routing as mr  # noqa: E402
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+HAS_CUDA = torch.cuda.is_available() and HAS_TRITON
+
+
+def make_inputs(
+    num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int, seed: int,
+    skew: float = 0.0, unused: int = 0, device: str = "cpu",
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """x [M, H], w13 [E, 2I, H], w2 [E, H, I], weights [M, k], ids [M, k] (k distinct per
+    token), fp32 on `device`. skew > 0 makes the loads ragged (low experts much likelier); the
+    last `unused` experts are never chosen."""
+    gen = torch.Generator(device).manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=gen, device=device)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen, device=device) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen, device=device) / inter**0.5
+    weights = torch.rand(num_tokens, top_k, generator=gen, device=device) + 0.1
+    likelihood = torch.exp(-skew * torch.arange(num_experts, dtype=torch.float, device=device))
+    likelihood[num_experts - unused :] = 0
+    ids = torch.zeros(num_tokens, top_k, dtype=torch.long, device=device)
+    for m in range(num_tokens):
+        ids[m] = torch.multinomial(likelihood, top_k, generator=gen)
+    return x, w13, w2, weights, ids.int()
+
+
+def naive_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+              ids: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """Token by token, expert by expert, in float64 (on the inputs' device)."""
+    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    inter = w2.shape[2]
+    for m in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[m, j])
+            h = w13[e].double() @ x[m].double()
+            y = w2[e].double() @ (F.silu(h[:inter]) * h[inter:])
+            out[m] += float(weights[m, j]) * y
+    return out
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert out.shape == ref.shape
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-12)).item()
+
+
+def check_alignment(ids: torch.Tensor, block_m: int, num_experts: int) -> None:
+    """Each pair exactly once; each block's pairs all of the block's expert; padding only as
+    each expert's run needs; blocks at or past num_padded unused."""
+    align = fm.align_pairs(ids, block_m, num_experts)
+    num_pairs = ids.numel()
+    sorted_ids = align.sorted_ids.cpu().long()
+    block_expert = align.block_expert.cpu().long()
+    num_padded = int(align.num_padded.item())
+    used = sorted_ids[:num_padded]
+    assert sorted(used[used < num_pairs].tolist()) == list(range(num_pairs))
+    assert (sorted_ids[num_padded:] == num_pairs).all()
+    flat = ids.flatten().cpu().long()
+    per_pair = num_pairs * 4 <= num_experts
+    for b in range(num_padded // block_m):
+        rows = used[b * block_m : (b + 1) * block_m]
+        real = rows[rows < num_pairs]
+        assert len(real) == (1 if per_pair else len(real)) and len(real) > 0
+        assert (flat[real] == block_expert[b]).all()
+    if not per_pair:
+        counts = torch.bincount(flat, minlength=num_experts)
+        assert num_padded == int(((counts + block_m - 1) // block_m * block_m).sum())
+        assert len(block_expert) * block_m >= num_pairs + num_experts * (block_m - 1)
+
+
+def check_fused_moe(
+    num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int, dtype: torch.dtype,
+    device: str, tol: float, seed: int = 0, skew: float = 0.0, unused: int = 0,
+    launch: tuple[fm.MoELaunch, fm.MoELaunch] | None = None,
+) -> None:  # fmt: skip
+    x, w13, w2, weights, ids = make_inputs(
+        num_tokens, num_experts, top_k, hidden, inter, seed, skew, unused, device
+    )
+    x, w13, w2 = (t.to(dtype) for t in (x, w13, w2))
+    naive = naive_moe(x, w13, w2, weights, ids)  # on the rounded inputs
+    block_m = launch[0].block_m if launch else fm.moe_launch_config(
+        num_tokens, inter, hidden, num_experts, top_k, dtype).block_m  # fmt: skip
+    check_alignment(ids, block_m, num_experts)
+    _poison_allocator(device, num_tokens * top_k * max(hidden, inter))
+    out = fm.fused_moe(x, w13, w2, weights, ids, launch)
+    ref = fm.fused_moe_ref(x, w13, w2, weights, ids)
+    assert out.dtype == dtype and out.shape == (num_tokens, hidden)
+    if num_tokens == 0:
+        return
+    assert rel_error(ref, naive) < tol, f"reference vs naive {rel_error(ref, naive):.3g}"
+    err = rel_error(out, naive)
+    assert err < tol, f"kernel vs naive: relative error {err:.3g} >= {tol}"
+    err = rel_error(out, ref)
+    assert err < tol, f"kernel vs reference: relative error {err:.3g} >= {tol}"
+
+
+def _poison_allocator(device: str, numel: int) -> None:
+    """On CUDA, leave NaN in the caching allocator's free blocks, so that buffers the kernel
+    forgets to write show up as NaN."""
+    if device == "cuda":
+        for _ in range(4):
+            torch.full((numel * 2,), float("nan"), device=device)
+
+
+def check_routing(
+    num_tokens: int, num_experts: int, rule: mr.RoutingRule, device: str, seed: int = 0,
+    with_bias: bool = True,
+) -> None:  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    logits = (2 * torch.randn(num_tokens, num_experts, generator=gen)).to(device)
+    bias = (0.2 * torch.randn(num_experts, generator=gen)).to(device) if with_bias else None
+    if bias is not None:
+        assert (bias < 0).any()
+    weights, ids = mr.grouped_topk(logits, bias, rule)
+    ref_w, ref_ids = mr.grouped_topk_ref(logits, bias, rule)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    got, order = ids.long().sort(1)
+    want, ref_order = ref_ids.long().sort(1)
+    assert torch.equal(got, want), "selected experts differ"
+    w, rw = weights.gather(1, order), ref_w.gather(1, ref_order)
+    assert (w - rw).abs().max().item() < 1e-6 * max(1.0, rule.scaling)
+    if rule.renormalize:
+        sums = weights.sum(1)
+        assert torch.allclose(sums, torch.full_like(sums, rule.scaling), rtol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# CPU: tiny fp32 shapes under the Triton interpreter
+
+F32, CPU, TOL32 = torch.float32, "cpu", 1e-5
+
+
+def _small_launch(block_m: int, block_n: int, block_k: int, group_m: int) -> fm.MoELaunch:
+    return fm.MoELaunch(block_m, block_n, block_k, group_m, num_warps=4, num_stages=1)
+
+
+SMALL = (_small_launch(16, 16, 16, 2), _small_launch(16, 32, 16, 1))
+INTERPRETER_CHECKS = {
+    # sorted path, ragged loads (skewed), two experts never chosen, several blocks per expert
+    "moe_ragged_top2": lambda: check_fused_moe(
+        40, 8, 2, 40, 24, F32, CPU, TOL32, skew=0.5, unused=2, launch=SMALL
+    ),  # fmt: skip
+    "moe_top1": lambda: check_fused_moe(9, 4, 1, 32, 16, F32, CPU, TOL32, seed=1),
+    "moe_top8_of_8": lambda: check_fused_moe(
+        5, 8, 8, 24, 40, F32, CPU, TOL32, seed=2, launch=SMALL
+    ),  # fmt: skip
+    "moe_top3_odd_dims": lambda: check_fused_moe(6, 6, 3, 37, 21, F32, CPU, TOL32, seed=3),
+    # per-pair blocks (M*k*4 <= E: decode), default launch from the shapes
+    "moe_per_pair_decode": lambda: check_fused_moe(1, 32, 8, 48, 16, F32, CPU, TOL32, seed=4),
+    "moe_per_pair_batch": lambda: check_fused_moe(
+        3, 64, 4, 32, 32, F32, CPU, TOL32, seed=5, unused=20, launch=SMALL
+    ),  # fmt: skip
+    "moe_no_tokens": lambda: check_fused_moe(0, 4, 2, 16, 16, F32, CPU, TOL32),
+    "route_v3_groups": lambda: check_routing(
+        9, 16, mr.RoutingRule(4, n_group=4, topk_group=2, scaling=2.5), CPU
+    ),
+    # top_k = every expert of the kept groups: negative biased scores must beat masked ones
+    "route_all_kept": lambda: check_routing(9, 8, mr.RoutingRule(4, 4, 2), CPU, 5),
+    "route_v3_kimi": lambda: check_routing(3, 384, mr.RoutingRule(8, scaling=2.827), CPU, 1),
+    "route_top1_unnormalised": lambda: check_routing(
+        5, 8, mr.RoutingRule(1, n_group=2, topk_group=1, renormalize=False), CPU, 2
+    ),
+    "route_v2_group_max": lambda: check_routing(
+        6,
+        12,
+        mr.RoutingRule(3, 3, 2, softmax=True, group_max=True, renormalize=False, scaling=16.0),
+        CPU,
+        3,
+        with_bias=False,
+    ),  # fmt: skip
+    "route_softmax_greedy": lambda: check_routing(
+        4, 10, mr.RoutingRule(6, softmax=True), CPU, 4, with_bias=False
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def interpreter_results() -> dict[str, str]:
+    return run_interpreted(__file__)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("name", sorted(INTERPRETER_CHECKS))
+def test_interpreter(name: str, interpreter_results: dict[str, str]) -> None:
+    assert interpreter_results[name] == "ok", interpreter_results[name]
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 5, 8])
+def test_reference_equals_naive_loop(top_k: int) -> None:
+    x, w13, w2, weights, ids = make_inputs(11, 8, top_k, 24, 16, top_k, skew=0.3, unused=1)
+    assert rel_error(fm.fused_moe_ref(x, w13, w2, weights, ids), naive_moe(x, w13, w2, weights,
+                                                                           ids)) < TOL32  # fmt: skip
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m", [
+    (1, 384, 8, 16), (7, 16, 2, 16), (50, 8, 3, 16), (33, 384, 8, 32), (64, 4, 4, 64),
+])  # fmt: skip
+def test_alignment(num_tokens: int, num_experts: int, top_k: int, block_m: int) -> None:
+    *_, ids = make_inputs(num_tokens, num_experts, top_k, 8, 8, num_tokens, skew=0.05)
+    check_alignment(ids, block_m, num_experts)
+
+
+def test_launch_config_fits_shapes() -> None:
+    for m in (1, 8, 64, 512, 4096):
+        for dtype in (torch.bfloat16, torch.float32):
+            cfg = fm.moe_launch_config(m, 2048, 7168, 384, 8, dtype)
+            assert cfg.block_m in (16, 32, 64, 128) and cfg.block_n <= 128
+    small = fm.moe_launch_config(4, 24, 40, 8, 2, torch.float32)
+    assert small.block_n == 32 and small.block_k == 64  # clamped to the problem
+    assert fm.moe_launch_config(1, 2048, 7168, 384, 8, torch.bfloat16).block_m == 16
+    assert fm.moe_launch_config(4096, 2048, 7168, 384, 8, torch.bfloat16).block_m == 64
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: Kimi K2 expert shapes (E 384, I 2048 or its TP-8 slice 256, H 7168), bf16 and fp32
+
+
+def gpu_test(fn):  # noqa: ANN001, ANN201
+    return pytest.mark.gpu(pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and triton")(fn))
+
+
+@gpu_test
+@pytest.mark.parametrize("num_tokens", [1, 16, 300])
+@pytest.mark.parametrize("hidden,inter", [(7168, 256), (1024, 384)])  # 256: I / 8 (TP 8)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_fused_moe_gpu(num_tokens: int, hidden: int, inter: int, dtype: torch.dtype) -> None:
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    check_fused_moe(num_tokens, 384, 8, hidden, inter, dtype, "cuda", tol, seed=num_tokens,
+                    skew=0.01)  # fmt: skip
+
+
+@gpu_test
+@pytest.mark.parametrize("top_k", [1, 2, 3, 6, 8])
+def test_fused_moe_topk_gpu(top_k: int) -> None:
+    check_fused_moe(200, 16, top_k, 512, 384, torch.bfloat16, "cuda", 2e-2, top_k, 0.3, 3)
+
+
+@gpu_test
+def test_routing_gpu() -> None:
+    check_routing(1000, 256, mr.RoutingRule(8, 8, 4, scaling=2.5), "cuda")
+    check_routing(1000, 384, mr.RoutingRule(8, scaling=2.827), "cuda", 1)
+    check_routing(64, 160, mr.RoutingRule(6, 8, 3, softmax=True, group_max=True), "cuda", 2,
+                  with_bias=False)  # fmt: skip
+
+
+@gpu_test
+@pytest.mark.parametrize("num_tokens", [8, 64])  # per-pair blocks; sorted blocks
+def test_fused_moe_cuda_graph_gpu(num_tokens: int) -> None:
+    """Alignment and both GEMMs captured once, replayed on new routing (no host sync)."""
+    x, w13, w2, weights, ids = make_inputs(num_tokens, 384, 8, 1024, 256, 0, device="cuda")
+    x, w13, w2 = x.bfloat16(), w13.bfloat16(), w2.bfloat16()
+    fm.fused_moe(x, w13, w2, weights, ids)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fm.fused_moe(x, w13, w2, weights, ids)
+    for seed in (1, 2):
+        nx, _, _, nw, nids = make_inputs(num_tokens, 384, 8, 1024, 256, seed, 0.02, 0, "cuda")
+        x.copy_(nx)
+        weights.copy_(nw)
+        ids.copy_(nids)
+        graph.replay()
+        assert rel_error(out, fm.fused_moe_ref(x, w13, w2, weights, ids)) < 2e-2
+
+
+if __name__ == "__main__":
+    report(INTERPRETER_CHECKS)
