@@ -1,4 +1,6 @@
-"""Fused MoE and expert-selection kernels vs their torch references and a naive per-token loop.
+"""Fused MoE and expert-selection kernels vs their torch references and a naive per-token loop;
+quantized experts (FP8 block W8A8, INT4 W4A16) against the same loop on weights dequantized by
+tiny_quant.py (the loop fake-quantizes the W8A8 activations per row and 128-group).
 
 On the CPU the kernels run on tiny fp32 shapes under the Triton interpreter, in one subprocess
 (TRITON_INTERPRET must be set before triton is imported): `python tests/test_fused_moe.py`
@@ -21,6 +23,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from interpreted import report, run_interpreted  # noqa: E402
+from tiny_quant import _fake_quant_groups, quantize_experts  # noqa: E402
 
 from specserve.kernels import fused_moe as fm  # noqa: E402
 from specserve.kernels import moe_routing as mr  # noqa: E402
@@ -50,15 +53,20 @@ def make_inputs(
 
 
 def naive_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor) -> torch.Tensor:  # fmt: skip
-    """Token by token, expert by expert, in float64 (on the inputs' device)."""
+              ids: torch.Tensor, w8a8: bool = False) -> torch.Tensor:  # fmt: skip
+    """Token by token, expert by expert, in float64 (on the inputs' device); w8a8: both
+    GEMMs' inputs fake-quantized to fp8 per 128-group first."""
     out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
     inter = w2.shape[2]
+
+    def act(v: torch.Tensor) -> torch.Tensor:
+        return _fake_quant_groups(v.float()[None], 128)[0].double() if w8a8 else v.double()
+
     for m in range(x.shape[0]):
         for j in range(ids.shape[1]):
             e = int(ids[m, j])
-            h = w13[e].double() @ x[m].double()
-            y = w2[e].double() @ (F.silu(h[:inter]) * h[inter:])
+            h = w13[e].double() @ act(x[m])
+            y = w2[e].double() @ act(F.silu(h[:inter]) * h[inter:])
             out[m] += float(weights[m, j]) * y
     return out
 
@@ -120,6 +128,48 @@ def check_fused_moe(
     assert err < tol, f"kernel vs reference: relative error {err:.3g} >= {tol}"
 
 
+QUANT_FORMATS = {  # tiny_quant format -> (kernel format, block rows, group along K)
+    "fp8-block": (fm.FP8_BLOCK, 128, 128),
+    "ct-int4-g32": (fm.INT4, 1, 32),
+    "ct-int4-g128": (fm.INT4, 1, 128),
+    "ct-int4-g24": (fm.INT4, 1, 24),
+}
+
+
+def quantized_experts(w13: torch.Tensor, w2: torch.Tensor, fmt: str) -> tuple:
+    """(ExpertWeights gate_up, down, dequantized w13, w2) on the weights' device."""
+    kind, group_n, group_k = QUANT_FORMATS[fmt]
+    dev = w13.device
+    (c13, s13, d13), (c2, s2, d2) = (
+        quantize_experts(w.cpu(), fmt, p) for w, p in ((w13, 2), (w2, 1))
+    )
+    e13 = fm.ExpertWeights(kind, c13.to(dev), s13.to(dev), w13.shape[2], group_n, group_k, 2)
+    e2 = fm.ExpertWeights(kind, c2.to(dev), s2.to(dev), w2.shape[2], group_n, group_k, 1)
+    return e13, e2, d13.to(dev), d2.to(dev)
+
+
+def check_quant_fused_moe(
+    fmt: str, num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int,
+    dtype: torch.dtype, device: str, tol: float, seed: int = 0, skew: float = 0.0,
+    launch: tuple[fm.MoELaunch, fm.MoELaunch] | None = None,
+) -> None:  # fmt: skip
+    x, w13, w2, weights, ids = make_inputs(
+        num_tokens, num_experts, top_k, hidden, inter, seed, skew, device=device
+    )
+    e13, e2, d13, d2 = quantized_experts(w13, w2, fmt)
+    x = x.to(dtype)
+    naive = naive_moe(x, d13, d2, weights, ids, w8a8=fmt == "fp8-block")
+    _poison_allocator(device, num_tokens * top_k * max(hidden, inter))
+    out = fm.fused_moe(x, e13, e2, weights, ids, launch)
+    ref = fm.fused_moe_ref(x, e13, e2, weights, ids)
+    assert out.dtype == dtype and out.shape == (num_tokens, hidden)
+    assert rel_error(ref, naive) < tol, f"reference vs naive {rel_error(ref, naive):.3g}"
+    err = rel_error(out, naive)
+    assert err < tol, f"{fmt} kernel vs naive: relative error {err:.3g} >= {tol}"
+    err = rel_error(out, ref)
+    assert err < tol, f"{fmt} kernel vs reference: relative error {err:.3g} >= {tol}"
+
+
 def _poison_allocator(device: str, numel: int) -> None:
     """On CUDA, leave NaN in the caching allocator's free blocks, so that buffers the kernel
     forgets to write show up as NaN."""
@@ -161,6 +211,10 @@ def _small_launch(block_m: int, block_n: int, block_k: int, group_m: int) -> fm.
 
 
 SMALL = (_small_launch(16, 16, 16, 2), _small_launch(16, 32, 16, 1))
+FP8_SMALL = (_small_launch(16, 32, 128, 2), _small_launch(16, 64, 128, 1))  # BLOCK_K = block
+K64 = (_small_launch(16, 16, 64, 2), _small_launch(16, 32, 64, 1))
+# W8A8: an activation near an fp8 rounding boundary may round the other way in the fp64 loop
+TOL_W8A8 = 2e-3
 INTERPRETER_CHECKS = {
     # sorted path, ragged loads (skewed), two experts never chosen, several blocks per expert
     "moe_ragged_top2": lambda: check_fused_moe(
@@ -177,6 +231,27 @@ INTERPRETER_CHECKS = {
         3, 64, 4, 32, 32, F32, CPU, TOL32, seed=5, unused=20, launch=SMALL
     ),  # fmt: skip
     "moe_no_tokens": lambda: check_fused_moe(0, 4, 2, 16, 16, F32, CPU, TOL32),
+    # quantized experts: ragged blocks / groups along N and K, sorted and per-pair paths
+    "qmoe_fp8_ragged": lambda: check_quant_fused_moe(
+        "fp8-block", 20, 6, 2, 160, 96, F32, CPU, TOL_W8A8, seed=6, skew=0.3, launch=FP8_SMALL
+    ),
+    "qmoe_fp8_decode": lambda: check_quant_fused_moe(
+        "fp8-block", 1, 32, 4, 256, 192, F32, CPU, TOL_W8A8, seed=7
+    ),
+    # group 32 over BLOCK_K 16 (one scale per step) and 64 (two groups a step), K 72 and 40
+    "qmoe_int4_g32_step": lambda: check_quant_fused_moe(
+        "ct-int4-g32", 20, 6, 2, 72, 40, F32, CPU, TOL32, seed=8, skew=0.3, launch=SMALL
+    ),
+    "qmoe_int4_g32_groups": lambda: check_quant_fused_moe(
+        "ct-int4-g32", 12, 4, 3, 72, 40, F32, CPU, TOL32, seed=9, launch=K64
+    ),
+    "qmoe_int4_g128_decode": lambda: check_quant_fused_moe(
+        "ct-int4-g128", 2, 16, 2, 256, 136, F32, CPU, TOL32, seed=10
+    ),
+    # group 24 tiles neither way with BLOCK_K 16: a scale per column
+    "qmoe_int4_g24_columns": lambda: check_quant_fused_moe(
+        "ct-int4-g24", 7, 4, 2, 48, 24, F32, CPU, TOL32, seed=11, launch=SMALL
+    ),
     "route_v3_groups": lambda: check_routing(
         9, 16, mr.RoutingRule(4, n_group=4, topk_group=2, scaling=2.5), CPU
     ),

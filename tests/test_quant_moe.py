@@ -9,10 +9,15 @@ in the residual stream can move one activation across an fp8 rounding boundary).
 
 from __future__ import annotations
 
+import json
 import random
+import re
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from tiny_models import PagedSession
 from tiny_quant import make_quantized_checkpoint
 
@@ -37,9 +42,7 @@ def dense_experts(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     """A DeepSeek-V3 checkpoint whose routed experts stay dense."""
     fmt = request.param
     path = str(tmp_path_factory.mktemp(f"dsv3-{fmt}") / "m")
-    reference = make_quantized_checkpoint(
-        path, fmt, family="deepseek_v3", **OVERRIDES.get(fmt, {})
-    )
+    reference = make_quantized_checkpoint(path, fmt, family="deepseek_v3", **OVERRIDES.get(fmt, {}))
     return {"fmt": fmt, "path": path, "reference": reference}
 
 
@@ -50,7 +53,10 @@ def _load(path: str) -> torch.nn.Module:
 def _logit_errors(model: torch.nn.Module, reference: torch.nn.Module, seed: int) -> list[float]:
     """Per-row max |logit difference| over a batched prefill of two requests and 3 decodes."""
     rng = random.Random(seed)
-    tokens = {0: [rng.randrange(VOCAB) for _ in range(11)], 1: [rng.randrange(VOCAB) for _ in range(5)]}
+    tokens = {
+        0: [rng.randrange(VOCAB) for _ in range(11)],
+        1: [rng.randrange(VOCAB) for _ in range(5)],
+    }
     session = PagedSession(model, num_pages=32, page_size=4)
     got = {r: [t] for r, t in zip(tokens, session.step(tokens))}
     for _ in range(3):
@@ -71,8 +77,14 @@ def test_mla_and_shared_experts_match_dequantized_reference(dense_experts: dict)
     (median_tol, max_tol), method = FORMATS[dense_experts["fmt"]]
     model = _load(dense_experts["path"])
     attn, moe = model.model.layers[1].self_attn, model.model.layers[1].mlp
-    for linear in (attn.q_a_proj, attn.q_b_proj, attn.kv_a_proj_with_mqa, attn.o_proj,
-                   moe.shared_experts.gate_up_proj, model.model.layers[0].mlp.down_proj):
+    for linear in (
+        attn.q_a_proj,
+        attn.q_b_proj,
+        attn.kv_a_proj_with_mqa,
+        attn.o_proj,
+        moe.shared_experts.gate_up_proj,
+        model.model.layers[0].mlp.down_proj,
+    ):
         assert linear.quant_method.name == method
     # kv_b_proj: loaded in the format, then one dense matrix (the W_UK / W_UV views)
     assert attn.kv_b_proj.quant_method is UNQUANTIZED
@@ -85,3 +97,216 @@ def test_mla_and_shared_experts_match_dequantized_reference(dense_experts: dict)
     assert median < median_tol and worst < max_tol, (
         f"{dense_experts['fmt']}: logit error median {median:.2e}, worst {worst:.2e}"
     )
+
+
+# -- quantized routed experts ------------------------------------------------------------------
+
+EXPERT_CASES = {  # case -> (format, experts split, overrides, tolerances, expert method)
+    # DeepSeek-V3's own format: every projection and expert in 128x128-block FP8
+    "fp8-block": ("fp8-block", "quantized", {"moe_intermediate_size": 128}, W8A8,
+                  "fp8-block128x128-moe"),
+    # Kimi K2.5's: only the routed experts, INT4 groups of 32
+    "kimi-int4": ("ct-int4-g32", "only", {"n_group": 1, "topk_group": 1}, WEIGHT_ONLY,
+                  "int4-w4a16-g32-moe"),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def expert_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """case -> {path, reference}, built on first use."""
+
+    class Built(dict):
+        def __missing__(self, case: str) -> dict:
+            fmt, split, overrides, _, _ = EXPERT_CASES[case]
+            path = str(tmp_path_factory.mktemp(case) / "m")
+            reference = make_quantized_checkpoint(path, fmt, family="deepseek_v3",
+                                                  experts=split, **overrides)  # fmt: skip
+            self[case] = {"case": case, "path": path, "reference": reference}
+            return self[case]
+
+    return Built()
+
+
+@pytest.fixture(params=list(EXPERT_CASES))
+def quant_experts(request: pytest.FixtureRequest, expert_ckpts: dict) -> dict:
+    return expert_ckpts[request.param]
+
+
+def test_quantized_experts_match_dequantized_reference(quant_experts: dict) -> None:
+    _, split, _, (median_tol, max_tol), method = EXPERT_CASES[quant_experts["case"]]
+    model = _load(quant_experts["path"])
+    for layer in model.model.layers[1:]:
+        assert layer.mlp.experts.quant_method.name == method
+    shared = model.model.layers[1].mlp.shared_experts.gate_up_proj.quant_method
+    assert (shared is UNQUANTIZED) == (split == "only")
+    errors = _logit_errors(model, quant_experts["reference"], seed=3)
+    median, worst = errors[len(errors) // 2], errors[-1]
+    assert median < median_tol and worst < max_tol, (
+        f"{quant_experts['case']}: logit error median {median:.2e}, worst {worst:.2e}"
+    )
+
+
+def test_quantized_experts_greedy_equals_reference(quant_experts: dict) -> None:
+    """The engine's greedy tokens (batched, chunked prefill) equal the reference's, up to a
+    near-tie under the format's logit tolerance."""
+    from specserve.config import CacheConfig, SchedulerConfig
+    from specserve.llm import LLM
+    from specserve.sampling_params import SamplingParams
+
+    tol = EXPERT_CASES[quant_experts["case"]][3][1]
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (3, 17, 9)]
+    llm = LLM(quant_experts["path"], device="cpu", dtype="float32",
+              cache=CacheConfig(page_size=4, num_pages=64),
+              scheduler=SchedulerConfig(max_num_batched_tokens=12))  # fmt: skip
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    reference, compared = quant_experts["reference"], 0
+    for prompt, out in zip(prompts, outs):
+        ids = list(prompt)
+        for got in out.token_ids:
+            with torch.no_grad():
+                logits = reference(torch.tensor([ids])).logits[0, -1]
+            top = logits.topk(2)
+            if got != int(top.indices[0]):
+                margin = float(top.values[0] - top.values[1])
+                assert margin < tol, f"diverged at a top-2 margin of {margin:.3g} (tol {tol})"
+                break
+            ids.append(got)
+            compared += 1
+    assert compared >= 16
+
+
+def _kimi_k25(src: str, dst: Path) -> str:
+    """The INT4 checkpoint as a Kimi K2.5 wrapper: tensors under `language_model.`, the text
+    config nested, the quantization config at the top level (as the hub's)."""
+    tensors = {f"language_model.{n}": t for n, t in load_file(f"{src}/model.safetensors").items()}
+    dst.mkdir()
+    save_file(tensors, dst / "model.safetensors")
+    text = json.loads(Path(src, "config.json").read_text())
+    quant = text.pop("quantization_config")
+    text.update(model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"])
+    config = {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "model_type": "kimi_k25",
+        "tie_word_embeddings": False,
+        "text_config": text,
+        "quantization_config": quant,
+    }
+    (dst / "config.json").write_text(json.dumps(config))
+    return str(dst)
+
+
+def test_kimi_k25_wrapper_int4_experts(expert_ckpts: dict, tmp_path: Path) -> None:
+    case = expert_ckpts["kimi-int4"]
+    model = _load(_kimi_k25(case["path"], tmp_path / "k25"))
+    experts = model.language_model.model.layers[1].mlp.experts
+    assert experts.quant_method.name == "int4-w4a16-g32-moe"
+    assert experts.prefix == "language_model.model.layers.1.mlp.experts"
+    errors = _logit_errors(model, case["reference"], seed=5)
+    assert errors[-1] < WEIGHT_ONLY[1], f"worst row {errors[-1]:.2e}"
+
+
+# -- loading errors ------------------------------------------------------------------------------
+
+
+def _edited(src: str, dst: Path, edit_tensors=None, edit_config=None) -> str:  # noqa: ANN001
+    shutil.copytree(src, dst)
+    if edit_tensors is not None:
+        tensors = load_file(dst / "model.safetensors")
+        edit_tensors(tensors)
+        save_file(tensors, dst / "model.safetensors")
+    if edit_config is not None:
+        config = json.loads((dst / "config.json").read_text())
+        edit_config(config)
+        (dst / "config.json").write_text(json.dumps(config))
+    return str(dst)
+
+
+def test_corrupted_expert_scale_shape_names_the_tensor(expert_ckpts: dict, tmp_path) -> None:
+    src = expert_ckpts["fp8-block"]["path"]
+    name = "model.layers.2.mlp.experts.3.down_proj.weight_scale_inv"  # [1, 1]: H 64, I 128
+    path = _edited(src, tmp_path / "m", lambda t: t.__setitem__(name, torch.ones(1, 2)))
+    with pytest.raises(ValueError, match=rf"'{re.escape(name)}'.*\(1, 2\).*\(1, 1\)"):
+        _load(path)
+
+
+def test_missing_expert_scale_is_reported(expert_ckpts: dict, tmp_path) -> None:
+    src = expert_ckpts["kimi-int4"]["path"]
+    name = "model.layers.1.mlp.experts.5.up_proj.weight_scale"
+    path = _edited(src, tmp_path / "m", lambda t: t.pop(name))
+    with pytest.raises(ValueError, match=f"missing tensors: {re.escape(name)}$"):
+        _load(path)
+
+
+def test_expert_weight_shape_and_dtype_are_checked(expert_ckpts: dict, tmp_path) -> None:
+    src = expert_ckpts["kimi-int4"]["path"]
+    name = "model.layers.2.mlp.experts.6.gate_proj.weight_shape"
+    path = _edited(src, tmp_path / "a", lambda t: t.__setitem__(name, torch.tensor([32, 65])))
+    with pytest.raises(ValueError, match=rf"{re.escape(name)}: \[32, 65\] differs .*\[32, 64\]"):
+        _load(path)
+    packed = "model.layers.1.mlp.experts.0.down_proj.weight_packed"
+    path = _edited(src, tmp_path / "b", lambda t: t.__setitem__(packed, t[packed].float()))
+    with pytest.raises(ValueError, match=rf"'{re.escape(packed)}'.*float32.*int32"):
+        _load(path)
+
+
+def test_unsupported_expert_format_is_refused(expert_ckpts: dict, tmp_path) -> None:
+    def nvfp4_experts(config: dict) -> None:  # NVFP4 everywhere but the ignore list
+        config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4",
+                                         "ignore": ["lm_head"]}  # fmt: skip
+
+    path = _edited(expert_ckpts["kimi-int4"]["path"], tmp_path / "m", edit_config=nvfp4_experts)
+    with pytest.raises(ValueError, match=r"experts\.0\.gate_proj: routed experts in nvfp4.*"
+                                         r"supported expert formats"):  # fmt: skip
+        _load(path)
+
+
+def test_tp_split_inside_an_expert_block_names_the_tensor(monkeypatch) -> None:
+    from tiny_quant import quant_config
+
+    from specserve.distributed import parallel_state
+    from specserve.layers.moe import FusedMoE
+    from specserve.layers.quantization import get_quant_config
+
+    monkeypatch.setattr(parallel_state, "_TP_RANK", 0)
+    monkeypatch.setattr(parallel_state, "_TP_SIZE", 2)
+    fp8 = get_quant_config(quant_config("fp8-block"))
+    with pytest.raises(
+        ValueError,
+        match=r"'m\.experts\.0\.gate_proj\.weight_scale_inv'.*"
+        r"intermediate features \(384\).*blocks of 128.*: 1, 3",
+    ):
+        FusedMoE(4, 256, 384, fp8, "m.experts")
+    int4 = get_quant_config(quant_config("ct-int4-g32"))
+    with pytest.raises(ValueError, match=r"'m\.experts\.0\.down_proj\.weight_scale'.*blocks of 32"):
+        FusedMoE(4, 256, 48, int4, "m.experts")
+    assert FusedMoE(4, 256, 64, int4, "m.experts").w2_weight_scale.shape == (4, 256, 1)
+
+
+# -- TP=2 over gloo processes: the logits of TP=1 ------------------------------------------------
+
+TP_CASES = {  # case -> (format, split, overrides giving each rank whole blocks / groups, tol)
+    "fp8-block": ("fp8-block", "only", {"moe_intermediate_size": 256}, W8A8[1]),
+    "int4-g32": ("ct-int4-g32", "only", {"moe_intermediate_size": 64}, WEIGHT_ONLY[1]),
+}
+
+
+@pytest.mark.slow
+def test_tp2_gloo_quantized_experts_equal_tp1(tmp_path: Path) -> None:
+    """Each rank holds its intermediate slice of every expert's codes and scales (gate/up rows,
+    down columns); the W8A8 down GEMM quantizes its slice in the same 128-groups as TP=1."""
+    import torch.multiprocessing as mp
+    from test_tp_gloo import TP, _free_port, _run, _worker
+
+    paths = []
+    for case, (fmt, split, overrides, _) in TP_CASES.items():
+        paths.append(str(tmp_path / case))
+        make_quantized_checkpoint(paths[-1], fmt, family="deepseek_v3", experts=split,
+                                  **overrides)  # fmt: skip
+    mp.spawn(_worker, args=(paths, _free_port(), str(tmp_path), "gloo"), nprocs=TP, join=True)
+    expected = [_run(p) for p in paths]
+    for rank in range(TP):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        for (case, (*_, tol)), exp, res in zip(TP_CASES.items(), expected, got):
+            err = max((g - e).abs().max().item() for e, g in zip(exp, res))
+            assert err < tol, f"{case} rank {rank}: max abs logit difference {err:.2e}"

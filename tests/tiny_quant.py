@@ -5,9 +5,10 @@ Each format turns a dense fp32 [N, K] weight into the tensors its producer write
 names, dtypes and layouts) and into the fp32 weight those tensors mean; the reference model is
 transformers' model with the dequantized weights (and, for W8A8 formats, its linear inputs
 fake-quantized the way the format quantizes activations). DeepSeek-V3: the MLA projections,
-dense MLPs and shared experts are quantized; the routed experts stay dense (the config's
-ignore list names them); kv_b_proj's input is never quantized (the engine dequantizes that
-weight at load and reads it as W_UK / W_UV).
+dense MLPs and shared experts are quantized, and the routed experts too, or not, or alone
+(EXPERT_SPLITS; the config's ignore list says which); kv_b_proj's input is never quantized
+(the engine dequantizes that weight at load and reads it as W_UK / W_UV). W8A8 routed experts
+make the reference's expert loop fake-quantize both GEMMs' inputs.
 """
 
 from __future__ import annotations
@@ -104,6 +105,23 @@ def nvfp4(w: torch.Tensor) -> tuple[dict, torch.Tensor]:
     code = code.view(n, k)
     packed = (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8)  # low nibble = even
     return {"packed": packed, "weight_scale": s, "global": glob.reshape(())}, deq.view(n, k)
+
+
+def quantize_experts(
+    w: torch.Tensor, fmt: str, parts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stacked expert matrices [E, N, K] (`parts` row parts quantized apart: gate | up) in
+    `fmt` (fp8-block | ct-int4-gG): (codes, scales, fp32 dequantized [E, N, K]), stacked the
+    way the engine holds them (each part's scale rows after the previous part's)."""
+    codes, scales, deqs = [], [], []
+    for matrix in w:
+        per_part = [_tensors(fmt, part, 0) for part in matrix.float().chunk(parts, dim=0)]
+        code_key = "weight" if fmt == "fp8-block" else "weight_packed"
+        scale_key = "weight_scale_inv" if fmt == "fp8-block" else "weight_scale"
+        codes.append(torch.cat([t[code_key] for t, _ in per_part]))
+        scales.append(torch.cat([t[scale_key] for t, _ in per_part]))
+        deqs.append(torch.cat([d for _, d in per_part]))
+    return torch.stack(codes), torch.stack(scales), torch.stack(deqs)
 
 
 def _tensors(fmt: str, w: torch.Tensor, shard: int) -> tuple[dict, torch.Tensor]:
@@ -263,37 +281,75 @@ SHARD_OF = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "gate_proj": 0, "up_proj": 1}
 
 def _per_expert(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
     """transformers' stacked expert tensors (gate_up_proj [E, 2I, H], down_proj [E, H, I])
-    under the per-expert names a checkpoint stores."""
+    as {checkpoint module name (`...experts.E.gate_proj`): its [out, in] matrix}."""
     prefix, _, kind = name.rpartition(".")
     if kind == "down_proj":
-        return {f"{prefix}.{e}.down_proj.weight": t for e, t in enumerate(tensor)}
+        return {f"{prefix}.{e}.down_proj": t for e, t in enumerate(tensor)}
     inter = tensor.shape[1] // 2
     return {
-        f"{prefix}.{e}.{part}_proj.weight": t[i * inter : (i + 1) * inter]
+        f"{prefix}.{e}.{part}_proj": t[i * inter : (i + 1) * inter]
         for e, t in enumerate(tensor)
         for i, part in enumerate(("gate", "up"))
     }
 
 
+def _w8a8_experts_forward(self, hidden_states, top_k_index, top_k_weights):  # noqa: ANN001, ANN202
+    """transformers' expert loop with both GEMMs' inputs fake-quantized (W8A8 experts)."""
+    out = torch.zeros_like(hidden_states)
+    for e in range(self.num_experts):
+        tok, pos = torch.where(top_k_index == e)
+        if len(tok):
+            x = _fake_quant_groups(hidden_states[tok], 128)
+            gate, up = torch.nn.functional.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+            h = _fake_quant_groups(self.act_fn(gate) * up, 128)
+            y = torch.nn.functional.linear(h, self.down_proj[e])
+            out.index_add_(0, tok, y * top_k_weights[tok, pos, None])
+    return out
+
+
+# which linears a DeepSeek-V3 checkpoint quantizes (`experts=`): all but the routed experts,
+# all of them, or only the routed experts (Kimi K2.5's INT4 split)
+EXPERT_SPLITS = ("dense", "quantized", "only")
+KIMI_IGNORE = ["lm_head", r"re:.*self_attn.*", r"re:.*shared_experts.*",
+               r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"]  # fmt: skip
+
+
 def make_quantized_checkpoint(
-    path: str | os.PathLike, fmt: str, seed: int = 0, family: str = "llama", **overrides: object
-) -> torch.nn.Module:
+    path: str | os.PathLike, fmt: str, seed: int = 0, family: str = "llama",
+    experts: str = "dense", **overrides: object,
+) -> torch.nn.Module:  # fmt: skip
     """Write a tiny `family` model (llama | deepseek_v3) in `fmt` at `path`; return the fp32
-    reference transformers model."""
+    reference transformers model. `experts`: see EXPERT_SPLITS (DeepSeek-V3)."""
+    assert experts in EXPERT_SPLITS and (experts != "only" or fmt in ("fp8-block", "ct-int4-g32"))
     path = os.fspath(path)
     shape = SHAPE if family == "llama" else DEEPSEEK_TINY
     model = make_hf_model(family, seed, **{**shape, **overrides})
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     out: dict[str, torch.Tensor] = {}
-    experts = sorted({n.rsplit(".", 1)[0] for n in state if ".mlp.experts." in n})
+    stacked = sorted({n.rsplit(".", 1)[0] for n in state if ".mlp.experts." in n})
+    dense_linears = []  # modules left dense with experts="only"
     for name, tensor in state.items():
         module, _, leaf = name.rpartition(".")
         part = module.rsplit(".", 1)[-1]
-        if module in experts:  # routed experts: dense, per-expert names
-            out.update({k: t.contiguous() for k, t in _per_expert(name, tensor).items()})
+        if module in stacked:  # routed experts: per-expert names
+            deq = []
+            for expert, matrix in _per_expert(name, tensor).items():
+                if experts == "dense":
+                    out[f"{expert}.weight"] = matrix.contiguous()
+                    continue
+                tensors, d = _tensors(fmt, matrix, 0)
+                out.update({f"{expert}.{sfx}": t.contiguous() for sfx, t in tensors.items()})
+                deq.append(d)
+            if deq:  # back to transformers' stacked layout: [E, 2I, H] (gate | up) or [E, H, I]
+                parts = 1 if leaf == "down_proj" else 2
+                state[name] = torch.stack(
+                    [torch.cat(deq[e * parts : (e + 1) * parts]) for e in range(len(tensor))]
+                )
             continue
-        if part not in LINEARS or leaf != "weight":
+        if part not in LINEARS or leaf != "weight" or experts == "only":
             out[name] = tensor
+            if part in LINEARS and leaf == "weight":
+                dense_linears.append(module)
             continue
         tensors, deq = _tensors(fmt, tensor, SHARD_OF.get(part, 0))
         out.update({f"{module}.{suffix}": t.contiguous() for suffix, t in tensors.items()})
@@ -303,9 +359,12 @@ def make_quantized_checkpoint(
         quant = activation_quant(fmt, name)
         if isinstance(mod, torch.nn.Linear) and name.rsplit(".", 1)[-1] in LINEARS and quant:
             mod.register_forward_pre_hook(lambda m, args, q=quant: (q(args[0]),))
+        if name in stacked and experts != "dense" and fmt in ("fp8-block", "ct-fp8-block"):
+            mod.forward = _w8a8_experts_forward.__get__(mod)
     os.makedirs(path, exist_ok=True)
     save_file(out, os.path.join(path, "model.safetensors"))
     config = model.config.to_dict()
+    dense_experts = stacked if experts == "dense" else None
     if fmt == "modelopt-nvfp4":  # the legacy ModelOpt layout: a file beside config.json
         with open(os.path.join(path, "hf_quant_config.json"), "w") as fh:
             json.dump(
@@ -315,13 +374,17 @@ def make_quantized_checkpoint(
                         "quant_algo": "NVFP4",
                         "kv_cache_quant_algo": None,
                         "group_size": 16,
-                        "exclude_modules": ["lm_head"] + (["*.experts.*"] if experts else []),
+                        "exclude_modules": ["lm_head"] + (["*.experts.*"] if dense_experts else []),
                     },
                 },
                 fh,
             )
     else:
-        config["quantization_config"] = quant_config(fmt, experts)
+        config["quantization_config"] = quant_config(fmt, dense_experts)
+        if experts == "only" and fmt == "fp8-block":
+            config["quantization_config"]["ignored_layers"] = dense_linears
+        elif experts == "only":
+            config["quantization_config"]["ignore"] = list(KIMI_IGNORE)
     with open(os.path.join(path, "config.json"), "w") as fh:
         json.dump(config, fh)
     make_tiny_tokenizer(path, vocab_size=config["vocab_size"])

@@ -58,6 +58,15 @@ def _round_to_e4m3(v):
 
 
 @jit
+def quant_rows_e4m3(x, fp8_max, eps):
+    # x fp32 [R, G] -> (x / s rounded to e4m3 values (fp32) [R, G], s [R]): s = max|x| / 448
+    # per row, as quant_fp8 over one group of G columns
+    s = tl.maximum(tl.max(tl.abs(x), 1), eps) / fp8_max
+    q = tl.clamp(tl.math.div_rn(x, s[:, None]), -fp8_max, fp8_max)
+    return _round_to_e4m3(q), s
+
+
+@jit
 def _quant_fp8_kernel(
     x_ptr, q_ptr, s_ptr, static_ptr, K, stride_x, stride_q, stride_s, fp8_max, eps,
     GROUP: tl.constexpr, BLOCK: tl.constexpr, STATIC: tl.constexpr,
@@ -166,10 +175,8 @@ def _fp8_mm_kernel(
         k_ok = k < k_end
         a = tl.load(a_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         if QUANT_A == DYNAMIC:  # as quant_fp8 over this row's group of BLOCK_K columns
-            x = a.to(tl.float32)
-            a_s = tl.maximum(tl.max(tl.abs(x), 1), eps) / fp8_max
-            q = tl.clamp(tl.math.div_rn(x, a_s[:, None]), -fp8_max, fp8_max)
-            a = _round_to_e4m3(q).to(b_ptr.dtype.element_ty)
+            q, a_s = quant_rows_e4m3(a.to(tl.float32), fp8_max, eps)
+            a = q.to(b_ptr.dtype.element_ty)
         elif QUANT_A == STATIC:
             a_s = tl.load(as_rows, mask=m_ok, other=0.0)
             q = tl.clamp(tl.math.div_rn(a.to(tl.float32), a_s[:, None]), -fp8_max, fp8_max)

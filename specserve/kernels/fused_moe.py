@@ -21,6 +21,17 @@ and up tiles of the block's expert and writes silu(gate) * up to act [M*k, I] at
 GEMM 2: act row p times w2[e]^T, times topk_weights[p], to out [M*k, H]; then a sum over k.
 Rounding follows the transformers experts: projections, SiLU and each expert's output are
 rounded to the activation dtype; the k-sum is done in fp32.
+
+Quantized experts (`ExpertWeights`) are dequantized inside the K loop of both GEMMs:
+    FP8_BLOCK  W8A8: fp8 weights with [bn x bk] block scales; each K step (BLOCK_K = bk = 128)
+               quantizes its activation rows to fp8 per row and group (s = max|x| / 448, as
+               the dense FP8 linear does), runs tl.dot on the FP8 operands and scales the
+               partial product by activation and weight scales
+    INT4       W4A16: int4 nibbles packed 8 per int32 along K with group scales (compressed-
+               tensors pack-quantized), decoded and scaled in registers, tl.dot in the
+               activation dtype
+A gate_up weight holds its two parts' scales apart: the up part's scale rows start at
+`rows_per_part` (a ragged last block of the gate part never covers up rows).
 """
 
 from __future__ import annotations
@@ -31,6 +42,76 @@ import torch
 import torch.nn.functional as F
 
 from specserve.kernels.dispatch import jit, next_power_of_2, tl, triton
+from specserve.kernels.fp8_gemm import (
+    AMAX_EPS,
+    FP8_MAX,
+    expand_scale,
+    quant_fp8_torch,
+    quant_rows_e4m3,
+)
+from specserve.kernels.w4a16_gemm import dequantize_w4, scale_mode, w4_tile
+
+# weight formats of the grouped GEMMs
+DENSE, FP8_BLOCK, INT4 = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """One grouped GEMM's stacked expert matrices [E, N, K] in their stored format.
+
+    weight  DENSE [E, N, K] (activation dtype); FP8_BLOCK [E, N, K] float8_e4m3fn; INT4
+            [E, N, ceil(K/8)] int32 (element 8c + i in bits 4i of word c, nibble = q + 8)
+    scale   FP8_BLOCK [E, parts * ceil(N/parts/group_n), ceil(K/group_k)] fp32; INT4
+            [E, N, ceil(K/group_k)]; DENSE None
+    parts   row parts with scales of their own (gate_up: 2, down: 1)
+    """
+
+    format: int
+    weight: torch.Tensor
+    scale: torch.Tensor | None
+    in_features: int
+    group_n: int = 1
+    group_k: int = 1
+    parts: int = 1
+
+    @property
+    def rows_per_part(self) -> int:
+        """Scale rows of one part (the up part's scale rows start here)."""
+        part = self.weight.shape[1] // self.parts
+        return -(-part // self.group_n)
+
+    def dequantize(self, expert: int) -> torch.Tensor:
+        """Expert `expert`'s [N, K] weight in fp32 (DENSE: as stored)."""
+        w = self.weight[expert]
+        if self.format == DENSE:
+            return w
+        if self.format == INT4:
+            return dequantize_w4(w, self.scale[expert], self.group_k, self.in_features, False)
+        n, k = w.shape
+        part = n // self.parts
+        rows = torch.arange(n, device=w.device)
+        scale_rows = (rows // part) * self.rows_per_part + (rows % part) // self.group_n
+        grid = self.scale[expert].float()[scale_rows]  # [N, ceil(K/bk)]
+        return w.float() * expand_scale(grid, n, k, 1, self.group_k)
+
+    def apply(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        """x [T, K] @ W_e^T in x's dtype: dense in x's dtype; quantized in fp32 on the
+        dequantized weight (W8A8: x fake-quantized per row and group first)."""
+        w = self.dequantize(expert)
+        if self.format == DENSE:
+            return F.linear(x, w)
+        xf = x.float()
+        if self.format == FP8_BLOCK:
+            xq, xs = quant_fp8_torch(xf, self.group_k)
+            xf = xq.float() * expand_scale(xs, *xf.shape, 1, self.group_k)
+        return F.linear(xf, w).to(x.dtype)
+
+
+def expert_weights(w: torch.Tensor | ExpertWeights, parts: int) -> ExpertWeights:
+    """A dense stacked weight as ExpertWeights (quantized ones pass through)."""
+    if isinstance(w, ExpertWeights):
+        return w
+    return ExpertWeights(DENSE, w, None, w.shape[2], parts=parts)
 
 
 @dataclass(frozen=True)
@@ -44,12 +125,14 @@ class MoELaunch:
 
 
 def moe_launch_config(num_tokens: int, n: int, k: int, num_experts: int, top_k: int,
-                      dtype: torch.dtype) -> MoELaunch:  # fmt: skip
+                      dtype: torch.dtype, weights: ExpertWeights | None = None
+                      ) -> MoELaunch:  # fmt: skip
     """Block sizes for one grouped GEMM of output width `n` and depth `k`.
 
     Rows per expert (M*k/E) pick BLOCK_M: decode has ~1 row per hit expert (BLOCK_M 16, the
     smallest MMA tile; the GEMM is a weight stream, so narrow BLOCK_N gives more programs),
     prefill fills whole tiles (BLOCK_M up to 128, BLOCK_N 128, GROUP_M 8 for L2 reuse).
+    FP8 block weights step K by their block (the activations are quantized per step).
     """
     rows = num_tokens * top_k / max(num_experts, 1)
     if rows <= 16:
@@ -64,6 +147,8 @@ def moe_launch_config(num_tokens: int, n: int, k: int, num_experts: int, top_k: 
         bk //= 2
     bn = max(16, min(bn, next_power_of_2(n)))
     bk = max(16, min(bk, next_power_of_2(k)))
+    if weights is not None and weights.format == FP8_BLOCK:
+        bk = weights.group_k
     return MoELaunch(bm, bn, bk, group, warps, stages)
 
 
@@ -103,9 +188,11 @@ def align_pairs(topk_ids: torch.Tensor, block_m: int, num_experts: int) -> MoEAl
 
 @jit
 def _moe_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
-    n, k, num_pairs, num_rows, stride_am, stride_be, stride_bn, stride_cm, up_offset,
+    a_ptr, b_ptr, bs_ptr, c_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
+    n, k, num_pairs, num_rows, stride_am, stride_be, stride_bn, stride_bse, stride_bsn,
+    stride_cm, up_offset, up_scale_row, fp8_max, eps,
     A_ROW_DIV: tl.constexpr, SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    WEIGHTS: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, SCALES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -134,15 +221,50 @@ def _moe_gemm_kernel(
     b_ptrs = b_ptr + expert * stride_be + cols[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if WEIGHTS == FP8_BLOCK:  # scale rows of the gate (or only) part and of the up part
+        s_gate = bs_ptr + expert * stride_bse + (cols // GROUP_N).to(tl.int64) * stride_bsn
+        s_up = s_gate + up_scale_row * stride_bsn
+    if WEIGHTS == INT4:  # per-row packed words and group scales, [BLOCK_N, 1]
+        w_rows = b_ptr + expert * stride_be + cols.to(tl.int64)[:, None] * stride_bn
+        s_rows = bs_ptr + expert * stride_bse + cols.to(tl.int64)[:, None] * stride_bsn
     for k0 in range(0, k, BLOCK_K):
         k_ok = offs_k < k - k0
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        if SILU_MUL:
-            b_up = tl.load(b_ptrs + up_offset * stride_bn, mask=k_ok[:, None] & col_ok[None, :],
-                           other=0.0)  # fmt: skip
-            acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
+        b_mask = k_ok[:, None] & col_ok[None, :]
+        if WEIGHTS == FP8_BLOCK:  # W8A8: the rows quantized per group of BLOCK_K = GROUP_K
+            q, a_s = quant_rows_e4m3(a.to(tl.float32), fp8_max, eps)
+            a8 = q.to(b_ptr.dtype.element_ty)
+            b = tl.load(b_ptrs, mask=b_mask, other=0.0)  # [BLOCK_K, BLOCK_N] fp8
+            b_s = tl.load(s_gate + k0 // GROUP_K, mask=col_ok, other=0.0)
+            acc += tl.dot(a8, b) * a_s[:, None] * b_s[None, :]
+            if SILU_MUL:
+                b_up = tl.load(b_ptrs + up_offset * stride_bn, mask=b_mask, other=0.0)
+                bu_s = tl.load(s_up + k0 // GROUP_K, mask=col_ok, other=0.0)
+                acc_up += tl.dot(a8, b_up) * a_s[:, None] * bu_s[None, :]
+        elif WEIGHTS == INT4:  # W4A16: nibbles decoded and scaled in registers
+            w = w4_tile(w_rows, s_rows, col_ok, k0, k, GROUP_K, SCALES, False, BLOCK_N, BLOCK_K)
+            acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc, input_precision=DOT_PRECISION)
+            if SILU_MUL:
+                w_up = w4_tile(
+                    w_rows + up_offset * stride_bn,
+                    s_rows + up_scale_row * stride_bsn,
+                    col_ok,
+                    k0,
+                    k,
+                    GROUP_K,
+                    SCALES,
+                    False,
+                    BLOCK_N,
+                    BLOCK_K,
+                )
+                acc_up = tl.dot(a, tl.trans(w_up.to(a.dtype)), acc_up,
+                                input_precision=DOT_PRECISION)  # fmt: skip
+        else:
+            b = tl.load(b_ptrs, mask=b_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            if SILU_MUL:
+                b_up = tl.load(b_ptrs + up_offset * stride_bn, mask=b_mask, other=0.0)
+                acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     out_ty = c_ptr.dtype.element_ty
@@ -156,18 +278,23 @@ def _moe_gemm_kernel(
 
 
 def _grouped_gemm(
-    a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, topk_weights: torch.Tensor | None,
+    a: torch.Tensor, b: ExpertWeights, out: torch.Tensor, topk_weights: torch.Tensor | None,
     align: MoEAlignment, n: int, a_row_div: int, silu_mul: bool, launch: MoELaunch,
 ) -> None:  # fmt: skip
     k = a.shape[1]
-    assert a.stride(1) == 1 and b.stride(2) == 1 and out.stride(1) == 1
+    w, scale = b.weight, b.scale if b.scale is not None else b.weight
+    assert a.stride(1) == 1 and w.stride(2) == 1 and out.stride(1) == 1 and scale.stride(-1) == 1
+    assert b.format != FP8_BLOCK or launch.block_k == b.group_k, "W8A8: BLOCK_K = the group"
     num_rows = align.sorted_ids.shape[0]
     grid = (triton.cdiv(num_rows, launch.block_m) * triton.cdiv(n, launch.block_n),)
     _moe_gemm_kernel[grid](
-        a, b, out, topk_weights if topk_weights is not None else a, align.sorted_ids,
+        a, w, scale, out, topk_weights if topk_weights is not None else a, align.sorted_ids,
         align.block_expert, align.num_padded, n, k, out.shape[0], num_rows,
-        a.stride(0), b.stride(0), b.stride(1), out.stride(0), n,
+        a.stride(0), w.stride(0), w.stride(1), scale.stride(0), scale.stride(1),
+        out.stride(0), n, b.rows_per_part, FP8_MAX, AMAX_EPS,
         A_ROW_DIV=a_row_div, SILU_MUL=silu_mul, MUL_WEIGHT=topk_weights is not None,
+        WEIGHTS=b.format, GROUP_N=b.group_n, GROUP_K=b.group_k,
+        SCALES=scale_mode(b.group_k, launch.block_k),
         BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
         GROUP_M=launch.group_m, DOT_PRECISION="ieee" if a.dtype == torch.float32 else None,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
@@ -175,24 +302,28 @@ def _grouped_gemm(
 
 
 def fused_moe(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor, launch: tuple[MoELaunch, MoELaunch] | None = None,
+    x: torch.Tensor, w13: torch.Tensor | ExpertWeights, w2: torch.Tensor | ExpertWeights,
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    launch: tuple[MoELaunch, MoELaunch] | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """Routed-expert output [M, H] (Triton). w13 [E, 2I, H], w2 [E, H, I]; topk_* [M, k].
+    """Routed-expert output [M, H] (Triton). w13 [E, 2I, H], w2 [E, H, I] (dense tensors, or
+    ExpertWeights in a quantized format); topk_* [M, k].
 
     `launch`: (gate_up config, down config); None picks them from the shapes.
     """
+    w13, w2 = expert_weights(w13, 2), expert_weights(w2, 1)
     m, hidden = x.shape
-    num_experts, two_inter, _ = w13.shape
+    num_experts, two_inter = w13.weight.shape[:2]
     inter = two_inter // 2
     top_k = topk_ids.shape[1]
-    assert w2.shape == (num_experts, hidden, inter) and topk_weights.shape == topk_ids.shape
+    assert w13.in_features == hidden and w2.in_features == inter
+    assert w2.weight.shape[:2] == (num_experts, hidden) and topk_weights.shape == topk_ids.shape
     if m == 0:
         return x.new_zeros(0, hidden)
     if launch is None:
         launch = (
-            moe_launch_config(m, inter, hidden, num_experts, top_k, x.dtype),
-            moe_launch_config(m, hidden, inter, num_experts, top_k, x.dtype),
+            moe_launch_config(m, inter, hidden, num_experts, top_k, x.dtype, w13),
+            moe_launch_config(m, hidden, inter, num_experts, top_k, x.dtype, w2),
         )
     assert launch[0].block_m == launch[1].block_m, "both GEMMs walk one alignment"
     align = align_pairs(topk_ids, launch[0].block_m, num_experts)
@@ -205,17 +336,21 @@ def fused_moe(
 
 
 def fused_moe_ref(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
+    x: torch.Tensor, w13: torch.Tensor | ExpertWeights, w2: torch.Tensor | ExpertWeights,
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor,
 ) -> torch.Tensor:  # fmt: skip
-    """Torch form of `fused_moe` (one batched matmul per hit expert; the CPU path)."""
+    """Torch form of `fused_moe` (one batched matmul per hit expert; the CPU path). Dense
+    weights compute in x's dtype; quantized ones are dequantized to fp32 per hit expert and
+    multiply in fp32 (W8A8: the inputs of both GEMMs fake-quantized per row and group, as the
+    kernel quantizes them), with the kernel's roundings to x's dtype."""
+    w13, w2 = expert_weights(w13, 2), expert_weights(w2, 1)
     m, hidden = x.shape
     top_k = topk_ids.shape[1]
     flat = topk_ids.flatten()
     out = x.new_empty(m * top_k, hidden)
     for e in torch.unique(flat).tolist():
         pairs = (flat == e).nonzero().flatten()  # pair p = token p // k, slot p % k
-        gate, up = F.linear(x[pairs // top_k], w13[e]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[e])  # [pairs, H] in x.dtype
+        gate, up = w13.apply(x[pairs // top_k], e).chunk(2, dim=-1)
+        y = w2.apply(F.silu(gate) * up, e)  # [pairs, H] in x.dtype
         out[pairs] = (y * topk_weights.flatten()[pairs, None].float()).to(x.dtype)
     return out.view(m, top_k, hidden).sum(1, dtype=torch.float32).to(x.dtype)

@@ -81,16 +81,57 @@ def _decode_e2m1(nib):
     return tl.where((nib & 8) != 0, -val, val)
 
 
-# how a K step of BLOCK_K columns finds its scales (see _scale_mode)
+# how a K step of BLOCK_K columns finds its scales (see scale_mode)
 PER_STEP, PER_GROUP, PER_COLUMN = 0, 1, 2
 
 
-def _scale_mode(group: int, block_k: int) -> int:
+def scale_mode(group: int, block_k: int) -> int:
     if group % block_k == 0:
         return PER_STEP
     if block_k % group == 0:
         return PER_GROUP
     return PER_COLUMN
+
+
+@jit
+def w4_tile(
+    w_rows, s_rows, n_ok, k0, K, GROUP: tl.constexpr, SCALES: tl.constexpr, FP4: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """The fp32 weight tile [BLOCK_N, BLOCK_K] of columns k0 .. k0 + BLOCK_K - 1 (k0 a multiple
+    of 8): w_rows / s_rows [BLOCK_N, 1] point at each row's packed words and scales; rows past
+    n_ok and columns past K decode as zero codes (their scales are not read)."""
+    words = tl.arange(0, BLOCK_K // 8)
+    shifts = tl.arange(0, 8) * 4
+    k = k0 + tl.arange(0, BLOCK_K)
+    word = k0 // 8 + words
+    packed = tl.load(
+        w_rows + word[None, :], mask=n_ok[:, None] & (word * 8 < K)[None, :], other=0
+    )  # [BN, BK/8]
+    nib = (packed[:, :, None] >> shifts[None, None, :]) & 0xF  # [BN, BK/8, 8]
+    nib = tl.reshape(nib, (BLOCK_N, BLOCK_K))
+    if FP4:
+        val = _decode_e2m1(nib)
+    else:
+        val = (nib - 8).to(tl.float32)
+    if SCALES == PER_STEP:  # the step lies in one group: one scale per row
+        sc = tl.load(s_rows + k0 // GROUP, mask=n_ok[:, None], other=0.0).to(tl.float32)
+        w = val * sc
+    elif SCALES == PER_GROUP:  # BLOCK_K // GROUP whole groups: scale each group's slice
+        g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+        sc = tl.load(
+            s_rows + g[None, :], mask=n_ok[:, None] & (g * GROUP < K)[None, :], other=0.0
+        ).to(tl.float32)  # [BN, BK / GROUP]
+        w = tl.reshape(
+            tl.reshape(val, (BLOCK_N, BLOCK_K // GROUP, GROUP)) * sc[:, :, None],
+            (BLOCK_N, BLOCK_K),
+        )
+    else:  # groups that do not tile the step: each column's scale
+        sc = tl.load(
+            s_rows + (k // GROUP)[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0
+        ).to(tl.float32)
+        w = val * sc
+    return w
 
 
 @jit
@@ -106,8 +147,6 @@ def _w4a16_kernel(
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = rm < M, rn < N
-    words = tl.arange(0, BLOCK_K // 8)
-    shifts = tl.arange(0, 8) * 4
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     s_rows = s_ptr + rn.to(tl.int64)[:, None] * stride_sn
@@ -118,34 +157,8 @@ def _w4a16_kernel(
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < k_end
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        word = k0 // 8 + words
-        packed = tl.load(
-            w_rows + word[None, :], mask=n_ok[:, None] & (word * 8 < K)[None, :], other=0
-        )  # [BN, BK/8]
-        nib = (packed[:, :, None] >> shifts[None, None, :]) & 0xF  # [BN, BK/8, 8]
-        nib = tl.reshape(nib, (BLOCK_N, BLOCK_K))
-        if FP4:
-            val = _decode_e2m1(nib)
-        else:
-            val = (nib - 8).to(tl.float32)
-        # columns past k_end meet zero activations; a word past K holds zero codes
-        if SCALES == PER_STEP:  # the step lies in one group: one scale per row
-            sc = tl.load(s_rows + k0 // GROUP, mask=n_ok[:, None], other=0.0).to(tl.float32)
-            w = val * sc
-        elif SCALES == PER_GROUP:  # BLOCK_K // GROUP whole groups: scale each group's slice
-            g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-            sc = tl.load(
-                s_rows + g[None, :], mask=n_ok[:, None] & (g * GROUP < K)[None, :], other=0.0
-            ).to(tl.float32)  # [BN, BK / GROUP]
-            w = tl.reshape(
-                tl.reshape(val, (BLOCK_N, BLOCK_K // GROUP, GROUP)) * sc[:, :, None],
-                (BLOCK_N, BLOCK_K),
-            )
-        else:  # groups that do not tile the step: each column's scale
-            sc = tl.load(
-                s_rows + (k // GROUP)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0
-            ).to(tl.float32)
-            w = val * sc
+        # columns past k_end (the next split's) meet zero activations
+        w = w4_tile(w_rows, s_rows, n_ok, k0, K, GROUP, SCALES, FP4, BLOCK_N, BLOCK_K)
         acc += tl.dot(x, tl.trans(w.to(x.dtype)))
     if HAS_ROW_SCALE:
         acc = acc * tl.load(rs_ptr + rn, mask=n_ok, other=0.0)[None, :]
@@ -178,7 +191,7 @@ def w4a16_mm(
         _w4a16_kernel[grid](
             x, packed, scales, row_scale if row_scale is not None else scales, out, partials,
             counters, m, n, k, k_per_split, splits, x.stride(0), packed.stride(0),
-            scales.stride(0), out.stride(0), GROUP=group, SCALES=_scale_mode(group, bk), FP4=fp4,
+            scales.stride(0), out.stride(0), GROUP=group, SCALES=scale_mode(group, bk), FP4=fp4,
             HAS_ROW_SCALE=row_scale is not None, SPLIT=splits > 1, BLOCK_M=bm, BLOCK_N=bn,
             BLOCK_K=bk, num_warps=plan.num_warps, num_stages=plan.num_stages,
         )  # fmt: skip

@@ -8,7 +8,9 @@ Tensor parallelism splits every expert (routed and shared) over its intermediate
 dense MLP: rank r holds gate/up rows and down columns [r*I/tp, (r+1)*I/tp) of each expert, runs
 every routed token through its slice, and the partial outputs are summed by one all_reduce.
 The router is replicated. Routed weights live stacked, w13 [E, 2*I/tp, H] (gate | up) and
-w2 [E, H, I/tp]; the checkpoint's per-expert tensors load into their rows (`expert_shards`).
+w2 [E, H, I/tp]; the checkpoint's per-expert tensors load into their rows (`expert_shards`):
+`experts.E.gate_proj.SUFFIX` -> `experts.w13_SUFFIX`, shard (E, "gate"), for the weight and
+for a quantized format's scales and packed codes alike (layers/quantization/moe.py).
 """
 
 from __future__ import annotations
@@ -21,18 +23,17 @@ from torch import nn
 
 from specserve.config import MoEConfig
 from specserve.distributed.comm import all_reduce
-from specserve.distributed.parallel_state import get_tp_size
+from specserve.distributed.parallel_state import get_tp_rank, get_tp_size
 from specserve.kernels.dispatch import use_triton
-from specserve.kernels.fused_moe import fused_moe, fused_moe_ref
 from specserve.kernels.moe_routing import RoutingRule, grouped_topk, grouped_topk_ref
-from specserve.layers.linear import copy_shard, default_weight_loader, divide
+from specserve.layers.linear import default_weight_loader, divide
 from specserve.layers.mlp import GatedMLP
 from specserve.layers.quantization.base import QuantConfig, child
-from specserve.layers.quantization.unquantized import UNQUANTIZED
+from specserve.layers.quantization.moe import load_expert_shard, moe_method
 
 # checkpoint names of routed-expert weights: per expert (hub, transformers-saved) or stacked
 # over experts (transformers' in-memory names: gate_up_proj [E, 2I, H], down_proj [E, H, I])
-_PER_EXPERT = re.compile(r"^((?:.*\.)?experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_PER_EXPERT = re.compile(r"^((?:.*\.)?experts)\.(\d+)\.(gate|up|down)_proj\.(\w+)$")
 _STACKED = re.compile(r"^((?:.*\.)?experts)\.(gate_up|down)_proj$")
 
 ExpertShard = tuple[int, str]  # (expert, "gate" | "up" | "down")
@@ -44,8 +45,8 @@ def expert_shards(
     """(parameter name, shard id, full tensor) for each expert matrix in checkpoint tensor
     `name`; None if `name` is not a routed-expert weight."""
     if match := _PER_EXPERT.match(name):
-        prefix, expert, kind = match.groups()
-        param = f"{prefix}.{'w2' if kind == 'down' else 'w13'}_weight"
+        prefix, expert, kind, suffix = match.groups()
+        param = f"{prefix}.{'w2' if kind == 'down' else 'w13'}_{suffix}"
         return [(param, (int(expert), kind), tensor)]
     if match := _STACKED.match(name):
         prefix, kind = match.groups()
@@ -61,61 +62,44 @@ def expert_shards(
 
 
 class FusedMoE(nn.Module):
-    """The routed experts, stacked: w13 [E, 2*I/tp, H], w2 [E, H, I/tp] (this rank's slice)."""
+    """The routed experts, stacked over experts and sliced over TP ranks along the
+    intermediate dim (dense: w13 [E, 2*I/tp, H], w2 [E, H, I/tp]); the tensors, the loader's
+    sharding and the matmul belong to the experts' quantization method
+    (layers/quantization/moe.py), which the quant config picks from `prefix.0.gate_proj`."""
 
     def __init__(
         self, num_experts: int, hidden_size: int, intermediate_size: int,
         quant_config: QuantConfig | None = None, prefix: str = "",
     ) -> None:  # fmt: skip
         super().__init__()
-        if quant_config is not None:
-            names = [child(prefix, f"0.{kind}_proj") for kind in ("gate", "up", "down")]
-            if any(quant_config.linear_method(n) is not UNQUANTIZED for n in names):
-                raise ValueError(
-                    f"{quant_config.describe()} quantizes the routed experts ({names[0]}): "
-                    "quantized routed experts are not supported yet"
-                )
         self.num_experts = num_experts
-        self.inter = divide(intermediate_size, get_tp_size(), "moe_intermediate_size")
-        self.w13_weight = nn.Parameter(
-            torch.empty(num_experts, 2 * self.inter, hidden_size), requires_grad=False
-        )
-        self.w2_weight = nn.Parameter(
-            torch.empty(num_experts, hidden_size, self.inter), requires_grad=False
-        )
-        for param, kinds in ((self.w13_weight, ("gate", "up")), (self.w2_weight, ("down",))):
-            param.weight_loader = self.weight_loader
-            # every shard a complete checkpoint loads into the parameter
-            param.shard_ids = [(e, kind) for e in range(num_experts) for kind in kinds]
+        self.hidden_size = hidden_size
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.full_inter = intermediate_size
+        self.inter = divide(intermediate_size, self.tp_size, "moe_intermediate_size")
+        self.prefix = prefix
+        self.quant_method = moe_method(quant_config, prefix)
+        self.quant_method.create_weights(self, torch.get_default_dtype())
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ExpertShard | None = None
     ) -> None:
-        """`loaded`: one expert's full gate/up [I, H] or down [H, I] matrix."""
-        if not (isinstance(shard_id, tuple) and 0 <= shard_id[0] < self.num_experts):
-            raise ValueError(f"expert weights need shard_id (expert, kind), got {shard_id!r}")
-        expert, kind = shard_id
-        target = param.data[expert]
-        if kind == "down" and param is self.w2_weight:
-            copy_shard(target, loaded, dim=1)
-        elif kind in ("gate", "up") and param is self.w13_weight:
-            offset = 0 if kind == "gate" else self.inter
-            copy_shard(target, loaded, dim=0, param_offset=offset, shard_size=self.inter)
-        else:
-            raise ValueError(f"shard kind {kind!r} does not belong to this parameter")
+        """`loaded`: one expert's full gate/up [I, H] or down [H, I] tensor (or its scales)."""
+        load_expert_shard(self, param, loaded, shard_id)
+
+    def process_weights_after_loading(self) -> None:
+        self.quant_method.process_weights_after_loading(self)
 
     def stream_tensors(self, expert: int) -> list[list[torch.Tensor]]:
         """The tensors one expert's matmuls read, per matrix (gate_up, down): codes first,
         then scales (the weight-stream floor)."""
-        return [[self.w13_weight[expert]], [self.w2_weight[expert]]]
+        return self.quant_method.stream_tensors(self, expert)
 
     def forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         # x [T, H], topk_* [T, k] -> this rank's partial routed output [T, H]
-        if use_triton(x):
-            return fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
-        return fused_moe_ref(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        return self.quant_method.apply(self, x, topk_weights, topk_ids)
 
 
 class MoEGate(nn.Module):

@@ -69,18 +69,16 @@ PRESETS: dict[str, dict] = {
 @torch.no_grad()
 def random_init(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
     """Random weights for cost benchmarks: N(0, std) matrices, ones for norm scales; a
-    quantized linear gets random codes in its format whose values are ~N(0, std), then the
-    post-loading step a checkpoint's weights would get."""
-    from specserve.layers.quantization import linear_modules, process_weights_after_loading
-    from specserve.layers.quantization.unquantized import UnquantizedLinearMethod
+    quantized linear (or routed-expert block) gets random codes in its format whose values are
+    ~N(0, std), then the post-loading step a checkpoint's weights would get."""
+    from specserve.layers.quantization import process_weights_after_loading, quant_modules
 
     gens: dict[torch.device, torch.Generator] = {}
 
     def gen_for(device: torch.device) -> torch.Generator:
         return gens.setdefault(device, torch.Generator(device=device).manual_seed(seed))
 
-    quantized = [m for m in linear_modules(model)
-                 if not isinstance(m.quant_method, UnquantizedLinearMethod)]
+    quantized = [m for m in quant_modules(model) if m.quant_method.family is not None]
     owned = {id(p) for m in quantized for name, p in m.named_parameters(recurse=False)
              if name != "bias"}
     for param in model.parameters():

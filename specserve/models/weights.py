@@ -1,7 +1,8 @@
 """Checkpoint tensors into a model's parameters: name mapping, shard ids, completeness.
 
 Each checkpoint tensor maps to one or more (parameter, shard id) targets:
-    routed experts   `...experts.E.gate_proj.weight` -> (`...experts.w13_weight`, (E, "gate")),
+    routed experts   `...experts.E.gate_proj.X` -> (`...experts.w13_X`, (E, "gate")) for the
+                     weight and any scale or packed tensor of a quantized format,
                      via layers.moe.expert_shards (stacked spellings too)
     stacked          a fragment of `stacked`, e.g. `.q_proj.` -> (`.qkv_proj.`, "q")
     otherwise        the parameter of the same name, no shard id
@@ -79,9 +80,10 @@ def _shard_ids(name: str, param: nn.Parameter, stacked: Stacked) -> list[Shard]:
 
 def _hf_name(name: str, shard: Shard, stacked: Stacked) -> str:
     """The checkpoint name that fills (parameter, shard)."""
-    if isinstance(shard, tuple):  # routed expert
+    if isinstance(shard, tuple):  # routed expert: experts.w13_SUFFIX -> experts.E.gate_proj.SUFFIX
         expert, kind = shard
-        return name.rsplit(".", 1)[0] + f".{expert}.{kind}_proj.weight"
+        prefix, leaf = name.rsplit(".", 1)
+        return f"{prefix}.{expert}.{kind}_proj.{leaf.split('_', 1)[1]}"
     for ckpt, ours, s in stacked:
         if ours in name and s == shard:
             return name.replace(ours, ckpt)

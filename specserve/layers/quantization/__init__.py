@@ -5,7 +5,8 @@
     process_weights_after_loading(model)         once, after the checkpoint (or random) weights
 
 Methods, one file each: unquantized.py (dense F.linear), fp8.py (W8A8: block / channel /
-tensor scales), w4a16.py (INT4 groups), nvfp4.py (NVFP4, weight-only). Config formats:
+tensor scales), w4a16.py (INT4 groups), nvfp4.py (NVFP4, weight-only); routed experts: moe.py
+(dense, FP8 block W8A8, INT4 W4A16). Config formats:
 fp8.py (`"quant_method": "fp8"`), compressed_tensors.py, modelopt.py.
 """
 
@@ -23,6 +24,7 @@ from specserve.layers.quantization.base import LinearMethod, QuantConfig
 from specserve.layers.quantization.compressed_tensors import CompressedTensorsConfig
 from specserve.layers.quantization.fp8 import Fp8Config
 from specserve.layers.quantization.modelopt import ModelOptConfig
+from specserve.layers.quantization.moe import MoEMethod
 
 log = logging.getLogger(__name__)
 
@@ -108,24 +110,25 @@ def resolve_quantization(
     return raw
 
 
-def linear_modules(model: nn.Module) -> list[nn.Module]:
-    return [
-        m for m in model.modules() if isinstance(getattr(m, "quant_method", None), LinearMethod)
-    ]
+def quant_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules whose weights a quantization method holds: linear layers and routed
+    experts (dense ones included)."""
+    methods = (LinearMethod, MoEMethod)
+    return [m for m in model.modules() if isinstance(getattr(m, "quant_method", None), methods)]
 
 
 @torch.no_grad()
 def process_weights_after_loading(model: nn.Module) -> None:
-    for module in linear_modules(model):
+    for module in quant_modules(model):
         module.process_weights_after_loading()
     counts = describe(model)
     if set(counts) - {"unquantized"}:
-        log.info("linear layers by method: %s", counts)
+        log.info("linear layers and experts by method: %s", counts)
 
 
 def describe(model: nn.Module) -> dict[str, int]:
-    """Linear layers per method name (what `doctor`-style reports and logs print)."""
+    """Linear layers and routed-expert blocks per method name (what logs print)."""
     counts: dict[str, int] = {}
-    for module in linear_modules(model):
+    for module in quant_modules(model):
         counts[module.quant_method.name] = counts.get(module.quant_method.name, 0) + 1
     return counts

@@ -61,7 +61,7 @@ def _working_tp_sizes(full: int, block: int) -> str:
     return ", ".join(map(str, sizes))
 
 
-def _block_range(
+def block_range(
     full: int, local: int, offset: int, block: int, tp: int, rank: int, what: str
 ) -> tuple[int, int, int, int]:
     """(source start, length, destination start, checkpoint extent) in block units for a rank
@@ -91,7 +91,7 @@ def _check_blocks(layer: LinearBase, name: str, spec: ParamSpec) -> None:
         tensor = f"{parts[i] if len(parts) == len(layer.out_shards) else parts[0]}.{name}"
         try:
             if spec.out_dim is not None and spec.out_block > 1:
-                _block_range(
+                block_range(
                     full,
                     local,
                     offset,
@@ -101,7 +101,7 @@ def _check_blocks(layer: LinearBase, name: str, spec: ParamSpec) -> None:
                     "output",
                 )
             if spec.in_dim is not None and spec.in_block > 1:
-                _block_range(
+                block_range(
                     layer.full_input_size,
                     layer.input_size,
                     0,
@@ -121,7 +121,7 @@ def load_shard(
     fused layer) into `param`, following its ParamSpec."""
     spec: ParamSpec = getattr(param, "quant_spec", ParamSpec())
     index = layer.shard_index(shard_id)
-    _check_dtype(spec, loaded)
+    check_dtype(spec, loaded)
     if spec.per_shard:
         target = param.data[index]
         if loaded.numel() != target.numel():
@@ -138,7 +138,7 @@ def load_shard(
     if spec.out_dim is not None:
         tp = layer.tp_size if layer.out_split else 1
         rank = layer.tp_rank if layer.out_split else 0
-        src, n, dst, rows = _block_range(
+        src, n, dst, rows = block_range(
             full_out, out_local, out_offset, spec.out_block, tp, rank, "output"
         )
         expected[spec.out_dim] = rows
@@ -146,7 +146,7 @@ def load_shard(
     if spec.in_dim is not None:
         tp = layer.tp_size if layer.in_split else 1
         rank = layer.tp_rank if layer.in_split else 0
-        src, n, dst, cols = _block_range(
+        src, n, dst, cols = block_range(
             layer.full_input_size, layer.input_size, 0, spec.in_block, tp, rank, "input"
         )
         expected[spec.in_dim] = cols
@@ -171,7 +171,7 @@ def check_dense_dtype(loaded: torch.Tensor) -> None:
         )
 
 
-def _check_dtype(spec: ParamSpec, loaded: torch.Tensor) -> None:
+def check_dtype(spec: ParamSpec, loaded: torch.Tensor) -> None:
     if spec.dtypes is None:
         check_dense_dtype(loaded)
     elif loaded.dtype not in spec.dtypes:
