@@ -18,7 +18,7 @@ if has tests; then
   timeout 220 python -m pytest -q -m gpu -n 4 -rfE --tb=short -p no:cacheprovider tests \
     --ignore-glob="tests/test_server*" --ignore=tests/test_bench_serving.py \
     --ignore=tests/test_mla.py --ignore=tests/test_mla_kernels.py \
-    --ignore=tests/test_quant_kernels.py > "$out/gpu_tests.log" 2>&1
+    --ignore=tests/test_quant_kernels.py -k "not quant_fused_moe" > "$out/gpu_tests.log" 2>&1
   echo "gpu tests rc=$?"; tail -4 "$out/gpu_tests.log"
 fi
 common=(--model llama-3.1-8b --load-format dummy --context-len 1024 --output-len 64 --runs 3
@@ -69,6 +69,34 @@ if has quant; then
   timeout 300 python -m pytest -q -m gpu -n 4 -rfE --tb=short -p no:cacheprovider \
     tests/test_quant_kernels.py > "$out/quant_tests.log" 2>&1
   echo "quant gpu tests rc=$?"; tail -4 "$out/quant_tests.log"
+  timeout 300 python -m pytest -q -m gpu -n 4 -rfE --tb=short -p no:cacheprovider \
+    tests/test_fused_moe.py -k quant_fused_moe > "$out/quant_moe_tests.log" 2>&1
+  echo "quant moe gpu tests rc=$?"; tail -4 "$out/quant_moe_tests.log"
+  # quantized experts at Kimi K2 dims (kimi-k2-3l): w4a16 = Kimi K2.5's release format (INT4
+  # g32 routed experts, the rest bf16), fp8 = DeepSeek-V3 / Kimi K2's (128x128 blocks, W8A8
+  # everywhere); bs 1 / 64 decode vs each format's floor, and vs bf16 (the moe step's run)
+  kimi=(--model kimi-k2-3l --load-format dummy --context-len 1024 --output-len 64 --runs 3
+        --warmup 1 --log --exp-dir experiments --batch-sizes 1,64 --max-num-seqs 64 --floor)
+  for q in w4a16 fp8; do
+    timeout 300 "${ss[@]}" bench latency "${kimi[@]}" --quantization "$q" \
+      --label "kimi-k2-3l $q" --json-out "$out/kimi-$q.json" > "$out/kimi-$q.log" 2>&1
+    echo "kimi-k2-3l $q rc=$?"; tail -8 "$out/kimi-$q.log"
+  done
+  python - "$out" <<'PY'
+import json, sys, pathlib
+out = pathlib.Path(sys.argv[1])
+def points(name):
+    f = out / f"kimi-{name}.json"
+    return {p["batch_size"]: p for p in json.loads(f.read_text())["points"]} if f.exists() else {}
+base = points("plain")
+for q in ("w4a16", "fp8"):
+    for bs, p in sorted(points(q).items()):
+        tok = p["modes"]["baseline"]["tok_s"]["mean"]
+        ref = base.get(bs)
+        vs = tok / ref["modes"]["baseline"]["tok_s"]["mean"] if ref else float("nan")
+        print(f"kimi-k2-3l {q:5} bs {bs:3}: {tok:8.1f} tok/s, floor ratio "
+              f"{p['floor_ratio'] or 0:.2f}, {vs:.2f}x bf16")
+PY
   # quantized GEMMs over launch plans, then bs 1 / 64 decode per format vs its floor and bf16
   timeout 240 python scripts/bench_quant_gemm.py --quick --m 1,64 --out "$out/quant_gemm.json" \
     > "$out/quant_gemm.log" 2>&1

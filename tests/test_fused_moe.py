@@ -337,6 +337,36 @@ def test_fused_moe_topk_gpu(top_k: int) -> None:
 
 
 @gpu_test
+@pytest.mark.parametrize("num_tokens", [1, 64])
+@pytest.mark.parametrize("hidden,inter", [(7168, 256), (7168, 2048), (1000, 200)])
+@pytest.mark.parametrize("fmt", ["fp8-block", "ct-int4-g32", "ct-int4-g128"])
+def test_quant_fused_moe_gpu(fmt: str, num_tokens: int, hidden: int, inter: int) -> None:
+    """Kimi K2 experts (I 2048, or its TP-8 slice) and a ragged shape, bf16 activations."""
+    check_quant_fused_moe(fmt, num_tokens, 384, 8, hidden, inter, torch.bfloat16, "cuda", 2e-2,
+                          seed=num_tokens, skew=0.01)  # fmt: skip
+
+
+@gpu_test
+@pytest.mark.parametrize("fmt", ["fp8-block", "ct-int4-g32"])
+def test_quant_fused_moe_cuda_graph_gpu(fmt: str) -> None:
+    """Both quantized GEMMs captured once, replayed on new routing."""
+    x, w13, w2, weights, ids = make_inputs(8, 384, 8, 1024, 256, 0, device="cuda")
+    e13, e2, _, _ = quantized_experts(w13, w2, fmt)
+    x = x.bfloat16()
+    fm.fused_moe(x, e13, e2, weights, ids)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fm.fused_moe(x, e13, e2, weights, ids)
+    for seed in (1, 2):
+        nx, _, _, nw, nids = make_inputs(8, 384, 8, 1024, 256, seed, 0.02, 0, "cuda")
+        x.copy_(nx)
+        weights.copy_(nw)
+        ids.copy_(nids)
+        graph.replay()
+        assert rel_error(out, fm.fused_moe_ref(x, e13, e2, weights, ids)) < 2e-2
+
+
+@gpu_test
 def test_routing_gpu() -> None:
     check_routing(1000, 256, mr.RoutingRule(8, 8, 4, scaling=2.5), "cuda")
     check_routing(1000, 384, mr.RoutingRule(8, scaling=2.827), "cuda", 1)

@@ -304,6 +304,6 @@ def test_tp2_engine_builds_every_shard_in_the_resolved_format(tmp_path, capfd) -
     digests = llm.engine.executor.close()
     assert digests == {1: llm.engine.executor.digest}
     llm.close()
-    assert "tp-rank1 INFO linear layers by method: {'nvfp4-w4a16 (modelopt)': 8}" in (
+    assert "tp-rank1 INFO linear layers and experts by method: {'nvfp4-w4a16 (modelopt)': 8}" in (
         capfd.readouterr().err
     )

@@ -310,3 +310,73 @@ def test_tp2_gloo_quantized_experts_equal_tp1(tmp_path: Path) -> None:
         for (case, (*_, tol)), exp, res in zip(TP_CASES.items(), expected, got):
             err = max((g - e).abs().max().item() for e, g in zip(exp, res))
             assert err < tol, f"{case} rank {rank}: max abs logit difference {err:.2e}"
+
+
+# -- random weights in a format (--load-format dummy --quantization X), the floor ---------------
+
+
+def test_kimi_preset_w4a16_is_kimi_k25s_format() -> None:
+    """kimi-k2-3l --quantization w4a16: INT4 g32 routed experts, everything else dense."""
+    from specserve.config import EngineConfig
+    from specserve.engine.local_worker import model_config_of
+    from specserve.layers.quantization import get_quant_config
+
+    cfg = model_config_of(
+        EngineConfig(model="kimi-k2-3l", load_format="dummy", quantization="w4a16"), None
+    )
+    quant = get_quant_config(cfg.quantization)
+    assert quant.linear_method("model.layers.1.mlp.experts.7.down_proj").name == "int4-w4a16-g32"
+    for dense in ("model.layers.1.self_attn.q_a_proj", "model.layers.1.mlp.shared_experts.gate_up_proj",
+                  "model.layers.0.mlp.gate_up_proj", "model.layers.2.self_attn.kv_b_proj"):  # fmt: skip
+        assert quant.linear_method(dense) is UNQUANTIZED, dense
+    llama = model_config_of(
+        EngineConfig(model="llama-3.1-8b", load_format="dummy", quantization="w4a16"), None
+    )
+    assert get_quant_config(llama.quantization).linear_method("model.layers.0.mlp.down_proj").name == (
+        "int4-w4a16-g128")  # fmt: skip
+
+
+@pytest.mark.parametrize("flag, method", [("w4a16", "int4-w4a16-g128-moe"),
+                                          ("fp8", "fp8-block128x128-moe")])  # fmt: skip
+def test_dummy_quantized_experts_and_their_floor(flag: str, method: str, tmp_path) -> None:
+    """Random codes in the format whose values are ~N(0, 0.02); decode runs; the floor streams
+    each read expert's codes and scales (top_k per MoE layer at bs 1)."""
+    from tiny_models import make_hf_model
+
+    from specserve.bench.floor import floor_weights, measure_floor
+    from specserve.config import EngineConfig
+    from specserve.llm import LLM
+    from specserve.sampling_params import SamplingParams
+
+    config = make_hf_model("deepseek_v3", 0, moe_intermediate_size=128).config.to_dict()
+    config["torch_dtype"] = "float32"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    llm = LLM(EngineConfig(model=str(tmp_path), load_format="dummy", quantization=flag,
+                           device="cpu", dtype="float32"))  # fmt: skip
+    model = llm.engine.runner.model
+    experts = model.model.layers[1].mlp.experts
+    assert experts.quant_method.name == method
+    w13, w2 = experts.quant_method.expert_weights(experts)
+    for w in (w13, w2):
+        values = torch.stack([w.dequantize(e) for e in range(4)])
+        assert 0.01 < values.std().item() < 0.04
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].token_ids) == 4
+    # the floor: every linear's stored bytes, router, top_k experts per MoE layer, LM head
+    blocks = [layer.mlp for layer in model.model.layers[1:]]
+    top_k = blocks[0].gate.rule.top_k
+    linears = [
+        m for m in model.modules() if hasattr(m, "quant_method") and hasattr(m, "out_shards")
+    ]
+    per_expert = sum(
+        t.numel() * t.element_size() for w in (w13, w2) for t in (w.weight[0], w.scale[0])
+    )
+    router = sum(b.gate.weight.numel() * 4 for b in blocks)
+    head = model.lm_head.weight.numel() * 4
+    streamed = (sum(m.quant_method.stream_bytes(m) for m in linears) + router + head
+                + len(blocks) * top_k * per_expert)  # fmt: skip
+    weights = floor_weights(model)
+    total = sum(w.numel() * w.element_size() for w in weights)
+    assert streamed <= total < streamed + config["hidden_size"] * 4  # scales' matrix: whole rows
+    assert any(w.data_ptr() == w13.weight[0].data_ptr() for w in weights)  # codes as views
+    assert measure_floor(model, [1], replays=2, warmup=1)[0].weight_bytes == total

@@ -15,7 +15,7 @@ from typing import Any
 from specserve.config import EngineConfig, ModelConfig
 from specserve.layers.quantization import resolve_quantization
 from specserve.models.loader import resolve_model_path
-from specserve.models.presets import PRESETS
+from specserve.models.presets import PRESET_FORMATS, PRESETS
 from specserve.speculative.proposer import Proposer
 from specserve.speculative.worker import SpecWorker
 from specserve.worker.model_runner import ModelRunner
@@ -38,7 +38,8 @@ def model_config_of(config: EngineConfig, model_path: str | None) -> ModelConfig
     model_config = ModelConfig.from_hf(PRESETS[config.model] if model_path is None
                                        else model_path)
     quant = resolve_quantization(model_config.quantization, config.quantization,
-                                 dummy=config.load_format == "dummy")
+                                 dummy=config.load_format == "dummy",
+                                 model_formats=PRESET_FORMATS.get(config.model))  # fmt: skip
     if quant is model_config.quantization:
         return model_config
     return dataclasses.replace(model_config, quantization=quant)

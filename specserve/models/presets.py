@@ -57,6 +57,19 @@ _DEEPSEEK_V3_4L = {
     "max_position_embeddings": 163840, "bos_token_id": 0, "eos_token_id": 1,
 }
 
+# how a preset's released checkpoints quantize, per --quantization family (random weights in
+# that format); a family not listed gets layers/quantization's generic preset
+_KIMI_K25_INT4 = {  # Kimi K2.5 / K2 Thinking: INT4 routed experts only, groups of 32
+    "quant_method": "compressed-tensors", "format": "pack-quantized",
+    "config_groups": {"group_0": {
+        "targets": ["Linear"], "input_activations": None,
+        "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                    "group_size": 32}}},
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+               "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
+}
+PRESET_FORMATS: dict[str, dict[str, dict]] = {"kimi-k2-3l": {"w4a16": _KIMI_K25_INT4}}
+
 PRESETS: dict[str, dict] = {
     "llama-3.1-8b": _LLAMA_31_8B,
     "qwen3-8b": _QWEN3_8B,

@@ -89,17 +89,20 @@ def get_quant_config(raw: dict[str, Any] | None) -> QuantConfig | None:
 
 
 def resolve_quantization(
-    raw: dict[str, Any] | None, flag: str, dummy: bool
-) -> dict[str, Any] | None:
+    raw: dict[str, Any] | None, flag: str, dummy: bool,
+    model_formats: dict[str, dict[str, Any]] | None = None,
+) -> dict[str, Any] | None:  # fmt: skip
     """The quantization config to build with: the checkpoint's for `auto`; with random
-    weights, the preset format `flag` names; else `flag` must agree with the checkpoint."""
+    weights, the format `flag` names (`model_formats[flag]`: how the model's own releases
+    quantize in that family, e.g. Kimi K2.5's INT4 routed experts; else PRESET_CONFIGS);
+    else `flag` must agree with the checkpoint."""
     if flag == "auto":
         get_quant_config(raw)  # a bad config fails here, before anything loads
         return raw
     if flag not in PRESET_CONFIGS:
         raise ValueError(f"--quantization {flag!r}: choose auto or {', '.join(PRESET_CONFIGS)}")
     if dummy:
-        return dict(PRESET_CONFIGS[flag])
+        return dict((model_formats or {}).get(flag) or PRESET_CONFIGS[flag])
     found = get_quant_config(raw)
     family = found.family if found is not None else "none (a dense checkpoint)"
     if family != flag:
