@@ -60,7 +60,7 @@ def test_cpu_report_lists_fast_paths_as_unusable(capsys: pytest.CaptureFixture) 
 
 
 def test_broken_torch_exits_nonzero(monkeypatch, capsys: pytest.CaptureFixture) -> None:
-    def broken() -> dict:
+    def broken(*_args: object) -> dict:
         raise ImportError("libtorch_cuda.so: cannot open shared object file")
 
     monkeypatch.setattr(doctor, "collect", broken)
@@ -98,6 +98,7 @@ def _facts(ccs: list[tuple[int, int]], **over: object) -> dict:
             for i, cc in enumerate(ccs)
         ],
         "peer_access": [[i != j for j in range(n)] for i in range(n)],
+        "cuda_runtime": "12.8",
     }
     return {**facts, **over}
 

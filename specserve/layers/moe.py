@@ -137,10 +137,13 @@ class MoEGate(nn.Module):
 
 
 class DeepseekMoE(nn.Module):
-    """Routed experts + shared experts; the TP partial sums are reduced once."""
+    """Routed experts + shared experts; the TP partial sums are reduced once (or, with
+    reduce_output=False, left to the caller: the decoder layer's reduce + add + norm)."""
 
-    def __init__(self, hidden_size: int, moe: MoEConfig, hidden_act: str = "silu") -> None:
+    def __init__(self, hidden_size: int, moe: MoEConfig, hidden_act: str = "silu",
+                 reduce_output: bool = True) -> None:  # fmt: skip
         super().__init__()
+        self.reduce_output = reduce_output
         if hidden_act != "silu":
             raise ValueError(f"hidden_act {hidden_act!r} is not supported (only 'silu')")
         self.gate = MoEGate(hidden_size, moe)
@@ -156,15 +159,15 @@ class DeepseekMoE(nn.Module):
         out = self.experts(x, topk_weights, topk_ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return all_reduce(out)
+        return all_reduce(out) if self.reduce_output else out
 
 
 def make_mlp(
     layer_idx: int, hidden_size: int, intermediate_size: int, moe: MoEConfig | None,
-    hidden_act: str = "silu",
+    hidden_act: str = "silu", reduce_output: bool = True,
 ) -> nn.Module:  # fmt: skip
     """Layer `layer_idx`'s feed-forward block: the MoE block, or a dense MLP of
     `intermediate_size` (layers before first_k_dense_replace, off the moe_layer_freq beat)."""
     if moe is not None and moe.is_moe_layer(layer_idx):
-        return DeepseekMoE(hidden_size, moe, hidden_act)
-    return GatedMLP(hidden_size, intermediate_size, hidden_act)
+        return DeepseekMoE(hidden_size, moe, hidden_act, reduce_output)
+    return GatedMLP(hidden_size, intermediate_size, hidden_act, reduce_output)

@@ -50,9 +50,9 @@ class DeepseekV3ForCausalLM(CausalLM):
                 )
         rotary = mla_rotary(config)
         model = DecoderModel(
-            config, rotary, lambda i: MLAAttention(config, i, rotary),
+            config, rotary, lambda i: MLAAttention(config, i, rotary, reduce_output=False),
             lambda i: make_mlp(i, config.hidden_size, config.intermediate_size, config.moe,
-                               config.hidden_act),
+                               config.hidden_act, reduce_output=False),
         )  # fmt: skip
         super().__init__(config, model)
         self._mtp_skipped: set[int] = set()

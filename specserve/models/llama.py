@@ -38,7 +38,9 @@ class LlamaAttention(nn.Module):
         )
         # Qwen2 puts a bias on q/k/v only; Llama-style attention_bias covers o_proj too
         o_bias = config.attention_bias and not config.architecture.startswith("Qwen2")
-        self.o_proj = RowParallelLinear(config.num_heads * hd, config.hidden_size, o_bias)
+        self.o_proj = RowParallelLinear(
+            config.num_heads * hd, config.hidden_size, o_bias, reduce_output=False
+        )
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = hd
@@ -51,6 +53,7 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         # hidden [T, H] -> qkv [T, (heads + 2 * kv_heads) * head_dim] (local heads)
+        # -> o_proj's partial sum [T, H] (the decoder layer reduces it)
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)  # [T, heads, head_dim]
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)  # [T, kv_heads, head_dim]
@@ -69,6 +72,7 @@ class LlamaForCausalLM(CausalLM):
         )
         model = DecoderModel(
             config, rotary, lambda i: LlamaAttention(config, i, rotary),
-            lambda i: GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act),
+            lambda i: GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
+                               reduce_output=False),
         )  # fmt: skip
         super().__init__(config, model)
