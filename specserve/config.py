@@ -328,7 +328,8 @@ class CommConfig:
 
     comm_backend: str = _f(
         "auto", "all-reduce backend under TP: auto picks the fastest per message size by "
-        "measurement at start-up (cached per machine); nccl|gloo: the process group's own",
+        "measurement at start-up (cached per machine); a named one is used, unmeasured, for "
+        "every message its buffers hold (nccl|gloo: the process group's own)",
         choices=COMM_BACKENDS)
     comm_fuse: str = _f(
         "auto", "all-reduce fused with the residual add + RMSNorm in one launch: auto (where "

@@ -133,6 +133,11 @@ class CommEmulator:
         for ns in self._ns:
             self._fill(ns)
 
+    def latency_ns(self, nbytes: int) -> int:
+        """What a wait for an `nbytes` message lasts now (reads the device table)."""
+        self._grow(nbytes)
+        return int(self._ns[-1][-(-nbytes // GRANULE)])
+
     def begin(self) -> None:
         """Before a real all-reduce (pad mode): the interval starts now."""
         if self.pad:

@@ -11,13 +11,12 @@ signal pad of int32 flags. One launch, per program:
     4. barrier B: wait until every rank has read the share, so the next launch may overwrite it.
 
 Signal pad (per rank, int32): flag [slot * W + r] == 1 means "rank r reached barrier `slot`".
-Program p uses slot p for barrier A and MAX_PROGRAMS + p for barrier B; slot 2 * MAX_PROGRAMS
-(index 2 * MAX_PROGRAMS * W) is never written and stands in for the padding lanes of a world
-size that is not a power of two. The sender sets a flag (atomic exchange, release, system
-scope); the owner consumes it (compare-and-swap 1 -> 0, acquire), so every flag is 0 between
-launches (graph replays rely on it). The owner's wait repeats its CAS on flags it already
-consumed; that is safe because a sender can set the same barrier-A flag again only after
-passing the owner's next barrier B (and barrier B likewise), which the owner has not reached.
+Program p uses slot p for barrier A and MAX_PROGRAMS + p for barrier B. The sender sets a flag
+(atomic exchange, release, system scope); the owner consumes it (compare-and-swap 1 -> 0,
+acquire), so every flag is 0 between launches (graph replays rely on it). A flag cannot be set
+twice before it is consumed: a sender sets the same barrier-A flag again only after passing
+the owner's next barrier B, which the owner reaches only after consuming it (and likewise for
+barrier B), so two barriers per launch on separate slots make the pads safe to reuse.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ from specserve.kernels.fused_ops import rms_norm_row
 
 MAX_PROGRAMS = 32
 BLOCK = 1024  # elements per chunk of the plain all-reduce
-SIGNAL_SLOTS = 2 * MAX_PROGRAMS + 1  # barrier A, barrier B, the dummy
+SIGNAL_SLOTS = 2 * MAX_PROGRAMS  # barrier A and barrier B of every program
 
 
 @dataclass(frozen=True)
@@ -50,33 +49,28 @@ class PeerBuffers:
 
 
 @jit
-def _barrier(sig_ptrs, slot, rank, WORLD: tl.constexpr, WORLD_P2: tl.constexpr,
-             SLOTS: tl.constexpr):  # fmt: skip
+def _barrier(sig_ptrs, slot, rank, WORLD: tl.constexpr, WORLD_P2: tl.constexpr):
+    # send: set flag [slot * W + rank] in every rank's pad, one lane per rank (a vector
+    # atomic whose results are unused, so replicated lanes are harmless)
     peers = tl.arange(0, WORLD_P2)
     real = peers < WORLD
     pads = tl.load(sig_ptrs + peers, mask=real, other=0).to(tl.pointer_type(tl.int32))
     tl.debug_barrier()  # the whole program's writes come before the release below
     tl.atomic_xchg(pads + slot * WORLD + rank, tl.full([WORLD_P2], 1, tl.int32), mask=real,
                    sem="release", scope="sys")  # fmt: skip
-    own = tl.load(sig_ptrs + rank).to(tl.pointer_type(tl.int32))
-    flags = own + tl.where(real, slot * WORLD + peers, (SLOTS - 1) * WORLD)
-    seen = (peers >= WORLD).to(tl.int32)
-    while tl.min(seen, 0) == 0:
-        old = tl.atomic_cas(
-            flags,
-            tl.full([WORLD_P2], 1, tl.int32),
-            tl.zeros([WORLD_P2], tl.int32),
-            sem="acquire",
-            scope="sys",
-        )
-        seen = seen | (old == 1).to(tl.int32)
+    # wait: consume flag [slot * W + p] of this rank's pad for every p (scalar atomics: their
+    # result reaches every thread of the program)
+    own = tl.load(sig_ptrs + rank).to(tl.pointer_type(tl.int32)) + slot * WORLD
+    for p in tl.static_range(WORLD):
+        while tl.atomic_cas(own + p, 1, 0, sem="acquire", scope="sys") != 1:
+            pass
     tl.debug_barrier()  # no thread reads peers' buffers before every flag was seen
 
 
 @jit
 def _one_shot_kernel(
     x_ptr, out_ptr, buf_ptrs, sig_ptrs, numel, rank,
-    WORLD: tl.constexpr, WORLD_P2: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr,
+    WORLD: tl.constexpr, WORLD_P2: tl.constexpr, MAX_P: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     # program p owns chunks p, p + P, ... of BLOCK elements of the flat message
     pid = tl.program_id(0)
@@ -87,7 +81,7 @@ def _one_shot_kernel(
     for start in range(pid * BLOCK, numel, step):
         ok = start + offs < numel
         tl.store(own + start + offs, tl.load(x_ptr + start + offs, mask=ok), mask=ok)
-    _barrier(sig_ptrs, pid, rank, WORLD, WORLD_P2, SLOTS)
+    _barrier(sig_ptrs, pid, rank, WORLD, WORLD_P2)
     for start in range(pid * BLOCK, numel, step):
         ok = start + offs < numel
         acc = tl.zeros([BLOCK], tl.float32)
@@ -95,14 +89,14 @@ def _one_shot_kernel(
             peer = tl.load(buf_ptrs + p).to(tl.pointer_type(dtype))
             acc += tl.load(peer + start + offs, mask=ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + start + offs, acc.to(dtype), mask=ok)
-    _barrier(sig_ptrs, (SLOTS - 1) // 2 + pid, rank, WORLD, WORLD_P2, SLOTS)
+    _barrier(sig_ptrs, MAX_P + pid, rank, WORLD, WORLD_P2)
 
 
 @jit
 def _one_shot_add_rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, buf_ptrs, sig_ptrs,
     rows, hidden, stride_x, stride_r, eps, rank,
-    WORLD: tl.constexpr, WORLD_P2: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr,
+    WORLD: tl.constexpr, WORLD_P2: tl.constexpr, MAX_P: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     # program p owns rows p, p + P, ...; the buffer holds the message as [rows, hidden]
     pid = tl.program_id(0)
@@ -114,7 +108,7 @@ def _one_shot_add_rms_norm_kernel(
     for row in range(pid, rows, progs):
         x = tl.load(x_ptr + row * stride_x + cols, mask=ok)
         tl.store(own + row * hidden + cols, x, mask=ok)
-    _barrier(sig_ptrs, pid, rank, WORLD, WORLD_P2, SLOTS)
+    _barrier(sig_ptrs, pid, rank, WORLD, WORLD_P2)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     for row in range(pid, rows, progs):
         acc = tl.zeros([BLOCK], tl.float32)
@@ -127,12 +121,12 @@ def _one_shot_add_rms_norm_kernel(
         tl.store(res_out_ptr + row * hidden + cols, h, mask=ok)
         y = rms_norm_row(h, w, hidden, eps)
         tl.store(out_ptr + row * hidden + cols, y.to(dtype), mask=ok)
-    _barrier(sig_ptrs, (SLOTS - 1) // 2 + pid, rank, WORLD, WORLD_P2, SLOTS)
+    _barrier(sig_ptrs, MAX_P + pid, rank, WORLD, WORLD_P2)
 
 
 def _consts(bufs: PeerBuffers) -> dict[str, int]:
     return {"WORLD": bufs.world, "WORLD_P2": next_power_of_2(bufs.world),
-            "SLOTS": SIGNAL_SLOTS}  # fmt: skip
+            "MAX_P": MAX_PROGRAMS}  # fmt: skip
 
 
 def one_shot_all_reduce(x: torch.Tensor, bufs: PeerBuffers) -> torch.Tensor:
