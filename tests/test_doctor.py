@@ -190,19 +190,32 @@ def test_dispatch_table_text() -> None:
     us = {"nccl": 24.1, "symm-one-shot": 7.5}
     record = {
         "key": {"world": 2, "dtype": "bfloat16", "hidden": 4096, "gpus": ["H200", "H200"]},
-        "measured": "2026-12-01T10:00:00", "path": "/c/allreduce-x.json",
+        "measured": "2026-12-01T10:00:00",
+        "path": "/c/allreduce-x.json",
         "entries": [
             {"op": "all_reduce", "nbytes": 8192, "rows": 1, "us": us, "choice": "symm-one-shot"},
-            {"op": "add_rms_norm", "nbytes": 8192, "rows": 1,
-             "us": {"nccl": 27.0, "triton-one-shot+fused": 8.2},
-             "choice": "triton-one-shot+fused"},
+            {
+                "op": "add_rms_norm",
+                "nbytes": 8192,
+                "rows": 1,
+                "us": {"nccl": 27.0, "triton-one-shot+fused": 8.2},
+                "choice": "triton-one-shot+fused",
+            },
         ],
         "unavailable": {"symm-two-shot": "initialisation failed: RuntimeError: x"},
     }
     lines = format_table(record)
     assert "world 2, bfloat16, hidden 4096, 2 x H200" in lines[0]
-    assert lines[2].split() == ["1", "8192", "symm-one-shot", "7.5", "us",
-                                "triton-one-shot+fused", "8.2", "us"]
+    assert lines[2].split() == [
+        "1",
+        "8192",
+        "symm-one-shot",
+        "7.5",
+        "us",
+        "triton-one-shot+fused",
+        "8.2",
+        "us",
+    ]
     assert "symm-two-shot: initialisation failed" in lines[3]
 
 
@@ -210,8 +223,18 @@ def test_dispatch_table_text() -> None:
 @no_cuda
 def test_comm_measure_on_cpu(tmp_path, capsys: pytest.CaptureFixture) -> None:
     """--comm-measure spawns two gloo processes through the engine's start-up path."""
-    args = _parser().parse_args(["doctor", "--comm-measure", "--comm-hidden", "64",
-                                 "--comm-rows", "1,4", "--comm-cache-dir", str(tmp_path)])
+    args = _parser().parse_args(
+        [
+            "doctor",
+            "--comm-measure",
+            "--comm-hidden",
+            "64",
+            "--comm-rows",
+            "1,4",
+            "--comm-cache-dir",
+            str(tmp_path),
+        ]
+    )
     assert args.func(args) == 0
     text = capsys.readouterr().out
     assert "All-reduce dispatch: world 2, float32, hidden 64" in text

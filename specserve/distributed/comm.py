@@ -16,6 +16,7 @@ its process group's own all-reduce.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -30,6 +31,8 @@ from specserve.distributed.parallel_state import (
     init_emulated,
     is_emulated,
 )
+
+log = logging.getLogger(__name__)
 
 _COMM: Communicator | None = None
 _EMULATOR: CommEmulator | None = None
@@ -70,7 +73,14 @@ def init_comm(
     _COMM = _EMULATOR = None
     if group is not None:
         _COMM = Communicator(group, device, dtype, hidden, rows, config)
+        log.info("all-reduce dispatch (%s):\n%s", _COMM.source, "\n".join(_COMM.describe()))
     if tables:
+        log.info(
+            "emulating communication: table %s at TP %d (compute %s)",
+            tables[0].name,
+            config.emulate_tp,
+            config.emulate_compute,
+        )
         elem = torch.empty((), dtype=dtype).element_size()
         _EMULATOR = CommEmulator(
             tables[0],
