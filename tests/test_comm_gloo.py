@@ -28,6 +28,7 @@ for _p in (REPO, REPO / "tests"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
+from tiny_eagle import make_tiny_eagle3_head  # noqa: E402
 from tiny_models import PagedSession, make_tiny_checkpoint  # noqa: E402
 
 from specserve.config import CommConfig, ModelConfig  # noqa: E402
@@ -218,6 +219,37 @@ def check_emulator_pads(rank: int, out_dir: Path) -> None:
     assert elapsed >= points * WAIT_US * 1e-6, elapsed
 
 
+def _engine_tokens(out_dir: Path, tp: int, config: CommConfig) -> list[list[int]]:
+    """Greedy tokens of 2 prompts through the whole engine, EAGLE-3 chain of 3."""
+    from specserve.config import ParallelConfig
+    from specserve.llm import LLM
+    from specserve.sampling_params import SamplingParams
+
+    spec = dict(algorithm="eagle3", draft_model=str(out_dir / "head"), num_steps=3, topk=1)
+    llm = LLM(
+        str(out_dir / "model"),
+        device="cpu",
+        dtype="float32",
+        speculative=spec,
+        parallel=ParallelConfig(tp_size=tp),
+        comm=config,
+    )
+    try:
+        outs = llm.generate(
+            [PROMPT, PROMPT[::-1]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        )
+    finally:
+        llm.close()
+    return [o.token_ids for o in outs]
+
+
+def engine_check(out_dir: Path) -> None:
+    """TP 2 through the engine's worker processes (they inherit TRITON_INTERPRET), every
+    reduction point on the fused kernel: the parent compares the tokens with TP 1."""
+    config = CommConfig(comm_backend="triton-one-shot", comm_tune="off")
+    (out_dir / "engine.json").write_text(json.dumps(_engine_tokens(out_dir, WORLD, config)))
+
+
 CHECKS = {
     f.__name__: f
     for f in (check_backends, check_fused, check_dispatch, check_model, check_emulator_pads)
@@ -257,10 +289,18 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("comm")
-    # 8 heads / 4 kv heads split over 2 ranks; vocab 509 pads the vocabulary shard
+    # 8 heads / 4 kv heads split over 2 ranks; vocab 509 pads the vocabulary shard; 3 layers
+    # (the EAGLE-3 head's default aux layers are 2, 1, 0)
     make_tiny_checkpoint(
-        out / "model", "llama", vocab_size=509, num_attention_heads=8, num_key_value_heads=4
+        out / "model",
+        "llama",
+        vocab_size=509,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        tokenizer=True,
     )
+    make_tiny_eagle3_head(str(out / "head"), str(out / "model"), draft_vocab_size=128)
     flat = {"latency_us": {str(WORLD): [[256, WAIT_US]]}}
     (out / "flat.json").write_text(json.dumps(flat))
     env = {
@@ -309,8 +349,20 @@ def test_fused_model_gives_the_unfused_tokens_and_tp1_logits(run: Path) -> None:
         )
 
 
+@pytest.mark.slow
+def test_engine_tp2_fused_gives_the_tp1_tokens(run: Path) -> None:
+    from specserve.distributed import comm
+
+    try:
+        ref = _engine_tokens(run, 1, CommConfig())
+    finally:
+        comm.reset()
+    assert json.loads((run / "engine.json").read_text()) == ref
+
+
 if __name__ == "__main__":
     import torch.multiprocessing as mp
 
     assert os.environ.get("TRITON_INTERPRET") == "1", "run through test_check"
     mp.spawn(_worker, args=(sys.argv[1], _free_port()), nprocs=WORLD, join=True)
+    engine_check(Path(sys.argv[1]))

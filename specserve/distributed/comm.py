@@ -51,6 +51,21 @@ def emulated_tables(config: CommConfig) -> list[LatencyTable]:
     return tables
 
 
+def configure_shard_emulation(config: CommConfig) -> None:
+    """A lone process becomes rank 0 of a TP --emulate-tp shard under --emulate-compute shard,
+    and a lone rank again otherwise (call before building anything tensor-parallel)."""
+    shard = config.emulate_compute == "shard"
+    if get_tp_group() is not None:
+        if shard:
+            raise ValueError(
+                "--emulate-compute shard stands in for TP on one process; use it with --tp-size 1"
+            )
+        return
+    if shard and not config.emulate_comm.strip():
+        raise ValueError("--emulate-compute shard needs --emulate-comm TABLE")
+    init_emulated(config.emulate_tp if shard else 1)
+
+
 def init_comm(
     config: CommConfig, *, hidden: int, dtype: torch.dtype, device: torch.device, rows: list[int]
 ) -> None:
@@ -61,15 +76,9 @@ def init_comm(
 
     tables = emulated_tables(config)
     group = get_tp_group()
-    shard = config.emulate_compute == "shard"
-    if group is not None and shard:
-        raise ValueError(
-            "--emulate-compute shard stands in for TP on one process; use it with --tp-size 1"
-        )
     if tables and device.type == "cuda" and not triton_usable():
         raise ValueError("--emulate-comm on a GPU needs triton (its wait is a Triton kernel)")
-    if group is None:
-        init_emulated(config.emulate_tp if shard else 1)
+    configure_shard_emulation(config)
     _COMM = _EMULATOR = None
     if group is not None:
         _COMM = Communicator(group, device, dtype, hidden, rows, config)

@@ -100,7 +100,9 @@ class Communicator:
     # -- 3: the table ------------------------------------------------------------------------
     def _build_table(self, config: CommConfig) -> dispatch.DispatchTable:
         fuse = config.comm_fuse != "off"
-        if config.comm_tune == "off" or config.comm_backend != "auto":
+        # one backend: nothing to choose between (gloo on the CPU) unless asked to measure
+        alone = len(self.backends) == 1 and config.comm_tune == "auto"
+        if config.comm_tune == "off" or config.comm_backend != "auto" or alone:
             return dispatch.DispatchTable(self._fixed_entries(config), self.base)
         names = [n for n in NAMES if n in self.backends]
         key = (

@@ -34,12 +34,13 @@ def init_distributed(
     With nccl, rank r drives cuda:r (one host). `init_method` is any torch.distributed URL,
     e.g. `tcp://127.0.0.1:<free port>`.
     """
-    global _TP_RANK, _TP_SIZE, _TP_GROUP
+    global _TP_RANK, _TP_SIZE, _TP_GROUP, _EMULATED
     if backend not in BACKENDS:
         raise ValueError(f"distributed backend must be one of {BACKENDS}, got {backend!r}")
     if tp_size < 1 or not 0 <= rank < tp_size:
         raise ValueError(f"need tp_size >= 1 and 0 <= rank < tp_size, got {tp_size=} {rank=}")
     assert _TP_GROUP is None, "init_distributed called twice without destroy()"
+    _EMULATED = False
     if tp_size == 1:
         _TP_RANK, _TP_SIZE = 0, 1
         return

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from specserve.config import EngineConfig, ModelConfig
+from specserve.distributed.comm import configure_shard_emulation
 from specserve.models.loader import resolve_model_path
 from specserve.models.presets import PRESETS
 from specserve.speculative.proposer import Proposer
@@ -63,6 +64,7 @@ def build_local_worker(config: EngineConfig, model_path: str | None,
     """config: the engine's resolved config (max_model_len set). proposer: builds the drafter
     from the runner (a class with a `num_kv_layers` attribute); default: the one
     config.spec.algorithm names."""
+    configure_shard_emulation(config.comm)  # before any shape is derived from the TP size
     if model_path is None:
         model_config = ModelConfig.from_hf(PRESETS[config.model])
     else:
