@@ -109,16 +109,23 @@ def reset() -> None:
 
 
 def communicator() -> Communicator | None:
-    return _COMM
+    return _communicator()
 
 
 def emulator() -> CommEmulator | None:
     return _EMULATOR
 
 
+def _communicator() -> Communicator | None:
+    """The communicator of the current group (none once that group is gone)."""
+    group = get_tp_group()
+    return _COMM if _COMM is not None and group is not None and _COMM.group is group else None
+
+
 def _group_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    if _COMM is not None:
-        return _COMM.all_reduce(x)
+    comm = _communicator()
+    if comm is not None:
+        return comm.all_reduce(x)
     group = get_tp_group()
     if group is not None:  # before init_comm
         dist.all_reduce(x, group=group)
@@ -140,10 +147,10 @@ def all_reduce_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, unfused: AddNorm
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x: this rank's partial sum [T, H]; (rms_norm(sum + residual), sum + residual)."""
-    emu, comm = _EMULATOR, _COMM
+    emu, comm = _EMULATOR, _communicator()
     if emu is not None:
         emu.begin()
-        if comm is None:  # a lone process: the wait stands in for the all-reduce
+        if get_tp_group() is None:  # a lone process: the wait stands in for the all-reduce
             emu.wait(x.numel() * x.element_size())
             return unfused(x, residual)
     if comm is not None:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from specserve.config import EngineConfig, ModelConfig
+from specserve.distributed import comm
 from specserve.distributed.comm import configure_shard_emulation
 from specserve.models.loader import resolve_model_path
 from specserve.models.presets import PRESETS
@@ -54,9 +55,11 @@ class LocalWorker:
             raise ValueError(f"unknown worker control operation {op!r}")
 
     def close(self) -> None:
-        """Drop the references to the model, KV pool and graphs (freed with the last one)."""
+        """Drop the references to the model, KV pool and graphs (freed with the last one),
+        and the process's communication set-up (communicator, emulator)."""
         self.runner = None  # type: ignore[assignment]
         self.drafter = self._drafter = None
+        comm.reset()
 
 
 def build_local_worker(config: EngineConfig, model_path: str | None,
