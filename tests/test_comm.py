@@ -144,12 +144,11 @@ def test_emulator_changes_no_token(tmp_path) -> None:
     prompt = [[3, 14, 15, 92, 65]]
     kw = dict(load_format="dummy", device="cpu")
     plain = LLM("tiny-llama", **kw).generate(prompt, params)[0].token_ids
-    emulated = (
-        LLM("tiny-llama", comm=CommConfig(emulate_comm=_flat(tmp_path, 20.0)), **kw)
-        .generate(prompt, params)[0]
-        .token_ids
-    )
+    llm = LLM("tiny-llama", comm=CommConfig(emulate_comm=_flat(tmp_path, 20.0)), **kw)
+    emulated = llm.generate(prompt, params)[0].token_ids
     assert emulated == plain and len(plain) == 6
+    llm.close()  # a closed engine leaves no emulator behind for models built later
+    assert comm.emulator() is None
 
 
 def test_shard_emulation_builds_rank0_of_tp_n(tmp_path) -> None:
