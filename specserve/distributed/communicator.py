@@ -137,6 +137,8 @@ class Communicator:
             self.group,
             fuse,
         )
+        if missing and self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the timing graphs' memory goes back before KV sizing
         if self._lead and missing:
             assert path is not None and key is not None
             dispatch.save_cache(path, key, entries, self.unavailable)
