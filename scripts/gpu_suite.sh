@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks in one invocation (an H200 or any CUDA machine):
 #   bash scripts/gpu_suite.sh OUT_DIR [steps]
-# steps: any of tests,profile,plain,spec,moe,match,serve,mla,quant (default: all but profile and
-# quant). Results and logs go to OUT_DIR;
+# steps: any of tests,profile,plain,spec,moe,match,serve,mla,quant,comm (default: all but
+# profile, quant and comm). Results and logs go to OUT_DIR;
 # benchmark rows are appended to experiments/ (LOG.md, results.jsonl, PNGs).
 set -u
 out=${1:-out}; steps=${2:-tests,plain,spec,moe,match,serve,mla}
@@ -128,6 +128,22 @@ PY
     --label "llama-3.1-8b fp8 chain3 synthetic AL3" --json-out "$out/quant_fp8_chain3.json" \
     > "$out/quant_fp8_chain3.log" 2>&1
   echo "quant fp8 chain3 rc=$?"; tail -8 "$out/quant_fp8_chain3.log"
+fi
+if has comm; then
+  # the comm-bound regime on one GPU: every all-reduce point of a TP-8 Llama-3.1-8B costs the
+  # latency of an 8-GPU PCIe table (naive NCCL, then the one-shot path), plain vs EAGLE-3 chain;
+  # compute full = the TP-1 model's math, shard = rank 0's shard (the per-GPU compute of TP 8)
+  for compute in full shard; do
+    timeout 400 "${ss[@]}" bench latency "${common[@]}" --batch-sizes 1 --max-num-seqs 1 \
+      --cuda-graph-max-bs 1 --spec-algorithm eagle3 --spec-draft-model dummy --spec-num-steps 3 \
+      --spec-topk 1 --spec-synthetic-accept-len 3 --emulate-comm pcie-nccl-8gpu,pcie-oneshot \
+      --emulate-tp 8 --emulate-compute "$compute" --label "llama-3.1-8b chain3 AL3 PCIe-TP8 $compute" \
+      --json-out "$out/comm-$compute.json" > "$out/comm-$compute.log" 2>&1
+    echo "comm $compute rc=$?"; tail -9 "$out/comm-$compute.log"
+  done
+  timeout 200 python -m pytest -q -m gpu -s -rfE -p no:cacheprovider tests/test_comm_gpu.py \
+    > "$out/comm_gpu_tests.log" 2>&1
+  echo "comm gpu tests rc=$?"; grep -E "busy-wait|padded|passed|failed" "$out/comm_gpu_tests.log" | tail -8
 fi
 pair=specserve/assets/tiny-code; head=specserve/assets/tiny-code-eagle3
 if has match && [ -d "$pair" ]; then

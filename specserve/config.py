@@ -343,6 +343,40 @@ class ParallelConfig:
         "(seconds)")
 
 
+COMM_BACKENDS = ("auto", "nccl", "gloo", "symm-one-shot", "symm-two-shot", "triton-one-shot")
+
+
+@dataclass(frozen=True)
+class CommConfig:
+    """Tensor-parallel communication, and the communication-cost emulator."""
+
+    comm_backend: str = _f(
+        "auto", "all-reduce backend under TP: auto picks the fastest per message size by "
+        "measurement at start-up (cached per machine); a named one is used, unmeasured, for "
+        "every message its buffers hold (nccl|gloo: the process group's own)",
+        choices=COMM_BACKENDS)
+    comm_fuse: str = _f(
+        "auto", "all-reduce fused with the residual add + RMSNorm in one launch: auto (where "
+        "measured faster) | on (wherever a backend has the kernel) | off",
+        choices=("auto", "on", "off"))
+    comm_tune: str = _f(
+        "auto", "start-up measurement: auto (reuse the cached table, measure missing sizes) | "
+        "refresh (measure anew) | off (no measurement: the chosen backend, else nccl/gloo)",
+        choices=("auto", "refresh", "off"))
+    comm_cache_dir: str = _f("", "where measured tables are cached (default: the user cache "
+                                 "dir, ~/.cache/specserve/comm)")
+    emulate_comm: str = _f(
+        "", "COST-ONLY benchmarking: each all-reduce also costs (TP 1: costs instead) the "
+        "latency this table gives for its size, as a GPU busy-wait; a name from "
+        "specserve/distributed/comm_tables or a JSON path (bench latency: comma-separated, "
+        "one pass per table)")
+    emulate_tp: int = _f(8, "world size whose latencies the emulated table supplies")
+    emulate_compute: str = _f(
+        "full", "with --emulate-comm on one GPU: full = the whole model's math (TP 1); "
+        "shard = rank 0's shard of a TP --emulate-tp model (its per-GPU compute; outputs are "
+        "meaningless)", choices=("full", "shard"))
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     page_size: int = _f(16, "tokens per KV-cache page")
@@ -411,6 +445,7 @@ class EngineConfig:
         0, "torch threads on the CPU (0 = auto: 1 for small models, whose matmuls are too "
         "small to split, else torch's default)")
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)

@@ -20,6 +20,15 @@ from dataclasses import asdict, dataclass
 from importlib import metadata
 from typing import Any
 
+from specserve.comm_report import (
+    add_measure_args,
+    backend_rows,
+    comm_facts,
+    format_comm,
+    measure,
+    table_summaries,
+)
+
 MULTICAST_ENV = "TORCH_SYMM_MEM_DISABLE_MULTICAST"
 FAST_PATHS = (
     "GPU attention kernels (Triton)",
@@ -132,8 +141,9 @@ def _cuda_facts(torch: Any) -> dict[str, Any]:
     }
 
 
-def collect() -> dict[str, Any]:
-    """Every fact the report and the fast-path rules need. Raises ImportError without torch."""
+def collect(cache_dir: str = "") -> dict[str, Any]:
+    """Every fact the report and the fast-path rules need. Raises ImportError without torch.
+    cache_dir: where measured all-reduce tables are (default: the user cache dir)."""
     import torch
 
     try:
@@ -158,6 +168,8 @@ def collect() -> dict[str, Any]:
     no_gpu = {"gpus": [], "peer_access": [], "nccl": "n/a", "driver": "n/a", "bf16": False}
     facts.update(_cuda_facts(torch) if cuda else {**no_gpu, "links": []})
     facts["fast_paths"] = [asdict(fp) for fp in evaluate_fast_paths(facts)]
+    facts["comm_backends"] = backend_rows(facts)
+    facts["comm_tables"] = table_summaries(cache_dir)
     return facts
 
 
@@ -180,17 +192,12 @@ def _attention(facts: dict[str, Any]) -> FastPath:
 
 
 def _symm_mem(facts: dict[str, Any]) -> FastPath:
+    from specserve.distributed.backends import availability
+
     name = "symmetric-memory all-reduce"
-    n = len(facts["gpus"])
-    if n < 2:
-        return FastPath(name, False, f"needs >= 2 GPUs, found {n}")
-    if not facts["symm_mem_importable"]:
-        return FastPath(name, False, "torch.distributed._symmetric_memory is not importable")
-    missing = [
-        (i, j) for i in range(n) for j in range(n) if i != j and not facts["peer_access"][i][j]
-    ]
-    if missing:
-        return FastPath(name, False, f"no peer access between GPUs {missing[0]} (e.g. PCIe/IOMMU)")
+    reason = availability(comm_facts(facts))["symm-one-shot"]
+    if reason:
+        return FastPath(name, False, reason)
     note = f"NVLink multicast disabled ({MULTICAST_ENV}=1)" if facts["multicast_disabled"] else ""
     return FastPath(name, True, note)
 
@@ -286,20 +293,27 @@ def format_report(facts: dict[str, Any]) -> str:
     for fp in facts["fast_paths"]:
         verdict = "yes" if fp["usable"] else "no "
         out.append(f"  {fp['name']:<{width}}  {verdict}  {fp['reason']}".rstrip())
+    if "comm_backends" in facts:
+        out.extend(format_comm(facts))
     return "\n".join(out)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("doctor", help="report the hardware and usable fast paths")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_measure_args(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    cache_dir = getattr(args, "comm_cache_dir", "")
     try:
-        facts = collect()
+        facts = collect(cache_dir)
     except ImportError as err:
         print(f"torch cannot be imported ({err}); reinstall torch for this Python")
         return 1
+    if getattr(args, "comm_measure", False):
+        measure(args, facts)
+        facts = collect(cache_dir)
     print(json.dumps(facts, indent=2) if args.json else format_report(facts))
     return 0

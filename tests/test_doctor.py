@@ -60,7 +60,7 @@ def test_cpu_report_lists_fast_paths_as_unusable(capsys: pytest.CaptureFixture) 
 
 
 def test_broken_torch_exits_nonzero(monkeypatch, capsys: pytest.CaptureFixture) -> None:
-    def broken() -> dict:
+    def broken(*_args: object) -> dict:
         raise ImportError("libtorch_cuda.so: cannot open shared object file")
 
     monkeypatch.setattr(doctor, "collect", broken)
@@ -98,6 +98,7 @@ def _facts(ccs: list[tuple[int, int]], **over: object) -> dict:
             for i, cc in enumerate(ccs)
         ],
         "peer_access": [[i != j for j in range(n)] for i in range(n)],
+        "cuda_runtime": "12.8",
     }
     return {**facts, **over}
 
@@ -179,3 +180,73 @@ def test_tp_verdict_names_sizes_links_and_missing_p2p() -> None:
     assert "no P2P between GPUs (1, 2)" in reason
     facts["peer_access"][1][2] = facts["peer_access"][2][1] = True
     assert "P2P between every pair" in _verdicts(facts)["NCCL tensor parallelism"][1]
+
+
+@no_cuda
+def test_cpu_report_lists_allreduce_backends(tmp_path, capsys: pytest.CaptureFixture) -> None:
+    args = _parser().parse_args(["doctor", "--comm-cache-dir", str(tmp_path)])
+    assert args.func(args) == 0
+    text = capsys.readouterr().out
+    assert "All-reduce backends" in text and "none measured on this machine" in text
+    rows = {line.split()[0]: line for line in text.splitlines()[-7:-1]}
+    assert rows["gloo"].split()[1] == "yes"
+    assert "no CUDA GPU" in rows["nccl"] and "peer access" in rows["symm-one-shot"]
+    assert "TRITON_INTERPRET" in rows["triton-one-shot"]
+
+
+def test_dispatch_table_text() -> None:
+    from specserve.comm_report import format_table
+
+    us = {"nccl": 24.1, "symm-one-shot": 7.5}
+    record = {
+        "key": {"world": 2, "dtype": "bfloat16", "hidden": 4096, "gpus": ["H200", "H200"]},
+        "measured": "2026-12-01T10:00:00",
+        "path": "/c/allreduce-x.json",
+        "entries": [
+            {"op": "all_reduce", "nbytes": 8192, "rows": 1, "us": us, "choice": "symm-one-shot"},
+            {
+                "op": "add_rms_norm",
+                "nbytes": 8192,
+                "rows": 1,
+                "us": {"nccl": 27.0, "triton-one-shot+fused": 8.2},
+                "choice": "triton-one-shot+fused",
+            },
+        ],
+        "unavailable": {"symm-two-shot": "initialisation failed: RuntimeError: x"},
+    }
+    lines = format_table(record)
+    assert "world 2, bfloat16, hidden 4096, 2 x H200" in lines[0]
+    assert lines[2].split() == [
+        "1",
+        "8192",
+        "symm-one-shot",
+        "7.5",
+        "us",
+        "triton-one-shot+fused",
+        "8.2",
+        "us",
+    ]
+    assert "symm-two-shot: initialisation failed" in lines[3]
+
+
+@pytest.mark.slow
+@no_cuda
+def test_comm_measure_on_cpu(tmp_path, capsys: pytest.CaptureFixture) -> None:
+    """--comm-measure spawns two gloo processes through the engine's start-up path."""
+    args = _parser().parse_args(
+        [
+            "doctor",
+            "--comm-measure",
+            "--comm-hidden",
+            "64",
+            "--comm-rows",
+            "1,4",
+            "--comm-cache-dir",
+            str(tmp_path),
+        ]
+    )
+    assert args.func(args) == 0
+    text = capsys.readouterr().out
+    assert "All-reduce dispatch: world 2, float32, hidden 64" in text
+    table = [line.split() for line in text.splitlines() if line.strip().startswith(("1 ", "4 "))]
+    assert [row[:3] for row in table] == [["1", "256", "gloo"], ["4", "1024", "gloo"]]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import os
 import random
 
@@ -108,7 +110,8 @@ def make_hf_model(
             kwargs.pop("num_mtp_layers")
     else:
         kwargs.update(_llama_kwargs(family))
-    kwargs.update(config_overrides)
+    # transformers normalises rope dicts in place: give it copies, never the callers' (shared)
+    kwargs.update(copy.deepcopy(config_overrides))
     config = config_cls(**kwargs)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)

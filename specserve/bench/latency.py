@@ -13,6 +13,8 @@ length (tokens per draft-verify cycle, bonus included) and the per-position acce
 counter deltas over the timed phase.
     speculative efficiency = spec tok/s / (accept length x plain tok/s)   (1.0: drafting free)
 With a synthetic accept length every number is a cost-only measurement and says so.
+With --emulate-comm T1,T2 every point runs once per table (the table is swapped in place, no
+re-capture), each all-reduce point costing the table's latency at --emulate-tp.
 """
 
 from __future__ import annotations
@@ -266,6 +268,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from specserve.bench.floor import measure_copy_bandwidth, measure_references
     from specserve.cli import engine_config_from_args
+    from specserve.distributed import comm
+    from specserve.distributed.comm import emulated_tables
     from specserve.llm import LLM
     from specserve.models.presets import PRESETS
     from specserve.worker.device import resolve_device
@@ -281,6 +285,7 @@ def run(args: argparse.Namespace) -> int:
     if not modes:
         raise ValueError("--no-baseline without speculation leaves nothing to time; add "
                          "--spec-algorithm eagle3 --spec-draft-model PATH|dummy")
+    tables = emulated_tables(config.comm) or [None]  # checked before the model loads
     device = resolve_device(config.device)
     floor = device.type == "cuda" if args.floor is None else args.floor
     # before the engine: its KV cache takes most of the free memory
@@ -297,11 +302,15 @@ def run(args: argparse.Namespace) -> int:
     # the probe is one eager forward on this process: with TP ranks elsewhere the floor
     # counts top_k experts per token instead
     probe_experts = floor and config.parallel.tp_size == 1
-    for ctx in contexts:
-        for bs in batch_sizes:
-            prompts = make_prompts(engine, args.prompts, bs, ctx, config.seed)
-            points.append(bench_point(engine, prompts, modes, args.output_len, args.runs,
-                                      args.warmup, experts if probe_experts else None))
+    for table in tables:
+        if table is not None:
+            comm.emulator().set_table(table)
+        for ctx in contexts:
+            for bs in batch_sizes:
+                prompts = make_prompts(engine, args.prompts, bs, ctx, config.seed)
+                points.append((table, bench_point(engine, prompts, modes, args.output_len,
+                                                  args.runs, args.warmup,
+                                                  experts if probe_experts else None)))
     first = make_prompts(engine, args.prompts, 1, contexts[0], config.seed)[0]
     refs = measure_references(engine, batch_sizes, floor, args.compare_hf, first,
                               args.output_len, args.runs, args.warmup, experts or None)
@@ -316,7 +325,7 @@ def run(args: argparse.Namespace) -> int:
         "environment": environment_info(),
         "engine_startup_s": engine.startup_seconds, "config": asdict(engine.config),
         "copy": copy or {"skipped": "runs with --floor"}, **refs,
-        "points": [_point_dict(p, refs) for p in points],
+        "points": [{**_point_dict(p, refs), "comm_table": t and t.name} for t, p in points],
     }
     print(format_report(report))
     if args.log:
@@ -361,7 +370,12 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [head, f"{'ctx':>6} {'bs':>4} {'mode':<9} {'tok/s mean (min-max)':<26} "
              f"{'95% CI':<19} {'ms/step':>8} {'floor ms':>8} {'fl/step':>7} {'AL':>5} "
              f"{'eff':>5}"]
+    table = None
     for p in report["points"]:
+        if p.get("comm_table") != table:
+            table, cc = p["comm_table"], report["config"]["comm"]
+            lines.append(f"-- emulated communication: table {table}, TP {cc['emulate_tp']}, "
+                         f"compute {cc['emulate_compute']}")
         for mode, r in p["modes"].items():
             t, spec = r["tok_s"], mode == SPEC
             al = r["accept_length"]["mean"] if spec else None
@@ -389,7 +403,8 @@ def write_log(report: dict[str, Any], exp_dir: str) -> list[str]:
     tag = "".join(c if c.isalnum() or c in "-_." else "-" for c in report["label"])
     pngs = []
     for p in report["points"]:
-        where = f"bs={p['batch_size']} ctx={p['context_len']}"
+        where = f"bs={p['batch_size']} ctx={p['context_len']}" + (
+            f" comm={p['comm_table']}" if p.get("comm_table") else "")
         base = p["modes"].get(BASELINE)
         for mode, r in p["modes"].items():
             spec = mode == SPEC
@@ -415,6 +430,7 @@ def write_log(report: dict[str, Any], exp_dir: str) -> list[str]:
         title = f"{report['model']} {where}" + (
             f" [{SYNTHETIC}]" if report["acceptance"] == SYNTHETIC else "")
         pngs.append(plot_runs(os.path.join(
-            exp_dir, f"{tag}-ctx{p['context_len']}-bs{p['batch_size']}.png"), series,
+            exp_dir, f"{tag}-ctx{p['context_len']}-bs{p['batch_size']}"
+            + (f"-{p['comm_table']}" if p.get("comm_table") else "") + ".png"), series,
             "decode tok/s", title))
     return pngs

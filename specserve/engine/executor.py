@@ -64,7 +64,7 @@ class Executor:
         if proposer is not None:
             raise ValueError("a proposer given as a Python object cannot reach the TP workers: "
                              "name it in the speculative config, or run with tp_size 1")
-        if parallel_state.get_tp_size() != 1:
+        if parallel_state.get_tp_group() is not None:
             raise ValueError("this process already is a rank of a TP group: close the other "
                              "engine first (one TP engine per process)")
         from specserve.engine.tp_group import WorkerGroup

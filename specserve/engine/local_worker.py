@@ -13,6 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 from specserve.config import EngineConfig, ModelConfig
+from specserve.distributed import comm
+from specserve.distributed.comm import configure_shard_emulation
 from specserve.layers.quantization import resolve_quantization
 from specserve.models.loader import resolve_model_path
 from specserve.models.presets import PRESET_FORMATS, PRESETS
@@ -68,9 +70,11 @@ class LocalWorker:
             raise ValueError(f"unknown worker control operation {op!r}")
 
     def close(self) -> None:
-        """Drop the references to the model, KV pool and graphs (freed with the last one)."""
+        """Drop the references to the model, KV pool and graphs (freed with the last one),
+        and the process's communication set-up (communicator, emulator)."""
         self.runner = None  # type: ignore[assignment]
         self.drafter = self._drafter = None
+        comm.reset()
 
 
 def build_local_worker(config: EngineConfig, model_path: str | None,
@@ -78,6 +82,7 @@ def build_local_worker(config: EngineConfig, model_path: str | None,
     """config: the engine's resolved config (max_model_len set). proposer: builds the drafter
     from the runner (a class with a `num_kv_layers` attribute); default: the one
     config.spec.algorithm names."""
+    configure_shard_emulation(config.comm)  # before any shape is derived from the TP size
     model_config = model_config_of(config, model_path)
     draft_kv = []  # the proposer's own KV layers, after the target's in one pool
     if proposer is not None:

@@ -13,6 +13,15 @@ from specserve.kernels.dispatch import jit, next_power_of_2, tl, triton  # noqa:
 
 
 @jit
+def rms_norm_row(h, w, hidden, eps):
+    # h [BLOCK] one row in the activation dtype (zeros past `hidden`), w [BLOCK] fp32 weights
+    # -> fp32 w * round(h / sqrt(mean(h^2) + eps))
+    hf = h.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, 0) / hidden + eps)
+    return (hf * rstd).to(h.dtype).to(tl.float32) * w
+
+
+@jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     stride_x, stride_r, stride_o, stride_ro, hidden, eps,
@@ -28,10 +37,8 @@ def _rms_norm_kernel(
             x.dtype
         )
         tl.store(res_out_ptr + row * stride_ro + cols, x, mask=ok)
-    h = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(h * h, 0) / hidden + eps)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0)
-    y = (h * rstd).to(x.dtype).to(tl.float32) * w.to(tl.float32)
+    y = rms_norm_row(x, w.to(tl.float32), hidden, eps)
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 

@@ -44,9 +44,10 @@ class VocabParallelEmbedding(nn.Module):
         param.data[: self.num_real].copy_(rows)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        # input_ids [T] -> [T, embedding_dim]
+        # input_ids [T] -> [T, embedding_dim]; at TP 1 the all-reduce is a no-op (or the
+        # communication-cost emulator's wait)
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return all_reduce(F.embedding(input_ids, self.weight))
         # masked lookup: ids outside this rank's block read row 0 and are zeroed, then summed
         local = input_ids - self.vocab_start
         owned = (local >= 0) & (local < self.shard_size)

@@ -228,7 +228,8 @@ class RowParallelLinear(LinearBase):
     """Input features split over ranks; partial products summed with all_reduce.
 
     The bias is replicated and added once: by rank 0, before the sum. `reduce_output=False`
-    returns the partial product, for a caller that adds several partials and reduces once.
+    returns the partial product, for a caller that adds several partials and reduces once (the
+    decoder layers reduce o_proj and down_proj together with the residual add + RMSNorm).
     """
 
     in_split = True

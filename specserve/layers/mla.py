@@ -171,7 +171,8 @@ def choose_form(md: AttentionMetadata, num_heads: int, mla: MLAConfig) -> str:
 class MLAAttention(CachedAttention):
     """One layer's multi-head latent attention (module docstring); `latent_cache`
     [num_pages, page_size, L + R] is set by KVPool.bind. `form` fixes the attention form
-    ('compute' / 'absorbed', e.g. for tests and benchmarks) instead of `choose_form`."""
+    ('compute' / 'absorbed', e.g. for tests and benchmarks) instead of `choose_form`.
+    reduce_output=False leaves o_proj's TP partial sum to the caller (the decoder layer)."""
 
     def __init__(
         self,
@@ -179,6 +180,7 @@ class MLAAttention(CachedAttention):
         layer_idx: int,
         rotary: RotaryEmbedding | None = None,
         form: str = "auto",
+        reduce_output: bool = True,
         quant_config: QuantConfig | None = None,
         prefix: str = "",
     ) -> None:
@@ -219,7 +221,7 @@ class MLAAttention(CachedAttention):
             name("kv_b_proj"), dequantize_after_loading=True,
         )  # fmt: skip
         self.o_proj = RowParallelLinear(config.num_heads * m.v_head_dim, h, bias, qc,
-                                        name("o_proj"))  # fmt: skip
+                                        name("o_proj"), reduce_output=reduce_output)  # fmt: skip
         self.rotary = rotary if rotary is not None else mla_rotary(config)
         assert self.rotary.head_dim == m.qk_rope_head_dim
         self.scale = mla_softmax_scale(m, config.rope_scaling)

@@ -138,14 +138,17 @@ class MoEGate(nn.Module):
 
 
 class DeepseekMoE(nn.Module):
-    """Routed experts + shared experts; the TP partial sums are reduced once. `prefix`: the
-    block's checkpoint name (`model.layers.3.mlp`); the router stays unquantized."""
+    """Routed experts + shared experts; the TP partial sums are reduced once (or, with
+    reduce_output=False, left to the caller: the decoder layer's reduce + add + norm).
+    `prefix`: the block's checkpoint name (`model.layers.3.mlp`); the router stays
+    unquantized."""
 
     def __init__(
         self, hidden_size: int, moe: MoEConfig, hidden_act: str = "silu",
-        quant_config: QuantConfig | None = None, prefix: str = "",
+        reduce_output: bool = True, quant_config: QuantConfig | None = None, prefix: str = "",
     ) -> None:  # fmt: skip
         super().__init__()
+        self.reduce_output = reduce_output
         if hidden_act != "silu":
             raise ValueError(f"hidden_act {hidden_act!r} is not supported (only 'silu')")
         self.gate = MoEGate(hidden_size, moe)
@@ -165,16 +168,17 @@ class DeepseekMoE(nn.Module):
         out = self.experts(x, topk_weights, topk_ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return all_reduce(out)
+        return all_reduce(out) if self.reduce_output else out
 
 
 def make_mlp(
     layer_idx: int, hidden_size: int, intermediate_size: int, moe: MoEConfig | None,
-    hidden_act: str = "silu", quant_config: QuantConfig | None = None, prefix: str = "",
+    hidden_act: str = "silu", reduce_output: bool = True,
+    quant_config: QuantConfig | None = None, prefix: str = "",
 ) -> nn.Module:  # fmt: skip
     """Layer `layer_idx`'s feed-forward block: the MoE block, or a dense MLP of
     `intermediate_size` (layers before first_k_dense_replace, off the moe_layer_freq beat)."""
     if moe is not None and moe.is_moe_layer(layer_idx):
-        return DeepseekMoE(hidden_size, moe, hidden_act, quant_config, prefix)
-    return GatedMLP(hidden_size, intermediate_size, hidden_act, quant_config=quant_config,
-                    prefix=prefix)  # fmt: skip
+        return DeepseekMoE(hidden_size, moe, hidden_act, reduce_output, quant_config, prefix)
+    return GatedMLP(hidden_size, intermediate_size, hidden_act, reduce_output, quant_config,
+                    prefix)  # fmt: skip

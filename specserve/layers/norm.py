@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specserve.distributed.comm import all_reduce_add_rms_norm
 from specserve.kernels.dispatch import use_triton
 from specserve.kernels.fused_ops import fused_add_rms_norm, rms_norm
 from specserve.layers.linear import default_weight_loader
@@ -14,7 +15,8 @@ class RMSNorm(nn.Module):
     """y = weight * x / sqrt(mean(x^2) + eps), the statistics in fp32 like transformers.
 
     forward(x) -> y; forward(x, residual) -> (norm(x + residual), x + residual): the sum is
-    the residual stream carried to the next sub-layer.
+    the residual stream carried to the next sub-layer. reduce_add(x, residual) is the same
+    with x a tensor-parallel partial sum: all-reduced first, fused where the backend can.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -40,3 +42,10 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual  # in the activation dtype, as the unfused model adds
         return self._norm(x), x
+
+    def reduce_add(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: this rank's partial sum [T, H] -> (norm(sum + residual), sum + residual); at
+        TP 1 exactly forward(x, residual)."""
+        return all_reduce_add_rms_norm(x, residual, self.weight, self.eps, self.forward)

@@ -1,10 +1,11 @@
 """Target-side capture of EAGLE-3 aux hidden states, for any model, without model code.
 
 Convention: the aux state of layer i is the residual stream ENTERING decoder layer i, i.e.
-transformers' `output_hidden_states[i]`. Decoder layers are called as
-`layer(positions, hidden, residual)` where residual None means `hidden` is the whole stream
-(layer 0), otherwise the stream is hidden + residual (the fused-add convention). A forward
-pre-hook records that sum; nothing else changes in the model.
+transformers' `output_hidden_states[i]`. Our decoder layers hand that stream to their
+`observe_stream` callback (under tensor parallelism their hidden input is a partial sum, so
+the stream exists only after the layer's first all-reduce + norm). Any other layer gets a
+forward pre-hook reading its call: `hidden_states=` alone, or `(positions, hidden,
+residual)` where residual None means `hidden` is the whole stream, else hidden + residual.
 
 CUDA graphs: the hooks only record tensors. Call `pop()` inside the captured region, right
 after the forward, and keep its result as a graph output: replay refills it.
@@ -102,10 +103,23 @@ class AuxHiddenCapture:
         self.layer_ids = ids
         self.enabled = True
         self._states: dict[int, torch.Tensor] = {}
-        self._handles = [
-            layers[i].register_forward_pre_hook(self._hook(i), with_kwargs=True)
-            for i in sorted(set(ids))
-        ]
+        self._observed: list[nn.Module] = []
+        self._handles = []
+        for i in sorted(set(ids)):
+            if hasattr(layers[i], "observe_stream"):
+                layers[i].observe_stream = self._record(i)
+                self._observed.append(layers[i])
+            else:
+                self._handles.append(
+                    layers[i].register_forward_pre_hook(self._hook(i), with_kwargs=True)
+                )
+
+    def _record(self, layer_id: int) -> Any:
+        def record(stream: torch.Tensor) -> None:
+            if self.enabled:
+                self._states[layer_id] = stream
+
+        return record
 
     def _hook(self, layer_id: int) -> Any:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -133,3 +147,6 @@ class AuxHiddenCapture:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for layer in self._observed:
+            layer.observe_stream = None
+        self._observed.clear()

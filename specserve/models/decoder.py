@@ -3,9 +3,13 @@ feed-forward modules per layer (llama: GQA + gated MLP; DeepSeek-V3: MLA + dense
 
 Decoder layers pass (hidden, residual) so each residual add is fused into the next RMSNorm:
     layer 0:  residual = x;            h = attn(norm(x))
-    layer i:  h, residual = norm(h + residual) ...
-The residual stream entering layer i is therefore `hidden + residual` (just `hidden` for
-layer 0), which is what aux-hidden-state capture reads.
+    layer i:  h, residual = norm(all_reduce(h) + residual) ...
+Under tensor parallelism `hidden` between sub-layers is this rank's partial sum: the attention
+and feed-forward modules do not reduce their outputs, and `RMSNorm.reduce_add` all-reduces
+each together with the residual add and the norm (one launch where the backend can; at TP 1
+exactly `norm(h, residual)`). The residual stream entering layer i is `residual` after its
+first norm (the embedding for layer 0); the layer hands it to `observe_stream` when
+aux-hidden-state capture sets one.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from specserve.models.weights import Stacked, load_named_weights
 
 
 class DecoderLayer(nn.Module):
-    """self_attn(positions, hidden) -> [T, H]; mlp(hidden) -> [T, H]."""
+    """self_attn(positions, hidden) -> [T, H]; mlp(hidden) -> [T, H]: both this rank's partial
+    sums (built with reduce_output=False)."""
 
     def __init__(self, config: ModelConfig, self_attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
@@ -31,16 +36,21 @@ class DecoderLayer(nn.Module):
         self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
+        # called with the residual stream entering the layer [T, H] (aux-state capture)
+        self.observe_stream: Callable[[torch.Tensor], None] | None = None
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # hidden: the embedding (residual None: layer 0), else the previous mlp's partial sum
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm.reduce_add(hidden, residual)
+        if self.observe_stream is not None:
+            self.observe_stream(residual)
         hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm.reduce_add(hidden, residual)
         return self.mlp(hidden), residual
 
 
@@ -69,7 +79,7 @@ class DecoderModel(nn.Module):
         hidden, residual = self.embed_tokens(input_ids), None  # [T, H]
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
+        hidden, _ = self.norm.reduce_add(hidden, residual)
         return hidden
 
 

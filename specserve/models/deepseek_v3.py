@@ -54,9 +54,10 @@ class DeepseekV3ForCausalLM(CausalLM):
         quant = quant_config(config)
         model = DecoderModel(
             config, rotary,
-            lambda i, name: MLAAttention(config, i, rotary, quant_config=quant, prefix=name),
+            lambda i, name: MLAAttention(config, i, rotary, reduce_output=False,
+                                         quant_config=quant, prefix=name),
             lambda i, name: make_mlp(i, config.hidden_size, config.intermediate_size, config.moe,
-                                     config.hidden_act, quant, name),
+                                     config.hidden_act, False, quant, name),
             prefix=f"{prefix}model",
         )  # fmt: skip
         super().__init__(config, model)

@@ -45,7 +45,8 @@ class LlamaAttention(nn.Module):
         # Qwen2 puts a bias on q/k/v only; Llama-style attention_bias covers o_proj too
         o_bias = config.attention_bias and not config.architecture.startswith("Qwen2")
         self.o_proj = RowParallelLinear(
-            config.num_heads * hd, config.hidden_size, o_bias, quant, child(prefix, "o_proj")
+            config.num_heads * hd, config.hidden_size, o_bias, quant, child(prefix, "o_proj"),
+            reduce_output=False,
         )
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
@@ -59,6 +60,7 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         # hidden [T, H] -> qkv [T, (heads + 2 * kv_heads) * head_dim] (local heads)
+        # -> o_proj's partial sum [T, H] (the decoder layer reduces it)
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)  # [T, heads, head_dim]
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)  # [T, kv_heads, head_dim]
@@ -79,6 +81,6 @@ class LlamaForCausalLM(CausalLM):
         model = DecoderModel(
             config, rotary, lambda i, name: LlamaAttention(config, i, rotary, quant, name),
             lambda i, name: GatedMLP(config.hidden_size, config.intermediate_size,
-                                     config.hidden_act, quant_config=quant, prefix=name),
+                                     config.hidden_act, False, quant, name),
         )  # fmt: skip
         super().__init__(config, model)

@@ -25,6 +25,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from specserve.config import EngineConfig
+from specserve.distributed.dispatch import message_rows
+
 log = logging.getLogger(__name__)
 
 BatchFn = Callable[..., Sequence[torch.Tensor]]
@@ -35,6 +38,16 @@ _ALIGN = 16
 def batch_buckets(max_bs: int) -> list[int]:
     small = [b for b in (1, 2, 4, 8) if b < max_bs]
     return small + list(range(16, max_bs, 16)) + [max_bs]
+
+
+def comm_message_rows(config: EngineConfig) -> list[int]:
+    """Rows of the all-reduce messages an engine sends: every graph batch bucket times 1
+    (decode) and, with speculation, the verify width and the draft branching; plus powers of
+    two up to the prefill token budget."""
+    spec = config.spec
+    widths = [1] + ([spec.verify_tokens, spec.topk] if spec.enabled else [])
+    graph_bs = min(config.cuda_graph_max_bs, config.scheduler.max_num_seqs)
+    return message_rows(batch_buckets(graph_bs), widths, config.scheduler.max_num_batched_tokens)
 
 
 class StaticInputs:

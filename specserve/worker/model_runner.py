@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from specserve.config import EngineConfig, ModelConfig
+from specserve.distributed.comm import init_comm
 from specserve.distributed.parallel_state import min_over_ranks
 from specserve.kv_cache.pool import KVPool, plan_num_pages
 from specserve.kv_cache.spec import KVCacheSpec
@@ -35,7 +36,7 @@ from specserve.layers.sampler import (
 )
 from specserve.models.loader import build_model, load_model
 from specserve.models.presets import random_init
-from specserve.worker.cuda_graph import BatchGraphs
+from specserve.worker.cuda_graph import BatchGraphs, comm_message_rows
 from specserve.worker.device import resolve_device, resolve_dtype, select_backend
 from specserve.worker.forward_batch import build_attention_metadata, to_device
 from specserve.worker.step_input import StepInput, StepOutput
@@ -75,6 +76,8 @@ class ModelRunner:
             if threads:
                 torch.set_num_threads(threads)
         self.page_size = config.cache.page_size
+        init_comm(config.comm, hidden=model_config.hidden_size, dtype=self.dtype,
+                  device=self.device, rows=comm_message_rows(config))
         if config.load_format == "dummy" or model_path is None:
             self.model: nn.Module = build_model(model_config, self.dtype, self.device)
             random_init(self.model, config.seed)
