@@ -7,11 +7,7 @@ Llama-3.1-8B shapes). Shapes include K and N that are not multiples of the tiles
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
 import sys
-import traceback
 from pathlib import Path
 
 import pytest
@@ -20,6 +16,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from interpreted import report, run_interpreted  # noqa: E402
 
 from specserve.kernels import fp8_gemm, w4a16_gemm  # noqa: E402
 from specserve.kernels.split_kv import split_counters  # noqa: E402
@@ -197,13 +195,7 @@ INTERPRETER_CHECKS = {
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, str]:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, cwd=REPO, capture_output=True, text=True, timeout=600
-    )
-    lines = proc.stdout.strip().splitlines()
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1])
+    return run_interpreted(__file__)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
@@ -286,12 +278,4 @@ def test_cuda_graph_capture_of_quantized_layers() -> None:
 
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run through test_interpreter"
-    results = {}
-    for check_name, check in INTERPRETER_CHECKS.items():
-        try:
-            check()
-            results[check_name] = "ok"
-        except Exception:
-            results[check_name] = traceback.format_exc(limit=4)
-    print(json.dumps(results))
+    report(INTERPRETER_CHECKS)

@@ -18,8 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import PagedSession
-from tiny_quant import make_quantized_checkpoint
+from tiny_quant import logit_errors, make_quantized_checkpoint
 
 from specserve.config import ModelConfig
 from specserve.layers.quantization.unquantized import UNQUANTIZED
@@ -51,26 +50,7 @@ def _load(path: str) -> torch.nn.Module:
 
 
 def _logit_errors(model: torch.nn.Module, reference: torch.nn.Module, seed: int) -> list[float]:
-    """Per-row max |logit difference| over a batched prefill of two requests and 3 decodes."""
-    rng = random.Random(seed)
-    tokens = {
-        0: [rng.randrange(VOCAB) for _ in range(11)],
-        1: [rng.randrange(VOCAB) for _ in range(5)],
-    }
-    session = PagedSession(model, num_pages=32, page_size=4)
-    got = {r: [t] for r, t in zip(tokens, session.step(tokens))}
-    for _ in range(3):
-        nxt = {r: [rng.randrange(VOCAB)] for r in tokens}
-        for r, logits in zip(nxt, session.step(nxt)):
-            got[r].append(logits)
-            tokens[r] += nxt[r]
-    errors = []
-    with torch.no_grad():
-        for r, ids in tokens.items():
-            ref = reference(torch.tensor([ids])).logits[0]
-            assert ref.abs().max() > 1.0
-            errors += (torch.cat(got[r]) - ref).abs().amax(-1).tolist()
-    return sorted(errors)
+    return logit_errors(model, reference, seed, lengths=(11, 5), vocab=VOCAB)
 
 
 def test_mla_and_shared_experts_match_dequantized_reference(dense_experts: dict) -> None:

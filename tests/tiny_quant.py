@@ -389,3 +389,32 @@ def make_quantized_checkpoint(
         json.dump(config, fh)
     make_tiny_tokenizer(path, vocab_size=config["vocab_size"])
     return model
+
+
+def logit_errors(
+    model: torch.nn.Module, reference: torch.nn.Module, seed: int, lengths: tuple = (13, 6),
+    vocab: int = 512,
+) -> list[float]:  # fmt: skip
+    """Sorted per-row max |logit difference| between `model` (a batched prefill of prompts of
+    `lengths` over a paged cache, then 3 decodes) and `reference` on the same tokens."""
+    import random
+
+    from tiny_models import PagedSession
+
+    rng = random.Random(seed)
+    tokens = {r: [rng.randrange(vocab) for _ in range(n)] for r, n in enumerate(lengths)}
+    session = PagedSession(model)
+    got = {r: [t] for r, t in zip(tokens, session.step(tokens))}
+    for _ in range(3):
+        nxt = {r: [rng.randrange(vocab)] for r in tokens}
+        for r, logits in zip(nxt, session.step(nxt)):
+            got[r].append(logits)
+            tokens[r] += nxt[r]
+    errors = []
+    with torch.no_grad():
+        for r, ids in tokens.items():
+            ref = reference(torch.tensor([ids])).logits[0]
+            # the format is not lossless: a dense model would be visibly off
+            assert ref.abs().max() > 1.0
+            errors += (torch.cat(got[r]) - ref).abs().amax(-1).tolist()
+    return sorted(errors)
