@@ -1,6 +1,9 @@
 """Quantized DeepSeek-V3 checkpoints (MLA + MoE) on the CPU path, against transformers running
 the same weights dequantized in fp32 (tiny_quant.py): the MLA projections, dense MLP and
-shared experts take the format; MLA's kv_b_proj is dequantized at load (read as W_UK / W_UV).
+shared experts take the format, MLA's kv_b_proj is dequantized at load (read as W_UK / W_UV);
+routed experts dense, FP8 block (DeepSeek-V3's format: W8A8, the reference's expert loop
+fake-quantizes both GEMMs' inputs) or INT4 g32 (Kimi K2.5's: experts only), also under the
+K2.5 wrapper; loading errors, TP=2 over gloo, random weights in a format and their floor.
 
 Tolerances on |logit difference| per token row, as in test_quantization.py: weight-only
 formats 1e-4 for every row; W8A8 median row 1e-4, worst row 0.15 (an fp32-rounding difference
