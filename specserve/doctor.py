@@ -259,12 +259,6 @@ def format_report(facts: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("doctor", help="report the hardware and usable fast paths")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=run)
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         facts = collect()
