@@ -276,8 +276,9 @@ class ModelConfig:
 
     def num_parameters(self) -> int:
         """Parameters of a decoder-only model of this shape: embeddings, decoder layers
-        (attention with its optional biases / q-k norms, or MLA's latent projections; a dense
-        gated MLP; two norms), final norm and LM head (unless tied)."""
+        (attention with its optional biases / q-k norms, or MLA's latent projections; a gated
+        MLP, or a MoE block's router, routed and shared experts; two norms), final norm and LM
+        head (unless tied)."""
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attn = h * (q + 2 * kv) + q * h + (q + 2 * kv) * self.attention_bias
         attn += 2 * self.head_dim * self.qk_norm
@@ -289,9 +290,17 @@ class ModelConfig:
             attn += (h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
                      + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
                      + heads * m.v_head_dim * h)
-        layer = attn + 3 * h * self.intermediate_size + 2 * h
+        layers = self.num_layers * (attn + 2 * h)
+        moe = self.moe
+        for i in range(self.num_layers):
+            if moe is None or not moe.is_moe_layer(i):
+                layers += 3 * h * self.intermediate_size
+                continue
+            router = moe.num_experts * h + moe.num_experts * (moe.topk_method == "noaux_tc")
+            experts = (moe.num_experts + moe.num_shared_experts) * 3 * h * moe.intermediate_size
+            layers += router + experts
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return self.vocab_size * h + self.num_layers * layer + h + head
+        return self.vocab_size * h + layers + h + head
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V of every decoder layer for one token (MLA: the latent and rope key)."""

@@ -267,15 +267,17 @@ def test_num_parameters_matches_transformers(family: str, overrides: dict) -> No
     assert config.num_parameters() == sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.parametrize("q_lora_rank", [None, 32])
-def test_num_parameters_of_mla_matches_transformers(q_lora_rank: int | None) -> None:
+@pytest.mark.parametrize("q_lora_rank, moe", [(None, False), (32, False), (32, True)])
+def test_num_parameters_of_mla_and_moe_matches_transformers(
+    q_lora_rank: int | None, moe: bool
+) -> None:
     import transformers
 
     config = transformers.DeepseekV3Config(
         vocab_size=512,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
+        num_hidden_layers=3,
         num_attention_heads=4,
         num_key_value_heads=4,
         kv_lora_rank=16,
@@ -283,13 +285,21 @@ def test_num_parameters_of_mla_matches_transformers(q_lora_rank: int | None) -> 
         qk_nope_head_dim=8,
         qk_rope_head_dim=8,
         v_head_dim=8,
-        first_k_dense_replace=2,
+        first_k_dense_replace=1 if moe else 3,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=32,
+        n_group=1,
+        topk_group=1,
         tie_word_embeddings=False,
-    )  # dense layers only: no experts
+    )
     model = transformers.DeepseekV3ForCausalLM(config)
     ours = ModelConfig.from_hf({**config.to_dict(), "architectures": ["DeepseekV3ForCausalLM"]})
-    assert ours.mla is not None
-    assert ours.num_parameters() == sum(p.numel() for p in model.parameters())
+    assert ours.mla is not None and ours.moe is not None
+    # the router's selection bias is a buffer in transformers, a weight of the checkpoint
+    biases = sum(b.numel() for n, b in model.named_buffers() if "e_score_correction" in n)
+    assert ours.num_parameters() == sum(p.numel() for p in model.parameters()) + biases
 
 
 def test_memory_check_refuses_with_what_to_do() -> None:

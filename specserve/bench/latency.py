@@ -228,7 +228,9 @@ def planned_capacity(config: EngineConfig) -> tuple[int, int | None]:
     if device.type == "cuda":
         return max_len, None
     per_token = mc.kv_bytes_per_token(resolve_dtype(config.dtype, mc, device).itemsize)
-    if config.spec.enabled:  # one draft layer of the target's KV shape
+    if config.spec.enabled:  # one EAGLE-3 layer, the target's KV shape (MHA targets only)
+        if mc.mla is not None:
+            return max_len, None  # an MHA head over a latent cache: checked once built
         per_token += per_token // mc.num_layers
     return max_len, cache.kv_cache_bytes // (per_token * cache.page_size) * cache.page_size
 
