@@ -213,18 +213,23 @@ def check_point(config: EngineConfig, max_model_len: int, kv_capacity: int | Non
 
 
 def planned_capacity(config: EngineConfig) -> tuple[int, int | None]:
-    """(context length, KV tokens) the engine will have, from the model's config alone: the
-    checks run before the weights are built. The KV size is known up front on the CPU only."""
+    """(context length, KV tokens) the engine will have, from the model's config alone, once
+    its weights are known to fit (ValueError otherwise): the checks run before the weights are
+    built. The KV size is known up front on the CPU only."""
     from specserve.engine.local_worker import resolve_model
+    from specserve.engine.memory import check_fits
     from specserve.worker.device import resolve_device, resolve_dtype
 
     _, mc = resolve_model(config)
+    device = resolve_device(config.device)
+    # the weights first: the biggest thing a preset on the wrong machine gets wrong
+    check_fits(config.model, mc, None, resolve_dtype(config.dtype, mc, device), device,
+               config.cache, tp_size=config.parallel.tp_size)
     mpe = mc.max_position_embeddings
     max_len = min(config.scheduler.max_model_len or mpe, mpe)
     cache = config.cache
     if cache.num_pages:
         return max_len, cache.num_pages * cache.page_size
-    device = resolve_device(config.device)
     if device.type == "cuda":
         return max_len, None
     per_token = mc.kv_bytes_per_token(resolve_dtype(config.dtype, mc, device).itemsize)
