@@ -127,6 +127,46 @@ def _map_content(message: dict, fn: Any) -> dict:
     return out
 
 
+def _generation_tag() -> type:
+    import jinja2.ext
+
+    class GenerationTag(jinja2.ext.Extension):
+        """Parses transformers' `{% generation %} ... {% endgeneration %}` (assistant-mask
+        markers) as a plain block."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body, lineno=lineno)
+
+    return GenerationTag
+
+
+def read_chat_template(value: str) -> str:
+    """A chat template given as a file path or as the Jinja text itself (vLLM's rule: text with
+    '{', '}' or a newline is a template, anything else must be a file). ValueError for a missing
+    file or a template Jinja cannot parse."""
+    import jinja2
+
+    _GenerationTag = _generation_tag()
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as fh:
+            text = fh.read()
+    elif any(c in value for c in "{}\n"):
+        text = value
+    else:
+        raise ValueError(f"{value!r} is not a file (nor inline Jinja text); give a template file "
+                         "or the template itself")
+    try:  # the extensions transformers renders templates with: loop controls, {% generation %}
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols", _GenerationTag]).parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"the chat template does not parse: {exc.message} (line {exc.lineno})"
+                         ) from None
+    return text
+
+
 def has_tokenizer(path: str) -> bool:
     """Whether a model directory carries tokenizer files."""
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")

@@ -9,6 +9,10 @@
   batches the distinct experts the batch's tokens touch, counted on the benchmark's own
   requests (`touched_experts`).
 - Device copy bandwidth: read + write bytes of a large device-to-device copy over its time.
+- Roofline of a plain decode step: max(bytes it reads (those weights, the touched experts
+  included, + the K and V of every request at its context) / copy bandwidth, its flops (the
+  weights one token multiplies: top_k experts) / the throughput of one large matmul).
+  At large batches and contexts the KV reads dominate, which a weights-only floor misses.
 - The transformers peer: `generate` on a transformers model of the same shape whose parameters
   are views of ours (same random init, no second copy of the weights), with a static cache
   (which `generate` compiles on CUDA) where a GPU is present, plain generate otherwise.
@@ -213,6 +217,60 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int | None = None,
     return CopyBandwidth(nbytes, ms)
 
 
+# -- the roofline: weights + KV bytes over bandwidth, flops over peak -------------------------
+
+
+@dataclass
+class MatmulPeak:
+    n: int  # [n, n] @ [n, n]
+    dtype: str
+    ms: float  # median of the repeats
+
+    @property
+    def tflops(self) -> float:
+        return 2 * self.n**3 / (self.ms * 1e-3) / 1e12
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "tflops": self.tflops}
+
+
+@torch.inference_mode()
+def measure_matmul_peak(device: torch.device, dtype: torch.dtype, n: int | None = None,
+                        repeats: int = 10) -> MatmulPeak:
+    """Achieved throughput of one large square matmul: the compute ceiling of the roofline."""
+    n = n or (8192 if device.type == "cuda" else 1024)
+    mats = [torch.randn(n, n, device=device, dtype=dtype) for _ in range(2)]
+
+    def mm() -> None:
+        torch.mm(mats[0], mats[1])
+
+    time_ms(mm, device, 3)
+    ms = statistics.median(time_ms(mm, device, repeats))
+    mats.clear()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return MatmulPeak(n, str(dtype).removeprefix("torch."), ms)
+
+
+def decode_roofline(weight_bytes: int, weight_params: int, kv_bytes_per_token: int,
+                    num_layers: int, q_dim: int, batch_size: int, context: float,
+                    bandwidth_gbs: float, tflops: float) -> dict[str, Any]:
+    """The least time one plain decode step of `batch_size` requests, each attending over
+    `context` tokens, can take: max(bytes read / bandwidth, flops / peak).
+        bytes = the streamed weights + the K and V of every request at its context
+        flops = 2 x weight params x batch (the matmuls) + 4 x q_dim x context x layers x batch
+                (q.k and p.v, a multiply-add = 2 flops)
+    """
+    kv_bytes = batch_size * context * kv_bytes_per_token
+    flops = 2 * weight_params * batch_size + 4 * q_dim * context * num_layers * batch_size
+    memory_ms = (weight_bytes + kv_bytes) / (bandwidth_gbs * 1e9) * 1e3
+    compute_ms = flops / (tflops * 1e12) * 1e3
+    return {"ms": max(memory_ms, compute_ms), "memory_ms": memory_ms, "compute_ms": compute_ms,
+            "bound": "memory" if memory_ms >= compute_ms else "compute",
+            "weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "flops": flops,
+            "context": context}
+
+
 # -- the transformers peer --------------------------------------------------------------------
 
 
@@ -344,9 +402,15 @@ def measure_references(engine: Any, batch_sizes: list[int], floor: bool, compare
     out: dict[str, Any] = {}
     if floor:
         points = measure_floor(engine.runner.model, batch_sizes, experts=experts)
-        out["floor"] = {"points": [p.to_dict() for p in points]}
+        peak = measure_matmul_peak(engine.runner.device, engine.runner.dtype)
+        # the weights one token multiplies (a MoE layer: its top_k experts), for the flops
+        per_token = floor_weights(engine.runner.model)
+        out["floor"] = {"points": [p.to_dict() for p in points],
+                        "weight_params": sum(w.numel() for w in per_token)}
+        out["peak"] = peak.to_dict()
     else:
         out["floor"] = {"skipped": "off by default without CUDA; --floor runs an eager CPU form"}
+        out["peak"] = {"skipped": "runs with --floor"}
     if not compare_hf:
         out["hf"] = {"skipped": "not asked for (--compare-hf)"}
         return out
@@ -365,10 +429,13 @@ def measure_references(engine: Any, batch_sizes: list[int], floor: bool, compare
 def describe_references(report: dict[str, Any], speedup: dict[str, float] | None) -> list[str]:
     """Summary lines of the copy bandwidth, floor and transformers parts of a report;
     `speedup`: specserve's batch-1 tok/s over transformers' per mode."""
-    copy, floor, hf = report["copy"], report["floor"], report["hf"]
+    copy, floor, hf, peak = report["copy"], report["floor"], report["hf"], report["peak"]
     lines = [f"copy bandwidth: skipped ({copy['skipped']})" if "skipped" in copy else
              f"copy bandwidth: {copy['bandwidth_gbs']:.0f} GB/s (read + write, "
              f"{copy['nbytes'] / GIB:.2f} GiB)"]
+    if "skipped" not in peak:
+        lines.append(f"matmul peak: {peak['tflops']:.3g} TFLOP/s ({peak['dtype']}, "
+                     f"{peak['n']}^3)")
     lines += [f"floor bs {f['batch_size']}: {f['ms']:.3f} ms, {f['weight_bytes'] / 1e9:.3f} GB "
               f"at {f['bandwidth_gbs']:.0f} GB/s" + ("" if f["graphed"] else " (eager, no graph)")
               + (f", routed experts read per MoE layer {f['experts_per_layer']}"

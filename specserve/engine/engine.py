@@ -21,10 +21,12 @@ from dataclasses import dataclass
 from specserve.config import EngineConfig
 from specserve.engine.executor import Executor
 from specserve.engine.local_worker import ProposerFactory, resolve_model
+from specserve.engine.memory import check_fits
 from specserve.engine.request import Request
 from specserve.engine.scheduler import Scheduler, SchedulerOutput
 from specserve.engine.spec_policy import SpecPolicy, StaticPolicy
 from specserve.engine.step_builder import build_step_input
+from specserve.generation_config import load_generation_defaults
 from specserve.kv_cache.allocator import PageAllocator
 from specserve.sampling_params import SamplingParams
 from specserve.speculative.worker import SpecWorker
@@ -34,7 +36,9 @@ from specserve.tokenizer import (
     Tokenizer,
     has_tokenizer,
     load_tokenizer,
+    read_chat_template,
 )
+from specserve.worker.device import resolve_device, resolve_dtype
 from specserve.worker.step_input import StepOutput
 
 log = logging.getLogger(__name__)
@@ -72,6 +76,10 @@ class Engine:
         self.model_name = config.model
         self.model_path, self.model_config = resolve_model(config)
         self.tokenizer = self._load_tokenizer(config)
+        self.generation_defaults = load_generation_defaults(config.generation_config,
+                                                            self.model_path)
+        if self.generation_defaults.unapplied:
+            log.warning("%s", self.generation_defaults.describe())
         max_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
         self.max_model_len = min(max_len, self.model_config.max_position_embeddings)
         window = self.model_config.sliding_window
@@ -81,6 +89,15 @@ class Engine:
                         "there (sliding-window attention is not implemented)", window)
             self.max_model_len = window
         self.config = config.replace(scheduler={"max_model_len": self.max_model_len})
+        draft_config = None
+        if config.spec.enabled and proposer is None:
+            from specserve.speculative.eagle3 import load_draft_config
+
+            draft_config = load_draft_config(config.spec, self.model_config)
+        device = resolve_device(config.device)
+        check_fits(self.model_name, self.model_config, draft_config,
+                   resolve_dtype(config.dtype, self.model_config, device), device, config.cache,
+                   tp_size=config.parallel.tp_size)
         t0 = time.perf_counter()
         # rank 0 here; with tp_size > 1 the other ranks in worker processes
         self.executor = Executor(self.config, self.model_path, proposer)
@@ -111,8 +128,18 @@ class Engine:
         must be token ids)."""
         path = config.tokenizer or self.model_path
         if config.load_format == "dummy" and (path is None or not has_tokenizer(path)):
+            if config.chat_template:
+                raise ValueError("--chat-template needs a tokenizer; this random-weight model "
+                                 "has none (pass --tokenizer DIR)")
             return None
-        return load_tokenizer(path)
+        tokenizer = load_tokenizer(path)
+        if config.chat_template:
+            tokenizer.hf.chat_template = read_chat_template(config.chat_template)
+        return tokenizer
+
+    def default_sampling_params(self, **overrides: object) -> SamplingParams:
+        """SamplingParams from the generation config's defaults, under `overrides`."""
+        return self.generation_defaults.sampling_params(**overrides)
 
     def set_speculation(self, enabled: bool) -> None:
         """Switch speculation off or on between runs (no request in flight): a plain step

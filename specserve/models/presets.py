@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the shapes are read by the CLI before torch is imported
+    from torch import nn
 
 _LLAMA_31_8B = {
     "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
@@ -66,14 +68,16 @@ PRESETS: dict[str, dict] = {
 }
 
 
-@torch.no_grad()
 def random_init(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
     """Random weights for cost benchmarks: N(0, std) matrices, ones for norm scales."""
+    import torch
+
     gens: dict[torch.device, torch.Generator] = {}
-    for param in model.parameters():
-        if param.dim() >= 2:
-            gen = gens.setdefault(param.device,
-                                  torch.Generator(device=param.device).manual_seed(seed))
-            param.data.normal_(0.0, std, generator=gen)
-        else:
-            param.data.fill_(1.0)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                gen = gens.setdefault(param.device,
+                                      torch.Generator(device=param.device).manual_seed(seed))
+                param.data.normal_(0.0, std, generator=gen)
+            else:
+                param.data.fill_(1.0)

@@ -12,7 +12,6 @@ event with no [DONE] after it; a normal stream ends with `data: [DONE]`.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hmac
 import json
@@ -32,7 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from specserve import defaults
+from specserve.config import EngineConfig
 from specserve.engine.engine import RequestOutput
 from specserve.engine.scheduler import QueueFullError
 from specserve.sampling_params import SamplingParams
@@ -158,16 +157,18 @@ def _sse(payload: P.ResponseBody | dict[str, Any] | str) -> str:
 class _Handler:
     """The generation endpoints: validate, tokenize, admit, then stream or collect."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, model_names: list[str]) -> None:
         self.engine = engine
-        self.model_name = model_name
+        self.model_names = model_names
+        self.model_name = model_names[0]  # what responses report
         self.vocab_size = engine.engine.model_config.vocab_size
+        self.defaults = engine.engine.generation_defaults.params
 
     def admit_fast(self, req: P.CommonRequest) -> None:
-        if req.model is not None and req.model != self.model_name:
-            raise P.APIError(404, f"model {req.model!r} not found; this server serves "
-                             f"{self.model_name!r} (GET /v1/models)", param="model",
-                             code="model_not_found")
+        if req.model is not None and req.model not in self.model_names:
+            raise P.APIError(404, f"model {req.model[:100]!r} not found; this server serves "
+                             f"{' | '.join(map(repr, self.model_names))} (GET /v1/models)",
+                             param="model", code="model_not_found")
         try:
             self.engine.check_admission()
         except (QueueFullError, EngineDrainingError, EngineDeadError) as exc:
@@ -189,7 +190,8 @@ class _Handler:
         else:
             ids = prompt
         params = req.build_params(req.max_tokens, len(ids), self.engine.max_model_len,
-                                  self.vocab_size, COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
+                                  self.vocab_size, COMPLETION_DEFAULT_MAX_TOKENS, "prompt",
+                                  self.defaults)
         return await self._run(request, req, P.new_id("cmpl"), ids, params, chat=False)
 
     async def chat(self, request: Request) -> Response:
@@ -199,7 +201,7 @@ class _Handler:
         messages = req.chat_messages()
         ids = await self.encode(self.engine.tokenizer.apply_chat_template, messages, "messages")
         params = req.build_params(req.requested_max_tokens(), len(ids), self.engine.max_model_len,
-                                  self.vocab_size, None, "messages")
+                                  self.vocab_size, None, "messages", self.defaults)
         return await self._run(request, req, P.new_id("chatcmpl"), ids, params, chat=True)
 
     async def _run(self, request: Request, req: P.CommonRequest, rid: str, ids: list[int],
@@ -287,20 +289,25 @@ def _overload(exc: Exception) -> P.APIError:
 
 
 def build_app(async_engine: AsyncEngine, api_key: str | None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, model_name: str | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              model_name: str | list[str] | None = None,
               drain_timeout_s: float = 30.0) -> FastAPI:
-    """The FastAPI app; its lifespan starts the engine thread and drains it on shutdown."""
-    name = model_name or async_engine.model_name
-    handler = _Handler(async_engine, name)
+    """The FastAPI app; its lifespan starts the engine thread and drains it on shutdown.
+    `model_name`: the id(s) clients may send; the first is the one responses report."""
+    names = [model_name] if isinstance(model_name, str) else list(model_name or [])
+    names = names or [async_engine.model_name]
+    handler = _Handler(async_engine, names)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
         st = async_engine.stats()
+        engine = async_engine.engine
         server_log.info("serving %s: %s KV pages = %s tokens of KV capacity, %s CUDA graphs "
-                        "captured, max_model_len %d", name, st.get("kv_total_pages"),
-                        st.get("kv_token_capacity"), st.get("cuda_graphs", 0),
-                        async_engine.max_model_len)
+                        "captured, max_model_len %d; %s; %s", " | ".join(names),
+                        st.get("kv_total_pages"), st.get("kv_token_capacity"),
+                        st.get("cuda_graphs", 0), async_engine.max_model_len,
+                        engine.config.spec.describe(), engine.generation_defaults.describe())
         yield
         drained = await async_engine.drain(drain_timeout_s)
         server_log.info("shutdown: %s", "all requests finished" if drained else "aborted the rest")
@@ -337,8 +344,8 @@ def build_app(async_engine: AsyncEngine, api_key: str | None,
     @app.get("/v1/models")
     async def models() -> JSONResponse:
         return JSONResponse({"object": "list", "data": [{
-            "id": name, "object": "model", "created": int(time.time()), "owned_by": "specserve",
-            "max_model_len": async_engine.max_model_len}]})
+            "id": n, "object": "model", "created": int(time.time()), "owned_by": "specserve",
+            "max_model_len": async_engine.max_model_len} for n in names]})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -350,36 +357,20 @@ def build_app(async_engine: AsyncEngine, api_key: str | None,
 
 
 # ---------------------------------------------------------------------------------------------
-# `specserve serve`
+# `specserve serve` (flags: specserve/cli/commands.py)
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    from specserve.config import add_cli_args
-
-    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health")
-    p.add_argument("--served-model-name", default=None, help="model id clients send")
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
-    p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds SIGTERM waits for in-flight requests before aborting them")
-    add_cli_args(p)
-    p.set_defaults(func=serve)
-
-
-def serve(args: argparse.Namespace) -> int:
-    from specserve.cli import engine_config_from_args
+def serve(config: EngineConfig, names: list[str], host: str, port: int, api_key: str | None,
+          max_body_bytes: int | None, drain_timeout: float) -> int:
+    """Build the engine and serve it until SIGTERM / SIGINT; the exit status."""
     from specserve.engine.engine import Engine
 
-    config = engine_config_from_args(args)
+    max_body_bytes = max_body_bytes or DEFAULT_MAX_BODY_BYTES
     async_engine = AsyncEngine(Engine(config))
-    name = args.served_model_name or (None if args.model else defaults.DEFAULT_MODEL_NAME)
-    app = build_app(async_engine, args.api_key, args.max_body_bytes, name, args.drain_timeout)
+    app = build_app(async_engine, api_key, max_body_bytes, names, drain_timeout)
     server = _DrainingServer(async_engine, uvicorn.Config(
-        app, host=args.host, port=args.port, log_level="info",
-        timeout_graceful_shutdown=int(math.ceil(args.drain_timeout)) + 1))
+        app, host=host, port=port, log_level="info",
+        timeout_graceful_shutdown=int(math.ceil(drain_timeout)) + 1))
     # uvicorn re-raises the captured SIGTERM after its graceful shutdown; a no-op handler in
     # place by then turns that into a normal return, so a drained server exits 0.
     signal.signal(signal.SIGTERM, lambda *_: None)

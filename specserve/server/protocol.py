@@ -179,10 +179,11 @@ class CommonRequest(_Strict):
 
     def build_params(self, requested: int | None, num_prompt: int, max_model_len: int,
                      vocab_size: int, default_cap: int | None, prompt_param: str,
-                     ) -> SamplingParams:
+                     defaults: dict[str, Any] | None = None) -> SamplingParams:
         """SamplingParams under the length policy: the prompt must leave room for one token; an
         explicit max_tokens must fit beside it (else 400); an omitted one is clamped to the room
-        left (and to default_cap)."""
+        left (and to default_cap). `defaults`: the model's generation-config sampling values,
+        for fields the request leaves out."""
         room = max_model_len - num_prompt
         if room < 1:
             raise bad_request(f"the prompt is {num_prompt} tokens but the context is "
@@ -195,21 +196,22 @@ class CommonRequest(_Strict):
                               f"most {room}", "max_tokens")
         else:
             max_tokens = requested
-        params = self.sampling_params(max_tokens)
+        params = self.sampling_params(max_tokens, defaults)
         for t in params.stop_token_ids:
             if t >= vocab_size:
                 raise bad_request(f"stop_token_ids must be < the vocab size {vocab_size}, got {t}",
                                   "stop_token_ids")
         return params
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """Build SamplingParams; APIError(400) naming the field on an out-of-range value."""
+    def sampling_params(self, max_tokens: int,
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """Build SamplingParams; APIError(400) naming the field on an out-of-range value.
+        Sampling fields left out take `defaults`, else OpenAI's defaults."""
+        given = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p")}
+        sampling = {**(defaults or {}), **{k: v for k, v in given.items() if v is not None}}
         try:
             return SamplingParams(
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=-1 if self.top_k is None else self.top_k,
-                min_p=0.0 if self.min_p is None else self.min_p,
+                **sampling,
                 seed=self.seed,
                 max_tokens=max_tokens,
                 stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
