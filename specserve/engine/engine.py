@@ -12,6 +12,7 @@ Not thread-safe: one thread owns an Engine (the server runs it in its own thread
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import logging
 import random
@@ -102,6 +103,7 @@ class Engine:
         self._ids = itertools.count()
         self._text: dict[str, _TextState] = {}
         self._requests: dict[str, Request] = {}
+        self.closed = False
         log.info("model %s: %d KV pages x %d tokens = %d tokens of context capacity",
                  self.model_name, self.runner.num_pages, config.cache.page_size,
                  self.runner.num_pages * config.cache.page_size)
@@ -137,6 +139,8 @@ class Engine:
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | list[int],
                     params: SamplingParams | None = None) -> str:
+        if self.closed:
+            raise RuntimeError("this engine was closed; create a new one")
         params = params or SamplingParams()
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
@@ -265,6 +269,19 @@ class Engine:
         return self._requests.get(request_id)
 
     def close(self) -> None:
-        """Stop the TP workers and drop the model, KV pool and graphs (idempotent)."""
+        """Abort every request, stop the TP workers and release the model, KV pool and CUDA
+        graphs now, so the next engine in this process sizes its KV cache from the memory
+        they held. Idempotent; the engine accepts no request afterwards."""
+        if self.closed:
+            return
+        for request_id in list(self._requests):
+            self.abort_request(request_id)
+        self.closed = True
+        device = self.runner.device
         self.executor.close()
         self.runner = self.drafter = self._drafter = None
+        gc.collect()  # graphs and modules can sit in reference cycles
+        if device.type == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()

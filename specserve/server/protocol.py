@@ -10,14 +10,13 @@ Unknown fields are ignored, as OpenAI clients send extras (user, metadata, store
 from __future__ import annotations
 
 import json
-import time
-import uuid
+import reprlib
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from specserve.sampling_params import SamplingParams
+from specserve.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
 
 # What a union-typed field accepts, for messages clearer than pydantic's per-branch ones.
 _EXPECTED = {"prompt": "a string or a list of token ids (integers)",
@@ -26,12 +25,34 @@ _EXPECTED = {"prompt": "a string or a list of token ids (integers)",
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
+MAX_ECHO_CHARS = 100  # of a client's value quoted in an error message
+MAX_MESSAGE_CHARS = 400  # of any error message (a backstop: values are echoed shortened)
+
+
+def echo(value: Any, limit: int = MAX_ECHO_CHARS) -> str:
+    """A client's value quoted for an error message, at most ~limit characters (never the
+    whole of a large value: reprlib stops early)."""
+    text = _ECHO_REPR.repr(value)
+    if len(text) > limit:
+        text = text[:limit] + "..."
+    if isinstance(value, str) and len(value) > limit:
+        text += f" ({len(value)} characters)"
+    return text
+
+
+_ECHO_REPR = reprlib.Repr()
+_ECHO_REPR.maxlevel, _ECHO_REPR.maxdict, _ECHO_REPR.maxlist = 3, 6, 6
+_ECHO_REPR.maxstring = _ECHO_REPR.maxother = MAX_ECHO_CHARS
+
+
 class APIError(Exception):
     """An error answered with the OpenAI envelope {"error": {message, type, param, code}}."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
                  param: str | None = None, code: str | int | None = None,
                  headers: dict[str, str] | None = None) -> None:
+        if len(message) > MAX_MESSAGE_CHARS:
+            message = message[:MAX_MESSAGE_CHARS] + "..."
         super().__init__(message)
         self.status = status
         self.message = message
@@ -97,10 +118,15 @@ def _reject_constant(token: str) -> Any:
     raise ValueError(f"{token} is not valid JSON; send finite numbers")
 
 
-def parse_request(body: bytes, content_type: str, model: type[CommonRequest]) -> Any:
-    """Parse and validate a JSON request body; APIError(400) naming what is wrong."""
+def parse_request(body: bytes, content_type: str, model: type[CommonRequest],
+                  max_items: dict[str, tuple[int, str]] | None = None) -> Any:
+    """Parse and validate a JSON request body; APIError(400) naming what is wrong.
+
+    max_items: field -> (most list items, why), checked on the parsed JSON before validation
+    (a field ending in "[].content" caps the content parts of each message)."""
     if content_type.split(";")[0].strip().lower() != "application/json":
-        raise bad_request(f"Content-Type must be application/json, got {content_type or 'none'!r}")
+        raise bad_request(f"Content-Type must be application/json, got "
+                          f"{echo(content_type) if content_type else 'none'}")
     if not body.strip():
         raise bad_request("the request body is empty; send a JSON object")
     try:
@@ -113,14 +139,33 @@ def parse_request(body: bytes, content_type: str, model: type[CommonRequest]) ->
         raise bad_request("the request body is nested too deeply") from None
     except ValueError as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    _check_list_lengths(obj, {**model.MAX_ITEMS, **(max_items or {})})
     try:
         req = model.model_validate(obj)
     except ValidationError as exc:
         raise validation_error(exc) from None
     for name, accepted, hint in req.UNSUPPORTED:
         if not accepted(getattr(req, name)):
-            raise bad_request(f"{name}={getattr(req, name)!r} is not supported; {hint}", name)
+            raise bad_request(f"{name}={echo(getattr(req, name))} is not supported; {hint}",
+                              name)
     return req
+
+
+def _check_list_lengths(obj: Any, limits: dict[str, tuple[int, str]]) -> None:
+    if not isinstance(obj, dict):
+        return  # validation names the problem
+    for field, (cap, why) in limits.items():
+        outer, _, inner = field.partition("[].")
+        items = obj.get(outer)
+        if not isinstance(items, list):
+            continue
+        lists = [(outer, items)] if not inner else [
+            (f"{outer}[{i}].{inner}", item.get(inner)) for i, item in enumerate(items)
+            if isinstance(item, dict) and isinstance(item.get(inner), list)]
+        for name, value in lists:
+            if len(value) > cap:
+                raise bad_request(f"{name} holds {len(value)} items; at most {cap} are accepted "
+                                  f"({why})", name)
 
 
 class _Strict(BaseModel):
@@ -138,6 +183,11 @@ class StreamOptions(_Strict):
 class CommonRequest(_Strict):
     """Fields shared by completions and chat completions (OpenAI + common vLLM extensions)."""
 
+    # list fields capped before validation: field -> (most items, why)
+    MAX_ITEMS: ClassVar[dict[str, tuple[int, str]]] = {
+        "stop": (MAX_STOP_STRINGS, "the stop-string cap"),
+        "stop_token_ids": (MAX_STOP_TOKEN_IDS, "the stop-token cap"),
+    }
     # (field, accepts its value?, what to do instead): OpenAI fields we do not implement
     UNSUPPORTED: ClassVar[tuple[tuple[str, Callable[[Any], bool], str], ...]] = (
         ("presence_penalty", _unset, "leave it at 0"),
@@ -178,21 +228,25 @@ class CommonRequest(_Strict):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def build_params(self, requested: int | None, num_prompt: int, max_model_len: int,
-                     vocab_size: int, default_cap: int | None, prompt_param: str,
+                     room: int, vocab_size: int, default_cap: int | None, prompt_param: str,
                      ) -> SamplingParams:
-        """SamplingParams under the length policy: the prompt must leave room for one token; an
-        explicit max_tokens must fit beside it (else 400); an omitted one is clamped to the room
-        left (and to default_cap)."""
-        room = max_model_len - num_prompt
-        if room < 1:
+        """SamplingParams under the length policy. room: the most new tokens that fit beside
+        the prompt, in the context and in the KV pool (Scheduler.max_new_tokens). The prompt
+        must leave room for one token; an explicit max_tokens must fit (else 400); an omitted
+        one is clamped to the room (and to default_cap)."""
+        if num_prompt >= max_model_len:
             raise bad_request(f"the prompt is {num_prompt} tokens but the context is "
                               f"{max_model_len}; shorten the prompt", prompt_param)
+        if room < 1:
+            raise bad_request(f"the prompt is {num_prompt} tokens and leaves no room in the KV "
+                              "cache; shorten the prompt", prompt_param)
         if requested is None:
             max_tokens = room if default_cap is None else min(room, default_cap)
         elif requested > room:
             raise bad_request(f"max_tokens={requested} does not fit: the prompt is {num_prompt} "
-                              f"tokens and the context {max_model_len}; lower max_tokens to at "
-                              f"most {room}", "max_tokens")
+                              f"tokens and at most {room} more fit (context {max_model_len}, "
+                              f"and the KV cache); lower max_tokens to at most {room}",
+                              "max_tokens")
         else:
             max_tokens = requested
         params = self.sampling_params(max_tokens)
@@ -280,7 +334,8 @@ class ChatMessage(_Strict):
         for j, part in enumerate(self.content):
             if part.type != "text" or part.text is None:
                 raise bad_request(
-                    f"content part type {part.type!r} is not supported; only text parts are",
+                    f"content part type {echo(part.type)} is not supported; only text parts "
+                    "are",
                     f"messages[{index}].content[{j}].type")
             texts.append(part.text)
         return "\n".join(texts)
@@ -320,76 +375,3 @@ class ChatCompletionRequest(CommonRequest):
         # "developer" is OpenAI's newer name for "system"; chat templates know only the latter.
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
                 for i, m in enumerate(self.messages)]
-
-
-# ---------------------------------------------------------------------------------------------
-# Responses: one envelope for the four shapes (completion, chat, and their stream chunks)
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-    @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: None = None
-    finish_reason: str | None = None  # "stop" | "length"; None until the last chunk
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: dict[str, str]  # {"role": "assistant", "content": ...}
-    logprobs: None = None
-    finish_reason: str | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: dict[str, str]  # {"role": "assistant", "content": ""} first, then {"content": ...}
-    logprobs: None = None
-    finish_reason: str | None = None
-
-
-class ResponseBody(BaseModel):
-    id: str
-    object: Literal["text_completion", "chat.completion", "chat.completion.chunk"]
-    created: int
-    model: str
-    choices: list[CompletionChoice | ChatChoice | ChatChunkChoice]
-    usage: Usage | None = None  # streams: null, then a last usage-only chunk if asked for
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def full_response(chat: bool, rid: str, model: str, text: str, finish_reason: str,
-                  usage: Usage) -> ResponseBody:
-    """The non-streamed answer."""
-    choice = (ChatChoice(message={"role": "assistant", "content": text},
-                         finish_reason=finish_reason) if chat
-              else CompletionChoice(text=text, finish_reason=finish_reason))
-    return ResponseBody(id=rid, object="chat.completion" if chat else "text_completion",
-                        created=int(time.time()), model=model, choices=[choice], usage=usage)
-
-
-def stream_chunk(chat: bool, rid: str, model: str, created: int, text: str | None,
-                 finish_reason: str | None = None, usage: Usage | None = None,
-                 role: bool = False) -> ResponseBody:
-    """One streamed chunk; text None = the final usage-only chunk (empty choices)."""
-    choices: list[CompletionChoice | ChatChoice | ChatChunkChoice] = []
-    if text is not None and chat:
-        delta = {"role": "assistant", "content": text} if role else {"content": text}
-        choices = [ChatChunkChoice(delta=delta, finish_reason=finish_reason)]
-    elif text is not None:
-        choices = [CompletionChoice(text=text, finish_reason=finish_reason)]
-    return ResponseBody(id=rid, object="chat.completion.chunk" if chat else "text_completion",
-                        created=created, model=model, choices=choices, usage=usage)
