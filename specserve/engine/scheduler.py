@@ -104,6 +104,7 @@ class Scheduler:
         # lookahead the drafter its next speculative cycle
         self.keep_ahead = 0
         self._finished_ids: list[str] = []  # running requests ended since the last schedule
+        self.num_preemptions = 0  # cumulative
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -250,6 +251,7 @@ class Scheduler:
         self._release_pages(victim)
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
+        self.num_preemptions += 1
         victim.status = RequestStatus.WAITING
         self.waiting.appendleft(victim)
         plan.preempted.append(victim)

@@ -41,7 +41,7 @@ from specserve.server.streams import (
 )
 
 log = logging.getLogger(__name__)
-_SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+_CUMULATIVE = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_preemptions")
 __all__ = ["AsyncEngine", "EngineDeadError", "EngineDrainingError", "RequestStream",
            "RequestTimeoutError"]
 # what clients are told; the cause goes to the log only
@@ -367,10 +367,10 @@ class AsyncEngine:
         self._stats = stats
         self.metrics.set_scheduler_state(stats.get("num_running", 0), stats.get("num_waiting", 0),
                                          float(stats.get("kv_usage", 0.0)))
-        # speculation counters: the engine's are cumulative; the metrics take deltas
+        # speculation and preemption counters: the engine's are cumulative; metrics take deltas
         m = self.metrics
-        for key, counter in zip(_SPEC_COUNTERS, (m.spec_num_drafts, m.spec_num_draft_tokens,
-                                                 m.spec_num_accepted)):
+        for key, counter in zip(_CUMULATIVE, (m.spec_num_drafts, m.spec_num_draft_tokens,
+                                                 m.spec_num_accepted, m.num_preemptions)):
             if key in stats:
                 delta = stats[key] - self._spec_seen.get(key, 0)
                 if delta > 0:

@@ -22,6 +22,7 @@ REQUEST_SUCCESS = PREFIX + "request_success_total"  # label finished_reason
 PROMPT_TOKENS = PREFIX + "prompt_tokens_total"
 GENERATION_TOKENS = PREFIX + "generation_tokens_total"
 REQUEST_ABORTED = PREFIX + "request_aborted_total"
+NUM_PREEMPTIONS = PREFIX + "num_preemptions_total"
 TTFT = PREFIX + "time_to_first_token_seconds"
 TPOT = PREFIX + "time_per_output_token_seconds"
 E2E_LATENCY = PREFIX + "e2e_request_latency_seconds"
@@ -58,6 +59,9 @@ class EngineMetrics:
         self.prompt_tokens = _counter(PROMPT_TOKENS, "Prompt tokens processed.", r)
         self.generation_tokens = _counter(GENERATION_TOKENS, "Tokens generated.", r)
         self.request_aborted = _counter(REQUEST_ABORTED, "Requests aborted (disconnect).", r)
+        self.num_preemptions = _counter(
+            NUM_PREEMPTIONS, "Requests preempted (KV freed, recomputed later).", r
+        )
         self.ttft = Histogram(TTFT, "Time to first token (s).", buckets=_TTFT_BUCKETS, registry=r)
         self.tpot = Histogram(
             TPOT, "Time per output token after the first (s).", buckets=_TPOT_BUCKETS, registry=r
