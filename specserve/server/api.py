@@ -57,7 +57,9 @@ def _error_response(err: P.APIError) -> JSONResponse:
 async def drain_and_log(async_engine: AsyncEngine, timeout_s: float) -> None:
     """Stop admitting, let in-flight requests finish for timeout_s, abort the rest; log which."""
     finished, aborted = await async_engine.drain(timeout_s)
-    if finished:
+    if async_engine.failure is not None:
+        server_log.error("shutdown: the engine failed; every request in flight was failed")
+    elif finished:
         server_log.info("shutdown: all requests finished")
     else:
         server_log.warning("shutdown: aborted %d request(s) still running after the %g s "

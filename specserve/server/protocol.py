@@ -10,6 +10,7 @@ Unknown fields are ignored, as OpenAI clients send extras (user, metadata, store
 from __future__ import annotations
 
 import json
+import re
 import reprlib
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
@@ -114,6 +115,9 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 def _reject_constant(token: str) -> Any:
     raise ValueError(f"{token} is not valid JSON; send finite numbers")
 
@@ -131,7 +135,8 @@ def parse_request(body: bytes, content_type: str, model: type[CommonRequest],
         raise bad_request("the request body is empty; send a JSON object")
     try:
         obj = json.loads(body, parse_constant=_reject_constant)
-        json.dumps(obj, ensure_ascii=False).encode("utf-8")  # lone surrogates from \ud800 escapes
+        if _SURROGATE_ESCAPE.search(body):  # a lone surrogate needs a \ud800-style escape
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
     except UnicodeError:
         raise bad_request("the request body is not valid UTF-8 / Unicode (a lone surrogate?); "
                           "send valid UTF-8 JSON") from None
