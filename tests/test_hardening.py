@@ -232,9 +232,9 @@ def test_five_cuda_engines_in_a_row_size_the_same_pool(pair: tuple[str, str]) ->
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     pages = []
-    for _ in range(5):
+    for _ in range(5):  # each would get 80% of the one before if the last one held its pool
         with LLM(pair[0], device="cuda", dtype="float32",
-                 cache=CacheConfig(page_size=16, gpu_memory_utilization=0.5)) as llm:
+                 cache=CacheConfig(page_size=16, gpu_memory_utilization=0.2)) as llm:
             pages.append(llm.engine.runner.num_pages)
             llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4))
-    assert max(pages) - min(pages) <= max(pages) // 100, pages
+    assert min(pages) >= 0.9 * pages[0], pages  # other test workers share the device
