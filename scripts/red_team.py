@@ -27,7 +27,30 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from red_team_cases import CASES, Ctx  # noqa: E402
+from red_team_cases import (  # noqa: E402
+    Case,
+    Ctx,
+    chat_default_max_tokens,
+    duplicate_auth,
+    echoed_input,
+    engines_in_a_row,
+    gauges_after_response,
+    huge_prompt,
+    key_handling,
+    many_messages,
+    seeded_under_preemption,
+    slash_redirect,
+    stop_token_flood,
+    tiny_temperatures,
+)
+from red_team_faults import (  # noqa: E402
+    connection_flood,
+    sigterm_past_drain,
+    slow_body,
+    slowloris,
+    stalled_uploads,
+    stuck_engine,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "sk-red-team"
@@ -56,6 +79,67 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+# item, case, before the fix (as filed in the issue), check; the two that end a server last
+CASES = [
+    Case(
+        1,
+        "tiny temperatures",
+        "T=1e-38..1e-40: NaN logits, one token repeated; T=1e-46: sampled at T=1",
+        tiny_temperatures,
+    ),
+    Case(2, "7.9 MB prompt", "froze /health and every request for 31 s", huge_prompt),
+    Case(2, "200k chat messages", "froze the server for 4 s", many_messages),
+    Case(3, "stalled uploads", "100 uploads one byte short held +775 MB forever", stalled_uploads),
+    Case(3, "slowloris headers", "never closed", slowloris),
+    Case(3, "slow body", "never closed", slow_body),
+    Case(3, "connection flood", "no connection cap", connection_flood),
+    Case(
+        4,
+        "1.3M stop_token_ids",
+        "accepted, scanned every token (others 3x slower)",
+        stop_token_flood,
+    ),
+    Case(5, "7.3 MB field echoed", "a 7.3 MB error body", echoed_input),
+    Case(8, "chat, no max_tokens, small pool", "400 'lower max_tokens'", chat_default_max_tokens),
+    Case(
+        9,
+        "seeded sampling under preemption",
+        "3 of 4 seeded requests differed",
+        seeded_under_preemption,
+    ),
+    Case(
+        10,
+        "duplicate Authorization",
+        "wrong-then-right passed; 401 type authentication_error",
+        duplicate_auth,
+    ),
+    Case(
+        10,
+        "API key sources",
+        "empty --api-key accepted; key only on the command line; no warning on a public bind",
+        key_handling,
+    ),
+    Case(11, "trailing slash + forged Host", "307 to the forged host", slash_redirect),
+    Case(12, "gauges right after a response", "showed pages still in use", gauges_after_response),
+    Case(
+        13, "5 engines in one process", "the 4th: KV budget 'holds 0 pages' (GPU)", engines_in_a_row
+    ),
+    Case(
+        7,
+        "stuck engine (watchdog 1 s)",
+        "a 25 s stall kept /health 200; requests hung",
+        stuck_engine,
+    ),
+    Case(
+        6,
+        "SIGTERM past the drain timeout",
+        "streams cut without an error event, "
+        "non-streams a plain-text 500; log said 'all requests finished'",
+        sigterm_past_drain,
+    ),
+]
+
+
 class Server:
     """`specserve serve` (with the fault hooks) in a subprocess on a free loopback port."""
 
@@ -66,10 +150,28 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"{name}.log"
         self.log = open(self.log_path, "w+")
-        cmd = [sys.executable, "-c", HOOKS, "--log-level", "INFO", "serve", "--host",
-               "127.0.0.1", "--port", str(self.port), "--device", "cpu", *args]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                     env={**os.environ, "PYTHONPATH": str(ROOT), **env})
+        cmd = [
+            sys.executable,
+            "-c",
+            HOOKS,
+            "--log-level",
+            "INFO",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--device",
+            "cpu",
+            *args,
+        ]
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+        )
         deadline = time.monotonic() + 180
         while True:
             if self.proc.poll() is not None:
@@ -133,25 +235,57 @@ def main() -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     key_file = log_dir / "api-key"
     key_file.write_text(KEY + "\n")
-    common = ["--timeout-header", "1", "--timeout-body", "1.5", "--max-connections", "40",
-              "--drain-timeout", "1"]
+    common = [
+        "--timeout-header",
+        "1",
+        "--timeout-body",
+        "1.5",
+        "--max-connections",
+        "40",
+        "--drain-timeout",
+        "1",
+    ]
     t0 = time.monotonic()
     # A: small KV pool (preemption, the default max_tokens), key from a file
-    main_server = Server("server-a", [*common, "--api-key-file", str(key_file), "--num-pages",
-                                      "16", "--page-size", "16", "--watchdog-timeout", "5"],
-                         {}, log_dir)
+    main_server = Server(
+        "server-a",
+        [
+            *common,
+            "--api-key-file",
+            str(key_file),
+            "--num-pages",
+            "16",
+            "--page-size",
+            "16",
+            "--step-timeout-s",
+            "5",
+        ],
+        {},
+        log_dir,
+    )
     # B: a short watchdog, key from the environment; the stall case ends it
-    stall_server = Server("server-b", [*common, "--watchdog-timeout", "1"],
-                          {"SPECSERVE_API_KEY": KEY}, log_dir)
+    stall_server = Server(
+        "server-b", [*common, "--step-timeout-s", "1"], {"SPECSERVE_API_KEY": KEY}, log_dir
+    )
     ctx = Ctx(main_server, stall_server, KEY, ROOT)
     rows = []
     try:
         for case in CASES:
             ok, observed, seconds = run_case(case, ctx, args.case_timeout)
-            rows.append({"item": case.item, "case": case.name, "before": case.before,
-                         "now": observed, "ok": ok, "seconds": round(seconds, 2)})
-            print(f"[{'PASS' if ok else 'FAIL'}] {case.item:>3} {case.name} ({seconds:.1f} s)",
-                  flush=True)
+            rows.append(
+                {
+                    "item": case.item,
+                    "case": case.name,
+                    "before": case.before,
+                    "now": observed,
+                    "ok": ok,
+                    "seconds": round(seconds, 2),
+                }
+            )
+            print(
+                f"[{'PASS' if ok else 'FAIL'}] {case.item:>3} {case.name} ({seconds:.1f} s)",
+                flush=True,
+            )
     finally:
         main_server.stop()
         stall_server.stop()
@@ -159,8 +293,10 @@ def main() -> int:
     print("| item | case | before (as filed) | now (observed) | ok |")
     print("|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['item']} | {r['case']} | {r['before']} | {r['now']} | "
-              f"{'yes' if r['ok'] else 'NO'} |")
+        print(
+            f"| {r['item']} | {r['case']} | {r['before']} | {r['now']} | "
+            f"{'yes' if r['ok'] else 'NO'} |"
+        )
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(rows, indent=1))
     failed = [r["case"] for r in rows if not r["ok"]]

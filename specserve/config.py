@@ -315,8 +315,8 @@ class ParallelConfig:
         "auto", "collectives between TP ranks: auto (nccl on GPUs, gloo on the CPU) | nccl | "
         "gloo", choices=("auto", "nccl", "gloo"))
     step_timeout_s: float = _f(
-        30.0, "a TP step running longer than this means a hung worker: the engine stops "
-        "(seconds)")
+        30.0, "a step running longer than this means a hang (a TP worker, or the server's "
+        "engine thread): the engine stops (seconds; 0 = no server watchdog)")
 
 
 COMM_BACKENDS = ("auto", "nccl", "gloo", "symm-one-shot", "symm-two-shot", "triton-one-shot")

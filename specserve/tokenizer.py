@@ -49,8 +49,7 @@ class Tokenizer:
         eos = [] if hf.eos_token_id is None else [int(hf.eos_token_id)]
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys([*eos, *eos_token_ids]))
         self.vocab_size: int = len(hf)  # ids the tokenizer knows (the model may pad beyond)
-        self.max_chars_per_token = _max_chars_per_token(json.loads(spec),
-                                                        self._plain.get_vocab())
+        self.max_chars_per_token = _max_chars_per_token(json.loads(spec), self._plain.get_vocab())
 
     @property
     def bos_token_id(self) -> int | None:
@@ -119,8 +118,14 @@ def _encode(tok: tokenizers.Tokenizer, text: str, add_special_tokens: bool) -> l
 # base and its marks, Hangul jamo into syllables); any other may delete characters
 _BOUNDED_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Prepend"}
 # pre-tokenizers that keep every character (whitespace splitters drop the whitespace)
-_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "UnicodeScripts",
-                           "Split"}
+_KEEPING_PRE_TOKENIZERS = {
+    "ByteLevel",
+    "Metaspace",
+    "Digits",
+    "Punctuation",
+    "UnicodeScripts",
+    "Split",
+}
 
 
 def _shrink(component: dict | None, keeping: set[str]) -> int | None:

@@ -15,6 +15,7 @@ from tiny_models import make_tiny_checkpoint
 from specserve import defaults
 from specserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from specserve.engine.engine import Engine
+from specserve.engine.spec_policy import ScriptedPolicy
 from specserve.layers.sampler import Sampler, SamplingTensors, probs_from_logits
 from specserve.llm import LLM
 from specserve.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
@@ -31,14 +32,20 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 
 
 def _config(target: str, num_pages: int, spec: dict | None = None) -> EngineConfig:
-    config = EngineConfig(model=target, device="cpu", dtype="float32", enforce_eager=True,
-                          cache=CacheConfig(page_size=4, num_pages=num_pages),
-                          scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))
+    config = EngineConfig(
+        model=target,
+        device="cpu",
+        dtype="float32",
+        enforce_eager=True,
+        cache=CacheConfig(page_size=4, num_pages=num_pages),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64),
+    )
     return config if spec is None else config.replace(spec=spec)
 
 
-def _run(engine: Engine, params: list[SamplingParams],
-         prompts: list = PROMPTS) -> dict[str, list[int]]:
+def _run(
+    engine: Engine, params: list[SamplingParams], prompts: list = PROMPTS
+) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         engine.add_request(f"r{i}", prompt, p)
@@ -81,18 +88,27 @@ def test_greedy_threshold_is_judged_in_float32() -> None:
 def test_tiny_temperature_engine_output_equals_greedy(pair: tuple[str, str]) -> None:
     engine = Engine(_config(pair[0], 256))
     greedy = _run(engine, [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 4)
-    tiny = _run(engine, [SamplingParams(temperature=t, seed=s, max_tokens=8, ignore_eos=True)
-                         for s, t in enumerate([1e-38, 1e-40, 1e-46, 1e-39])])
+    tiny = _run(
+        engine,
+        [
+            SamplingParams(temperature=t, seed=s, max_tokens=8, ignore_eos=True)
+            for s, t in enumerate([1e-38, 1e-40, 1e-46, 1e-39])
+        ],
+    )
     assert tiny == greedy
 
 
 # -- item 9: seeded sampling under preemption ----------------------------------------------
 
-SEEDED = [SamplingParams(temperature=0.8, seed=100 + i, max_tokens=24, ignore_eos=True)
-          for i in range(4)]
+SEEDED = [
+    SamplingParams(temperature=0.8, seed=100 + i, max_tokens=24, ignore_eos=True) for i in range(4)
+]
 CODE = ["def add(a, b):\n", "class Stack:\n", "import os\n", "for i in range(10):\n"]
-SHAPES = {"plain": None, "chain": dict(num_steps=3), "tree": dict(num_steps=2, topk=2,
-                                                                   num_draft_tokens=5)}
+SHAPES = {
+    "plain": None,
+    "chain": dict(num_steps=3),
+    "tree": dict(num_steps=2, topk=2, num_draft_tokens=5),
+}
 
 
 @pytest.fixture(scope="module")
@@ -105,21 +121,27 @@ def trained_pair() -> tuple[str, str]:
 
 
 def _spec(head: str, shape: str) -> dict | None:
-    return None if SHAPES[shape] is None else dict(algorithm="eagle3", draft_model=head,
-                                                   **SHAPES[shape])
+    return (
+        None
+        if SHAPES[shape] is None
+        else dict(algorithm="eagle3", draft_model=head, **SHAPES[shape])
+    )
 
 
 @pytest.fixture(scope="module")
 def roomy(trained_pair: tuple[str, str]) -> dict[str, dict[str, list[int]]]:
     """Seeded outputs with a pool that never preempts, per draft shape."""
     target, head = trained_pair
-    return {shape: _run(Engine(_config(target, 256, _spec(head, shape))), SEEDED, CODE)
-            for shape in SHAPES}
+    return {
+        shape: _run(Engine(_config(target, 256, _spec(head, shape))), SEEDED, CODE)
+        for shape in SHAPES
+    }
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_seeded_sampling_survives_preemption(trained_pair: tuple[str, str], roomy: dict,
-                                             shape: str) -> None:
+def test_seeded_sampling_survives_preemption(
+    trained_pair: tuple[str, str], roomy: dict, shape: str
+) -> None:
     """A pool too small for the four requests at once preempts (recompute): re-prefill
     samples a token outside any cycle and shifts every later cycle's root. Each token is
     the draw of its own position, so the outputs equal those of a pool that never preempts."""
@@ -140,10 +162,17 @@ def test_seeded_sampling_survives_preemption(trained_pair: tuple[str, str], room
     assert tight == roomy[shape]
 
 
-def test_seeded_speculation_independent_of_the_draft_shape(roomy: dict) -> None:
-    """Same seed, same tokens whatever the cycles look like (a chain of 3, a tree of 5):
-    where a cycle starts never changes a token's draw."""
-    assert roomy["chain"] == roomy["tree"]
+def test_seeded_output_independent_of_what_decides_each_token(
+    trained_pair: tuple[str, str], roomy: dict
+) -> None:
+    """Same seed, same tokens whatever decides them: plain decoding, a chain of 3, a tree of 5,
+    or speculation switched on and off step by step (plain steps between cycles)."""
+    assert roomy["chain"] == roomy["tree"] == roomy["plain"]
+    target, head = trained_pair
+    engine = Engine(_config(target, 256, _spec(head, "chain")))
+    engine.spec_policy = ScriptedPolicy([True, False, False])
+    assert _run(engine, SEEDED, CODE) == roomy["plain"]
+    assert engine.drafter.counters.num_catch_ups > 0  # the off steps really ran plain
 
 
 # -- items 4 and 8: list caps, default max_tokens --------------------------------------------
@@ -154,8 +183,9 @@ def test_stop_token_ids_capped_and_kept_as_a_set(pair: tuple[str, str]) -> None:
         SamplingParams(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS + 1)))
     engine = Engine(_config(pair[0], 256))
     stops = list(range(3, 3 + MAX_STOP_TOKEN_IDS))
-    engine.add_request("s", PROMPTS[0], SamplingParams(temperature=0, max_tokens=30,
-                                                       stop_token_ids=stops))
+    engine.add_request(
+        "s", PROMPTS[0], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=stops)
+    )
     assert engine.get_request("s").stop_token_set == frozenset(stops)
     while engine.has_unfinished():
         for out in engine.step():
@@ -185,9 +215,10 @@ def test_max_new_tokens_is_bounded_by_the_pool(pair: tuple[str, str]) -> None:
 
 def _refs(llm: LLM) -> list[weakref.ref]:
     engine = llm.engine
-    refs = [weakref.ref(engine.runner.kv_pool.k), weakref.ref(next(engine.runner.model.parameters()))]
+    pool = [t for g in engine.runner.kv_pool.groups for t in g.tensors.values()]
+    refs = [weakref.ref(t) for t in pool] + [weakref.ref(next(engine.runner.model.parameters()))]
     if engine.drafter is not None:
-        refs.append(weakref.ref(next(engine.drafter.head.parameters())))
+        refs.append(weakref.ref(next(engine.drafter.proposer.head.parameters())))
     return refs
 
 
@@ -196,8 +227,12 @@ def test_five_engines_in_a_row_release_their_memory(pair: tuple[str, str]) -> No
     (checked with the cycle collector off: nothing waits for a later collection)."""
     target, head = pair
     spec = dict(algorithm="eagle3", draft_model=head, num_steps=2)
-    kw = dict(device="cpu", dtype="float32", enforce_eager=True,
-              cache=CacheConfig(page_size=4, num_pages=64))
+    kw = dict(
+        device="cpu",
+        dtype="float32",
+        enforce_eager=True,
+        cache=CacheConfig(page_size=4, num_pages=64),
+    )
     gc.disable()
     try:
         for i in range(5):
@@ -233,8 +268,12 @@ def test_five_cuda_engines_in_a_row_size_the_same_pool(pair: tuple[str, str]) ->
         pytest.skip("no CUDA device")
     pages = []
     for _ in range(5):  # each would get 80% of the one before if the last one held its pool
-        with LLM(pair[0], device="cuda", dtype="float32",
-                 cache=CacheConfig(page_size=16, gpu_memory_utilization=0.2)) as llm:
+        with LLM(
+            pair[0],
+            device="cuda",
+            dtype="float32",
+            cache=CacheConfig(page_size=16, gpu_memory_utilization=0.2),
+        ) as llm:
             pages.append(llm.engine.runner.num_pages)
             llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4))
     assert min(pages) >= 0.9 * pages[0], pages  # other test workers share the device

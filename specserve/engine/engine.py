@@ -275,9 +275,11 @@ class Engine:
         they held. Idempotent; the engine accepts no request afterwards."""
         if self.closed:
             return
-        for request_id in list(self._requests):
-            self.abort_request(request_id)
         self.closed = True
+        for request_id in list(self._requests):  # the workers go too: no release step
+            self.scheduler.abort(request_id)
+        self._requests.clear()
+        self._text.clear()
         device = self.runner.device
         self.executor.close()
         self.runner = self.drafter = self._drafter = None

@@ -38,8 +38,9 @@ def build_step_input(out: SchedulerOutput, speculate: bool | np.ndarray = False)
         ),
         page_counts=np.fromiter((len(r.page_ids) for r in reqs), np.int64, len(rows)),
         # greedy judged once (SamplingParams.greedy, in float32): such rows carry 0
-        temperature=np.array([0.0 if p.greedy else p.temperature for p in params],
-                             dtype=np.float32),
+        temperature=np.array(
+            [0.0 if p.greedy else p.temperature for p in params], dtype=np.float32
+        ),
         top_k=np.array([p.top_k for p in params], dtype=np.int64),
         top_p=np.array([p.top_p for p in params], dtype=np.float32),
         min_p=np.array([p.min_p for p in params], dtype=np.float32),

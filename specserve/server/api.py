@@ -33,7 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve import defaults
-from specserve.server import protocol as P
+from specserve.server import errors as E
 from specserve.server.async_engine import AsyncEngine
 from specserve.server.guard import (
     RETRY_AFTER_S,
@@ -50,7 +50,7 @@ DEFAULT_MAX_BODY_BYTES = 8 << 20
 DEFAULT_MAX_PENDING_BODY_BYTES = 64 << 20
 
 
-def _error_response(err: P.APIError) -> JSONResponse:
+def _error_response(err: E.APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
@@ -62,14 +62,22 @@ async def drain_and_log(async_engine: AsyncEngine, timeout_s: float) -> None:
     elif finished:
         server_log.info("shutdown: all requests finished")
     else:
-        server_log.warning("shutdown: aborted %d request(s) still running after the %g s "
-                           "drain timeout", aborted, timeout_s)
+        server_log.warning(
+            "shutdown: aborted %d request(s) still running after the %g s drain timeout",
+            aborted,
+            timeout_s,
+        )
 
 
-def build_app(async_engine: AsyncEngine, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, model_name: str | None = None,
-              drain_timeout_s: float = 30.0, body_timeout_s: float = 30.0,
-              max_pending_body_bytes: int = DEFAULT_MAX_PENDING_BODY_BYTES) -> FastAPI:
+def build_app(
+    async_engine: AsyncEngine,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    model_name: str | None = None,
+    drain_timeout_s: float = 30.0,
+    body_timeout_s: float = 30.0,
+    max_pending_body_bytes: int = DEFAULT_MAX_PENDING_BODY_BYTES,
+) -> FastAPI:
     """The FastAPI app; its lifespan starts the engine thread and stops it on shutdown (after
     draining, unless the server drained it already: see DrainingServer)."""
     name = model_name or async_engine.model_name
@@ -79,51 +87,81 @@ def build_app(async_engine: AsyncEngine, api_key: str | None = None,
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
         st = async_engine.stats()
-        server_log.info("serving %s: %s KV pages = %s tokens of KV capacity, %s CUDA graphs "
-                        "captured, max_model_len %d", name, st.get("kv_total_pages"),
-                        st.get("kv_token_capacity"), st.get("cuda_graphs", 0),
-                        async_engine.max_model_len)
+        server_log.info(
+            "serving %s: %s KV pages = %s tokens of KV capacity, %s CUDA graphs "
+            "captured, max_model_len %d",
+            name,
+            st.get("kv_total_pages"),
+            st.get("kv_token_capacity"),
+            st.get("cuda_graphs", 0),
+            async_engine.max_model_len,
+        )
         yield
         if async_engine.drained is None:
             await drain_and_log(async_engine, drain_timeout_s)
         async_engine.shutdown()
 
     # no trailing-slash redirects: Starlette builds them from the client's Host header
-    app = FastAPI(title="specserve", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None, redirect_slashes=False)
-    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes,
-                       body_timeout_s=body_timeout_s,
-                       max_pending_body_bytes=max_pending_body_bytes)
+    app = FastAPI(
+        title="specserve",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        redirect_slashes=False,
+    )
+    app.add_middleware(
+        GuardMiddleware,
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
+        body_timeout_s=body_timeout_s,
+        max_pending_body_bytes=max_pending_body_bytes,
+    )
 
-    @app.exception_handler(P.APIError)
-    async def _api_error(request: Request, exc: P.APIError) -> JSONResponse:
+    @app.exception_handler(E.APIError)
+    async def _api_error(request: Request, exc: E.APIError) -> JSONResponse:
         return _error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        msg = (f"no route {request.method} {P.echo(request.url.path)}"
-               if exc.status_code in (404, 405) else "the request was refused")
+        msg = (
+            f"no route {request.method} {E.echo(request.url.path)}"
+            if exc.status_code in (404, 405)
+            else "the request was refused"
+        )
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return _error_response(P.APIError(exc.status_code, msg, code=code))
+        return _error_response(E.APIError(exc.status_code, msg, code=code))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s", request.url.path)
-        return _error_response(P.APIError(500, INTERNAL_ERROR, type="server_error"))
+        return _error_response(E.APIError(500, INTERNAL_ERROR, type="server_error"))
 
     @app.get("/health")
     async def health() -> Response:
         if async_engine.healthy:
             return JSONResponse({"status": "ok"})
         state = "draining" if async_engine.failure is None else "engine stopped"
-        return JSONResponse({"status": state}, status_code=503,
-                            headers={"Retry-After": RETRY_AFTER_S})
+        return JSONResponse(
+            {"status": state}, status_code=503, headers={"Retry-After": RETRY_AFTER_S}
+        )
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [{
-            "id": name, "object": "model", "created": int(time.time()), "owned_by": "specserve",
-            "max_model_len": async_engine.max_model_len}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": name,
+                        "object": "model",
+                        "created": int(time.time()),
+                        "owned_by": "specserve",
+                        "max_model_len": async_engine.max_model_len,
+                    }
+                ],
+            }
+        )
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -139,8 +177,9 @@ class DrainingServer(uvicorn.Server):
     drains the engine (finishing or aborting every request, whose handlers answer with the
     documented errors) before uvicorn closes the connections."""
 
-    def __init__(self, async_engine: AsyncEngine, config: uvicorn.Config,
-                 drain_timeout_s: float) -> None:
+    def __init__(
+        self, async_engine: AsyncEngine, config: uvicorn.Config, drain_timeout_s: float
+    ) -> None:
         super().__init__(config)
         self.async_engine = async_engine
         self.drain_timeout_s = drain_timeout_s
@@ -157,18 +196,30 @@ class DrainingServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def build_server(async_engine: AsyncEngine, app: FastAPI, host: str = "127.0.0.1",
-                 port: int = 8000, drain_timeout_s: float = 30.0, header_timeout_s: float = 10.0,
-                 max_connections: int = 1024, log_level: str = "info") -> DrainingServer:
+def build_server(
+    async_engine: AsyncEngine,
+    app: FastAPI,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    drain_timeout_s: float = 30.0,
+    header_timeout_s: float = 10.0,
+    max_connections: int = 1024,
+    log_level: str = "info",
+) -> DrainingServer:
     """The HTTP server for `app`: the guarded h11 protocol (header deadline, connection cap),
     bounded header size, and our drain-first shutdown."""
     config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level,
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
         http=guarded_protocol(header_timeout_s, max_connections),
-        h11_max_incomplete_event_size=16 << 10, timeout_keep_alive=5,
+        h11_max_incomplete_event_size=16 << 10,
+        timeout_keep_alive=5,
         # by the time uvicorn waits for connections every request has ended (drained or
         # aborted): what is left is writing the last bytes
-        timeout_graceful_shutdown=5)
+        timeout_graceful_shutdown=5,
+    )
     return DrainingServer(async_engine, config, drain_timeout_s)
 
 
@@ -182,25 +233,45 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health (shows "
-                   "in ps: prefer --api-key-file or $SPECSERVE_API_KEY)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every route but /health (shows "
+        "in ps: prefer --api-key-file or $SPECSERVE_API_KEY)",
+    )
     p.add_argument("--api-key-file", default=None, help="read the API key from this file")
     p.add_argument("--served-model-name", default=None, help="model id clients send")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
-    p.add_argument("--max-connections", type=int, default=1024,
-                   help="open connections past this get 503 (0 = no cap)")
-    p.add_argument("--timeout-header", type=float, default=10.0,
-                   help="seconds a client has to send the request headers (408 after)")
-    p.add_argument("--timeout-body", type=float, default=30.0,
-                   help="seconds a client has to send the whole request body (408 after)")
-    p.add_argument("--watchdog-timeout", type=float, default=30.0,
-                   help="an engine step running this long fails every request, turns /health "
-                   "503 and stops the server (exit 1); 0 = off")
-    p.add_argument("--request-timeout", type=float, default=0.0,
-                   help="abort a request unfinished this long after arrival (504); 0 = off")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds SIGTERM waits for in-flight requests before aborting them")
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=1024,
+        help="open connections past this get 503 (0 = no cap)",
+    )
+    p.add_argument(
+        "--timeout-header",
+        type=float,
+        default=10.0,
+        help="seconds a client has to send the request headers (408 after)",
+    )
+    p.add_argument(
+        "--timeout-body",
+        type=float,
+        default=30.0,
+        help="seconds a client has to send the whole request body (408 after)",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=0.0,
+        help="abort a request unfinished this long after arrival (504); 0 = off",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds SIGTERM waits for in-flight requests before aborting them",
+    )
     add_cli_args(p)
     p.set_defaults(func=serve)
 
@@ -208,19 +279,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _check_serve_args(args: argparse.Namespace) -> str | None:
     """ValueError (one line, before the model loads) for a bad flag; returns the API key."""
     key = resolve_api_key(args.api_key, args.api_key_file)
-    for flag in ("timeout_header", "timeout_body", "watchdog_timeout", "request_timeout",
-                 "drain_timeout"):
+    for flag in ("timeout_header", "timeout_body", "request_timeout", "drain_timeout"):
         value = getattr(args, flag)
         if not value >= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 0 seconds, got {value}")
     for flag in ("max_connections", "max_body_bytes"):
         if getattr(args, flag) < (1 if flag == "max_body_bytes" else 0):
-            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got "
-                             f"{getattr(args, flag)}")
+            raise ValueError(
+                f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}"
+            )
     if key is None and not is_loopback(args.host):
-        server_log.warning("serving on %s without an API key: anyone who reaches this address "
-                           "can use the server; set --api-key-file or $SPECSERVE_API_KEY",
-                           args.host)
+        server_log.warning(
+            "serving on %s without an API key: anyone who reaches this address "
+            "can use the server; set --api-key-file or $SPECSERVE_API_KEY",
+            args.host,
+        )
     return key
 
 
@@ -230,13 +303,22 @@ def serve(args: argparse.Namespace) -> int:
 
     key = _check_serve_args(args)
     config = engine_config_from_args(args)
-    async_engine = AsyncEngine(Engine(config), watchdog_timeout_s=args.watchdog_timeout,
-                               request_timeout_s=args.request_timeout)
+    # the watchdog's deadline is the engine's --step-timeout-s: a step past it fails every
+    # request, turns /health 503 and stops the server (exit 1)
+    async_engine = AsyncEngine(Engine(config), request_timeout_s=args.request_timeout)
     name = args.served_model_name or (None if args.model else defaults.DEFAULT_MODEL_NAME)
-    app = build_app(async_engine, key, args.max_body_bytes, name, args.drain_timeout,
-                    args.timeout_body)
-    server = build_server(async_engine, app, args.host, args.port, args.drain_timeout,
-                          args.timeout_header, args.max_connections)
+    app = build_app(
+        async_engine, key, args.max_body_bytes, name, args.drain_timeout, args.timeout_body
+    )
+    server = build_server(
+        async_engine,
+        app,
+        args.host,
+        args.port,
+        args.drain_timeout,
+        args.timeout_header,
+        args.max_connections,
+    )
     # uvicorn re-raises the captured SIGTERM after its graceful shutdown; a no-op handler in
     # place by then turns that into a normal return, so a drained server exits 0.
     signal.signal(signal.SIGTERM, lambda *_: None)

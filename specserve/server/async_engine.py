@@ -41,19 +41,23 @@ from specserve.server.streams import (
 )
 
 log = logging.getLogger(__name__)
-_CUMULATIVE = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_preemptions")
-__all__ = ["AsyncEngine", "EngineDeadError", "EngineDrainingError", "RequestStream",
-           "RequestTimeoutError"]
 # what clients are told; the cause goes to the log only
 _DEAD = "the engine stopped; retry on another replica"
 _STALLED = "the engine stopped responding; retry on another replica"
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, max_waiting: int | None = None,
-                 idle_wait_s: float = 1.0, watchdog_timeout_s: float = 30.0,
-                 request_timeout_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        max_waiting: int | None = None,
+        idle_wait_s: float = 1.0,
+        watchdog_timeout_s: float | None = None,
+        request_timeout_s: float = 0.0,
+    ) -> None:
         self.engine = engine
+        if watchdog_timeout_s is None:  # the engine's step deadline (--step-timeout-s)
+            watchdog_timeout_s = engine.config.parallel.step_timeout_s
         self.watchdog_timeout_s = watchdog_timeout_s  # 0 = no watchdog
         self.request_timeout_s = request_timeout_s  # 0 = no per-request deadline
         self._busy_since: float | None = None  # set while a step or command runs
@@ -65,15 +69,15 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._live: dict[str, RequestStream] = {}  # owned by the engine thread
         self._stats: dict[str, Any] = engine.stats()  # snapshot, replaced after each step
-        self._spec_seen: dict[str, Any] = {}
         self._draining = False
         self._stop = False
         self._dead: BaseException | None = None
         # called on the engine thread if it dies (the server uses it to exit non-zero)
         self.on_failure: Callable[[BaseException], None] | None = None
         self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
-        self._watchdog = threading.Thread(target=self._watch, name="specserve-watchdog",
-                                          daemon=True)
+        self._watchdog = threading.Thread(
+            target=self._watch, name="specserve-watchdog", daemon=True
+        )
         self.drained: tuple[bool, int] | None = None  # drain()'s result once it ran
 
     # -- read-only views of the engine --------------------------------------------------------
@@ -154,11 +158,13 @@ class AsyncEngine:
         if self._draining:
             raise EngineDrainingError("the server is shutting down; retry on another replica")
         if self._stats.get("num_waiting", 0) >= self.max_waiting:
-            raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests); "
-                                 "retry later")
+            raise QueueFullError(
+                f"the waiting queue is full ({self.max_waiting} requests); retry later"
+            )
 
-    async def add_request(self, request_id: str, prompt: str | list[int],
-                          params: SamplingParams) -> RequestStream:
+    async def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> RequestStream:
         """Admit a request; raises ValueError / QueueFullError / EngineDrainingError up front."""
         self.check_admission()
         num_prompt = len(prompt) if isinstance(prompt, list) else 0
@@ -172,8 +178,9 @@ class AsyncEngine:
             raise
         return stream
 
-    async def generate(self, request_id: str, prompt: str | list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
         """Admit a request and yield its outputs; aborts it if the consumer stops early."""
         stream = await self.add_request(request_id, prompt, params)
         try:
@@ -265,10 +272,15 @@ class AsyncEngine:
             busy = self._busy_since
             now = time.monotonic()
             if busy is not None and now - busy > limit:
-                log.error("the engine has been inside one step for %.1f s (watchdog %g s): "
-                          "failing every request; the server stops", now - busy, limit)
-                self._fail_all(TimeoutError(f"engine step stalled for {now - busy:.1f} s"),
-                               _STALLED)
+                log.error(
+                    "the engine has been inside one step for %.1f s (watchdog %g s): "
+                    "failing every request; the server stops",
+                    now - busy,
+                    limit,
+                )
+                self._fail_all(
+                    TimeoutError(f"engine step stalled for {now - busy:.1f} s"), _STALLED
+                )
                 return
             time.sleep(min(0.25, limit / 4))
 
@@ -277,8 +289,12 @@ class AsyncEngine:
         for request_id, stream in list(self._live.items()):
             if now - stream.t_arrival > self.request_timeout_s:
                 self._do_abort(request_id)
-                self._send(stream, RequestTimeoutError(
-                    f"the request ran past the server's {self.request_timeout_s:g} s deadline"))
+                self._send(
+                    stream,
+                    RequestTimeoutError(
+                        f"the request ran past the server's {self.request_timeout_s:g} s deadline"
+                    ),
+                )
 
     def _drain_commands(self) -> None:
         changed = False
@@ -302,8 +318,13 @@ class AsyncEngine:
         if changed:
             self._sample_stats()
 
-    def _do_add(self, stream: RequestStream, prompt: str | list[int], params: SamplingParams,
-                fut: concurrent.futures.Future[None]) -> None:
+    def _do_add(
+        self,
+        stream: RequestStream,
+        prompt: str | list[int],
+        params: SamplingParams,
+        fut: concurrent.futures.Future[None],
+    ) -> None:
         if not fut.set_running_or_notify_cancel():
             return  # the caller went away before admission
         try:
@@ -324,8 +345,10 @@ class AsyncEngine:
     def _abort_all(self, engine: Engine) -> None:
         for request_id, stream in list(self._live.items()):
             self._do_abort(request_id)
-            self._send(stream, EngineDrainingError("the server shut down before the request "
-                                                   "finished; retry it"))
+            self._send(
+                stream,
+                EngineDrainingError("the server shut down before the request finished; retry it"),
+            )
 
     def _send(self, stream: RequestStream, item: RequestOutput | BaseException) -> bool:
         try:
@@ -357,29 +380,16 @@ class AsyncEngine:
     def _record_finish(self, stream: RequestStream, out: RequestOutput, now: float) -> None:
         if out.finish_reason in ("stop", "length"):
             ttft = None if stream.t_first is None else stream.t_first - stream.t_arrival
-            self.metrics.record_request(out.finish_reason, out.num_prompt_tokens,
-                                        out.num_output_tokens, ttft, now - stream.t_arrival)
+            self.metrics.record_request(
+                out.finish_reason,
+                out.num_prompt_tokens,
+                out.num_output_tokens,
+                ttft,
+                now - stream.t_arrival,
+            )
         else:
             self.metrics.record_abort(out.num_prompt_tokens, out.num_output_tokens)
 
     def _sample_stats(self) -> None:
-        stats = self.engine.stats()
-        self._stats = stats
-        self.metrics.set_scheduler_state(stats.get("num_running", 0), stats.get("num_waiting", 0),
-                                         float(stats.get("kv_usage", 0.0)))
-        # speculation and preemption counters: the engine's are cumulative; metrics take deltas
-        m = self.metrics
-        for key, counter in zip(_CUMULATIVE, (m.spec_num_drafts, m.spec_num_draft_tokens,
-                                                 m.spec_num_accepted, m.num_preemptions)):
-            if key in stats:
-                delta = stats[key] - self._spec_seen.get(key, 0)
-                if delta > 0:
-                    counter.inc(delta)
-                self._spec_seen[key] = stats[key]
-        per_pos = list(stats.get("accepted_per_pos") or [])
-        seen = self._spec_seen.get("accepted_per_pos", [])
-        for pos, value in enumerate(per_pos):
-            delta = value - (seen[pos] if pos < len(seen) else 0)
-            if delta > 0:
-                m.spec_accepted_per_pos.labels(position=str(pos)).inc(delta)
-        self._spec_seen["accepted_per_pos"] = per_pos
+        self._stats = self.engine.stats()
+        self.metrics.observe_engine_stats(self._stats)

@@ -26,7 +26,7 @@ import h11
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from specserve.server import protocol as P
+from specserve.server import errors as E
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = "1"
@@ -34,7 +34,7 @@ CLOSE = {"Connection": "close"}
 API_KEY_ENV = "SPECSERVE_API_KEY"
 
 
-async def send_error(err: P.APIError, send: Send) -> None:
+async def send_error(err: E.APIError, send: Send) -> None:
     """Answer an ASGI request with the error envelope (its headers included)."""
     body = json.dumps(err.body()).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
@@ -50,8 +50,14 @@ class GuardMiddleware:
     replayed to the app; later receive() calls go to the server, so disconnects still arrive.
     """
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int,
-                 body_timeout_s: float = 30.0, max_pending_body_bytes: int = 64 << 20) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_key: str | None,
+        max_body_bytes: int,
+        body_timeout_s: float = 30.0,
+        max_pending_body_bytes: int = 64 << 20,
+    ) -> None:
         self.app = app
         self.key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
@@ -69,7 +75,7 @@ class GuardMiddleware:
         if err is None:
             try:
                 body = await self._read_body(receive, length)
-            except P.APIError as exc:
+            except E.APIError as exc:
                 err = exc
         if err is not None:
             return await send_error(err, send)
@@ -84,7 +90,7 @@ class GuardMiddleware:
 
         await self.app(scope, replay, send)
 
-    def _check_key(self, path: str, auth: list[bytes]) -> P.APIError | None:
+    def _check_key(self, path: str, auth: list[bytes]) -> E.APIError | None:
         if self.key is None or path == "/health":
             return None
         if len(auth) > 1:
@@ -92,12 +98,18 @@ class GuardMiddleware:
         scheme, _, token = (auth[0] if auth else b"").partition(b" ")
         if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
             return None
-        return _key_error(f"{'missing' if not auth else 'invalid'} API key: send the server's "
-                          "key as the header 'Authorization: Bearer <key>'")
+        return _key_error(
+            f"{'missing' if not auth else 'invalid'} API key: send the server's "
+            "key as the header 'Authorization: Bearer <key>'"
+        )
 
     async def _read_body(self, receive: Receive, content_length: bytes | None) -> bytes:
-        too_large = P.APIError(413, f"request body over {self.max_body_bytes} bytes; send a "
-                               "smaller request", code="request_too_large", headers=CLOSE)
+        too_large = E.APIError(
+            413,
+            f"request body over {self.max_body_bytes} bytes; send a smaller request",
+            code="request_too_large",
+            headers=CLOSE,
+        )
         declared = int(content_length) if content_length and content_length.isdigit() else 0
         if declared > self.max_body_bytes:
             raise too_large
@@ -113,41 +125,54 @@ class GuardMiddleware:
                     if held + len(chunk) > self.max_body_bytes:
                         raise too_large
                     if self.pending_body_bytes + len(chunk) > self.max_pending_body_bytes:
-                        raise P.APIError(503, "the server is receiving too many request bodies "
-                                         "at once; retry shortly", type="service_unavailable",
-                                         code="server_busy",
-                                         headers={"Retry-After": RETRY_AFTER_S, **CLOSE})
+                        raise E.APIError(
+                            503,
+                            "the server is receiving too many request bodies "
+                            "at once; retry shortly",
+                            type="service_unavailable",
+                            code="server_busy",
+                            headers={"Retry-After": RETRY_AFTER_S, **CLOSE},
+                        )
                     held += len(chunk)
                     self.pending_body_bytes += len(chunk)
                     chunks.append(chunk)
                     if not message.get("more_body", False):
                         break
         except TimeoutError:
-            raise P.APIError(408, f"the request body did not arrive within "
-                             f"{self.body_timeout_s:g} s; send it at once", code="request_timeout",
-                             headers=CLOSE) from None
+            raise E.APIError(
+                408,
+                f"the request body did not arrive within "
+                f"{self.body_timeout_s:g} s; send it at once",
+                code="request_timeout",
+                headers=CLOSE,
+            ) from None
         finally:
             self.pending_body_bytes -= held
         return b"".join(chunks)
 
 
-def _key_error(message: str) -> P.APIError:
+def _key_error(message: str) -> E.APIError:
     # OpenAI answers a bad key with type invalid_request_error, code invalid_api_key
-    return P.APIError(401, message, code="invalid_api_key")
+    return E.APIError(401, message, code="invalid_api_key")
 
 
-def resolve_api_key(key: str | None, key_file: str | None,
-                    environ: dict[str, str] | None = None) -> str | None:
+def resolve_api_key(
+    key: str | None, key_file: str | None, environ: dict[str, str] | None = None
+) -> str | None:
     """The server's key from exactly one of --api-key, --api-key-file, $SPECSERVE_API_KEY;
     None when none is given. ValueError for an empty key or more than one source."""
     env = os.environ if environ is None else environ
-    sources = {"--api-key": key, "--api-key-file": key_file, f"${API_KEY_ENV}": env.get(API_KEY_ENV)}
+    sources = {
+        "--api-key": key,
+        "--api-key-file": key_file,
+        f"${API_KEY_ENV}": env.get(API_KEY_ENV),
+    }
     given = {name: value for name, value in sources.items() if value is not None}
     if len(given) > 1:
         raise ValueError(f"the API key is given by {' and '.join(given)}; give exactly one")
     if not given:
         return None
-    (name, value), = given.items()
+    ((name, value),) = given.items()
     if name == "--api-key-file":
         try:
             with open(value, encoding="utf-8") as fh:
@@ -169,18 +194,26 @@ def is_loopback(host: str) -> bool:
 # The HTTP protocol: connection cap and header timeout (before any ASGI code runs)
 
 
-def _raw_error(status: int, reason: str, err: P.APIError) -> bytes:
+def _raw_error(status: int, reason: str, err: E.APIError) -> bytes:
     body = json.dumps(err.body()).encode()
-    head = [f"HTTP/1.1 {status} {reason}", "Content-Type: application/json",
-            f"Content-Length: {len(body)}", "Connection: close"]
+    head = [
+        f"HTTP/1.1 {status} {reason}",
+        "Content-Type: application/json",
+        f"Content-Length: {len(body)}",
+        "Connection: close",
+    ]
     head += [f"{k}: {v}" for k, v in err.headers.items()]
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 
 def _over_capacity_app(limit: int) -> ASGIApp:
-    err = P.APIError(503, f"the server holds its maximum of {limit} connections; retry shortly",
-                     type="service_unavailable", code="too_many_connections",
-                     headers={"Retry-After": RETRY_AFTER_S, **CLOSE})
+    err = E.APIError(
+        503,
+        f"the server holds its maximum of {limit} connections; retry shortly",
+        type="service_unavailable",
+        code="too_many_connections",
+        headers={"Retry-After": RETRY_AFTER_S, **CLOSE},
+    )
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         await send_error(err, send)
@@ -236,8 +269,11 @@ def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[H11P
             if not self._bytes_since_armed:  # an idle connection: close it, as keep-alive does
                 self.transport.close()
                 return
-            err = P.APIError(408, f"the request headers did not arrive within "
-                             f"{header_timeout_s:g} s", code="request_timeout")
+            err = E.APIError(
+                408,
+                f"the request headers did not arrive within {header_timeout_s:g} s",
+                code="request_timeout",
+            )
             self.transport.write(_raw_error(408, "Request Timeout", err))
             self.transport.close()
 

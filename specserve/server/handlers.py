@@ -24,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 from specserve.engine.engine import RequestOutput
 from specserve.engine.scheduler import QueueFullError
 from specserve.sampling_params import SamplingParams
+from specserve.server import errors as E
 from specserve.server import protocol as P
 from specserve.server import responses as R
 from specserve.server.async_engine import AsyncEngine
@@ -74,16 +75,21 @@ def _sse(payload: R.ResponseBody | dict[str, Any] | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-def engine_error(exc: Exception) -> P.APIError:
+def engine_error(exc: Exception) -> E.APIError:
     """The envelope for an engine-side refusal or failure (the messages hold no internals)."""
     retry = {"Retry-After": RETRY_AFTER_S}
     if isinstance(exc, QueueFullError):
-        return P.APIError(429, str(exc) or "the waiting queue is full; retry later",
-                          type="rate_limit_error", code="queue_full", headers=retry)
+        return E.APIError(
+            429,
+            str(exc) or "the waiting queue is full; retry later",
+            type="rate_limit_error",
+            code="queue_full",
+            headers=retry,
+        )
     if isinstance(exc, RequestTimeoutError):
-        return P.APIError(504, str(exc), type="timeout_error", code="request_timeout")
+        return E.APIError(504, str(exc), type="timeout_error", code="request_timeout")
     code = "shutting_down" if isinstance(exc, EngineDrainingError) else "engine_dead"
-    return P.APIError(503, str(exc), type="service_unavailable", code=code, headers=retry)
+    return E.APIError(503, str(exc), type="service_unavailable", code=code, headers=retry)
 
 
 class Handler:
@@ -98,9 +104,13 @@ class Handler:
 
     def admit_fast(self, req: P.CommonRequest) -> None:
         if req.model is not None and req.model != self.model_name:
-            raise P.APIError(404, f"model {P.echo(req.model)} not found; this server serves "
-                             f"{self.model_name!r} (GET /v1/models)", param="model",
-                             code="model_not_found")
+            raise E.APIError(
+                404,
+                f"model {E.echo(req.model)} not found; this server serves "
+                f"{self.model_name!r} (GET /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
         try:
             self.engine.check_admission()
         except _ENGINE_ERRORS as exc:
@@ -108,28 +118,39 @@ class Handler:
 
     def check_chars(self, num_chars: int, param: str) -> None:
         if self.max_chars is not None and num_chars > self.max_chars:
-            raise P.bad_request(
+            raise E.bad_request(
                 f"{param} is {num_chars} characters; a context of {self.max_len} tokens holds "
-                f"at most {self.max_chars} characters with this tokenizer; shorten it", param)
+                f"at most {self.max_chars} characters with this tokenizer; shorten it",
+                param,
+            )
 
     async def encode(self, fn: Callable[..., list[int]], arg: Any, param: str) -> list[int]:
         try:
             return list(await asyncio.to_thread(fn, arg))
         except Exception as exc:  # e.g. a chat template refusing the conversation
-            raise P.bad_request(f"could not tokenize {param}: {P.echo(str(exc))}",
-                                param) from None
+            raise E.bad_request(f"could not tokenize {param}: {E.echo(str(exc))}", param) from None
 
-    def _params(self, req: P.CommonRequest, requested: int | None, ids: list[int],
-                default_cap: int | None, param: str) -> SamplingParams:
+    def _params(
+        self,
+        req: P.CommonRequest,
+        requested: int | None,
+        ids: list[int],
+        default_cap: int | None,
+        param: str,
+    ) -> SamplingParams:
         room = self.engine.max_new_tokens(len(ids))
-        return req.build_params(requested, len(ids), self.max_len, room, self.vocab_size,
-                                default_cap, param)
+        return req.build_params(
+            requested, len(ids), self.max_len, room, self.vocab_size, default_cap, param
+        )
 
     async def completions(self, request: Request) -> Response:
         why = "a longer prompt cannot fit the context"
         req: P.CompletionRequest = P.parse_request(
-            await request.body(), request.headers.get("content-type", ""), P.CompletionRequest,
-            {"prompt": (self.max_len, why)})
+            await request.body(),
+            request.headers.get("content-type", ""),
+            P.CompletionRequest,
+            {"prompt": (self.max_len, why)},
+        )
         self.admit_fast(req)
         prompt = req.single_prompt(self.vocab_size)
         if isinstance(prompt, str):
@@ -143,9 +164,11 @@ class Handler:
     async def chat(self, request: Request) -> Response:
         why = "each takes at least one token of the context"
         req: P.ChatCompletionRequest = P.parse_request(
-            await request.body(), request.headers.get("content-type", ""),
+            await request.body(),
+            request.headers.get("content-type", ""),
             P.ChatCompletionRequest,
-            {"messages": (self.max_len, why), "messages[].content": (self.max_len, why)})
+            {"messages": (self.max_len, why), "messages[].content": (self.max_len, why)},
+        )
         self.admit_fast(req)
         messages = req.chat_messages()
         self.check_chars(sum(len(m["content"]) for m in messages), "messages")
@@ -153,20 +176,28 @@ class Handler:
         params = self._params(req, req.requested_max_tokens(), ids, None, "messages")
         return await self._run(request, req, R.new_id("chatcmpl"), ids, params, chat=True)
 
-    async def _run(self, request: Request, req: P.CommonRequest, rid: str, ids: list[int],
-                   params: SamplingParams, chat: bool) -> Response:
+    async def _run(
+        self,
+        request: Request,
+        req: P.CommonRequest,
+        rid: str,
+        ids: list[int],
+        params: SamplingParams,
+        chat: bool,
+    ) -> Response:
         try:
             stream = await self.engine.add_request(rid, ids, params)
         except _ENGINE_ERRORS as exc:
             raise engine_error(exc) from None
         except ValueError as exc:
-            raise P.bad_request(str(exc)) from None
+            raise E.bad_request(str(exc)) from None
         if req.stream:
             return _SSEResponse(self._events(stream, rid, chat, req.include_usage), stream.close)
         return await self._collect(request, stream, rid, chat)
 
-    async def _collect(self, request: Request, stream: RequestStream, rid: str,
-                       chat: bool) -> Response:
+    async def _collect(
+        self, request: Request, stream: RequestStream, rid: str, chat: bool
+    ) -> Response:
         async def close_on_disconnect() -> None:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
@@ -187,20 +218,33 @@ class Handler:
         if last is None or not last.finished:
             return Response(status_code=499)  # the client left; nobody reads this
         if last.finish_reason not in ("stop", "length"):
-            raise P.APIError(503, "the request was aborted; retry it", type="server_error",
-                             code="aborted")
-        body = R.full_response(chat, rid, self.model_name, "".join(texts), last.finish_reason,
-                               R.Usage.of(last.num_prompt_tokens, last.num_output_tokens))
+            raise E.APIError(
+                503, "the request was aborted; retry it", type="server_error", code="aborted"
+            )
+        body = R.full_response(
+            chat,
+            rid,
+            self.model_name,
+            "".join(texts),
+            last.finish_reason,
+            R.Usage.of(last.num_prompt_tokens, last.num_output_tokens),
+        )
         return Response(body.model_dump_json(), media_type="application/json")
 
-    async def _events(self, stream: RequestStream, rid: str, chat: bool,
-                      include_usage: bool) -> AsyncIterator[str]:
+    async def _events(
+        self, stream: RequestStream, rid: str, chat: bool, include_usage: bool
+    ) -> AsyncIterator[str]:
         created = int(time.time())
 
-        def chunk(text: str | None, finish: str | None = None, usage: R.Usage | None = None,
-                  role: bool = False) -> str:
-            return _sse(R.stream_chunk(chat, rid, self.model_name, created, text, finish, usage,
-                                       role))
+        def chunk(
+            text: str | None,
+            finish: str | None = None,
+            usage: R.Usage | None = None,
+            role: bool = False,
+        ) -> str:
+            return _sse(
+                R.stream_chunk(chat, rid, self.model_name, created, text, finish, usage, role)
+            )
 
         try:
             if chat:
@@ -209,8 +253,9 @@ class Handler:
             async for out in stream:
                 last = out
                 if out.finished and out.finish_reason not in ("stop", "length"):
-                    yield _sse(P.error_body("the request was aborted", "server_error", None,
-                                            "aborted"))
+                    yield _sse(
+                        E.error_body("the request was aborted", "server_error", None, "aborted")
+                    )
                     return
                 if out.new_text or out.finished:
                     yield chunk(out.new_text, out.finish_reason if out.finished else None)
@@ -223,6 +268,6 @@ class Handler:
             yield _sse(engine_error(exc).body())
         except Exception:  # a server bug: report it in-band, the status is already 200
             log.exception("stream %s failed", rid)
-            yield _sse(P.error_body(INTERNAL_ERROR, "server_error", None, 500))
+            yield _sse(E.error_body(INTERNAL_ERROR, "server_error", None, 500))
         finally:
             stream.close()

@@ -11,109 +11,13 @@ from __future__ import annotations
 
 import json
 import re
-import reprlib
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from specserve.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
-
-# What a union-typed field accepts, for messages clearer than pydantic's per-branch ones.
-_EXPECTED = {"prompt": "a string or a list of token ids (integers)",
-             "stop": "a string or a list of strings"}
-# Pydantic union tags that can appear inside an error location; they are not field names.
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
-
-
-MAX_ECHO_CHARS = 100  # of a client's value quoted in an error message
-MAX_MESSAGE_CHARS = 400  # of any error message (a backstop: values are echoed shortened)
-
-
-def echo(value: Any, limit: int = MAX_ECHO_CHARS) -> str:
-    """A client's value quoted for an error message, at most ~limit characters (never the
-    whole of a large value: reprlib stops early)."""
-    text = _ECHO_REPR.repr(value)
-    if len(text) > limit:
-        text = text[:limit] + "..."
-    if isinstance(value, str) and len(value) > limit:
-        text += f" ({len(value)} characters)"
-    return text
-
-
-_ECHO_REPR = reprlib.Repr()
-_ECHO_REPR.maxlevel, _ECHO_REPR.maxdict, _ECHO_REPR.maxlist = 3, 6, 6
-_ECHO_REPR.maxstring = _ECHO_REPR.maxother = MAX_ECHO_CHARS
-
-
-class APIError(Exception):
-    """An error answered with the OpenAI envelope {"error": {message, type, param, code}}."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | int | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        if len(message) > MAX_MESSAGE_CHARS:
-            message = message[:MAX_MESSAGE_CHARS] + "..."
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code if code is not None else status
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type: str, param: str | None, code: str | int) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def bad_request(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code="invalid_value")
-
-
-def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
-    """('messages', 0, 'role') -> 'messages[0].role'; union tags such as 'list[int]' dropped."""
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif "[" in part or part in _TYPE_TAGS or part.startswith("function-"):
-            continue
-        else:
-            out += f".{part}" if out else part
-    return out or None
-
-
-def validation_error(exc: ValidationError | Any) -> APIError:
-    """Turn a pydantic (or FastAPI) validation error into a 400 naming the first bad field."""
-    errors = exc.errors()
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    loc = tuple(first.get("loc", ()))
-    if loc and loc[0] == "body":  # FastAPI prefixes body fields with "body"
-        loc = loc[1:]
-    param = _loc_to_param(loc)
-    kind = str(first.get("type", ""))
-    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
-    if kind == "model_type" or (not loc and "dictionary" in msg):
-        return bad_request("the request body must be a JSON object")
-    if param in _EXPECTED and kind.endswith("_type"):
-        msg = f"{param} must be {_EXPECTED[param]}"
-    elif param and not msg.startswith(param):
-        msg = f"{param}: {msg}"
-    if kind != "missing" and "input" in first and "got" not in msg:
-        msg += f", got {_short(first['input'])}"
-    return bad_request(msg, param)
-
-
-def _short(value: Any) -> str:
-    if isinstance(value, (list, dict)) and len(value) > 8:
-        return f"a {type(value).__name__} of {len(value)} items"
-    text = json.dumps(value) if isinstance(value, (str, int, float, list, dict)) else repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
+from specserve.server.errors import bad_request, echo, validation_error
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
@@ -122,15 +26,21 @@ def _reject_constant(token: str) -> Any:
     raise ValueError(f"{token} is not valid JSON; send finite numbers")
 
 
-def parse_request(body: bytes, content_type: str, model: type[CommonRequest],
-                  max_items: dict[str, tuple[int, str]] | None = None) -> Any:
+def parse_request(
+    body: bytes,
+    content_type: str,
+    model: type[CommonRequest],
+    max_items: dict[str, tuple[int, str]] | None = None,
+) -> Any:
     """Parse and validate a JSON request body; APIError(400) naming what is wrong.
 
     max_items: field -> (most list items, why), checked on the parsed JSON before validation
     (a field ending in "[].content" caps the content parts of each message)."""
     if content_type.split(";")[0].strip().lower() != "application/json":
-        raise bad_request(f"Content-Type must be application/json, got "
-                          f"{echo(content_type) if content_type else 'none'}")
+        raise bad_request(
+            f"Content-Type must be application/json, got "
+            f"{echo(content_type) if content_type else 'none'}"
+        )
     if not body.strip():
         raise bad_request("the request body is empty; send a JSON object")
     try:
@@ -138,8 +48,10 @@ def parse_request(body: bytes, content_type: str, model: type[CommonRequest],
         if _SURROGATE_ESCAPE.search(body):  # a lone surrogate needs a \ud800-style escape
             json.dumps(obj, ensure_ascii=False).encode("utf-8")
     except UnicodeError:
-        raise bad_request("the request body is not valid UTF-8 / Unicode (a lone surrogate?); "
-                          "send valid UTF-8 JSON") from None
+        raise bad_request(
+            "the request body is not valid UTF-8 / Unicode (a lone surrogate?); "
+            "send valid UTF-8 JSON"
+        ) from None
     except RecursionError:
         raise bad_request("the request body is nested too deeply") from None
     except ValueError as exc:
@@ -151,8 +63,7 @@ def parse_request(body: bytes, content_type: str, model: type[CommonRequest],
         raise validation_error(exc) from None
     for name, accepted, hint in req.UNSUPPORTED:
         if not accepted(getattr(req, name)):
-            raise bad_request(f"{name}={echo(getattr(req, name))} is not supported; {hint}",
-                              name)
+            raise bad_request(f"{name}={echo(getattr(req, name))} is not supported; {hint}", name)
     return req
 
 
@@ -164,13 +75,20 @@ def _check_list_lengths(obj: Any, limits: dict[str, tuple[int, str]]) -> None:
         items = obj.get(outer)
         if not isinstance(items, list):
             continue
-        lists = [(outer, items)] if not inner else [
-            (f"{outer}[{i}].{inner}", item.get(inner)) for i, item in enumerate(items)
-            if isinstance(item, dict) and isinstance(item.get(inner), list)]
+        lists = (
+            [(outer, items)]
+            if not inner
+            else [
+                (f"{outer}[{i}].{inner}", item.get(inner))
+                for i, item in enumerate(items)
+                if isinstance(item, dict) and isinstance(item.get(inner), list)
+            ]
+        )
         for name, value in lists:
             if len(value) > cap:
-                raise bad_request(f"{name} holds {len(value)} items; at most {cap} are accepted "
-                                  f"({why})", name)
+                raise bad_request(
+                    f"{name} holds {len(value)} items; at most {cap} are accepted ({why})", name
+                )
 
 
 class _Strict(BaseModel):
@@ -232,33 +150,50 @@ class CommonRequest(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def build_params(self, requested: int | None, num_prompt: int, max_model_len: int,
-                     room: int, vocab_size: int, default_cap: int | None, prompt_param: str,
-                     ) -> SamplingParams:
+    def build_params(
+        self,
+        requested: int | None,
+        num_prompt: int,
+        max_model_len: int,
+        room: int,
+        vocab_size: int,
+        default_cap: int | None,
+        prompt_param: str,
+    ) -> SamplingParams:
         """SamplingParams under the length policy. room: the most new tokens that fit beside
         the prompt, in the context and in the KV pool (Scheduler.max_new_tokens). The prompt
         must leave room for one token; an explicit max_tokens must fit (else 400); an omitted
         one is clamped to the room (and to default_cap)."""
         if num_prompt >= max_model_len:
-            raise bad_request(f"the prompt is {num_prompt} tokens but the context is "
-                              f"{max_model_len}; shorten the prompt", prompt_param)
+            raise bad_request(
+                f"the prompt is {num_prompt} tokens but the context is "
+                f"{max_model_len}; shorten the prompt",
+                prompt_param,
+            )
         if room < 1:
-            raise bad_request(f"the prompt is {num_prompt} tokens and leaves no room in the KV "
-                              "cache; shorten the prompt", prompt_param)
+            raise bad_request(
+                f"the prompt is {num_prompt} tokens and leaves no room in the KV "
+                "cache; shorten the prompt",
+                prompt_param,
+            )
         if requested is None:
             max_tokens = room if default_cap is None else min(room, default_cap)
         elif requested > room:
-            raise bad_request(f"max_tokens={requested} does not fit: the prompt is {num_prompt} "
-                              f"tokens and at most {room} more fit (context {max_model_len}, "
-                              f"and the KV cache); lower max_tokens to at most {room}",
-                              "max_tokens")
+            raise bad_request(
+                f"max_tokens={requested} does not fit: the prompt is {num_prompt} "
+                f"tokens and at most {room} more fit (context {max_model_len}, "
+                f"and the KV cache); lower max_tokens to at most {room}",
+                "max_tokens",
+            )
         else:
             max_tokens = requested
         params = self.sampling_params(max_tokens)
         for t in params.stop_token_ids:
             if t >= vocab_size:
-                raise bad_request(f"stop_token_ids must be < the vocab size {vocab_size}, got {t}",
-                                  "stop_token_ids")
+                raise bad_request(
+                    f"stop_token_ids must be < the vocab size {vocab_size}, got {t}",
+                    "stop_token_ids",
+                )
         return params
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
@@ -306,15 +241,18 @@ class CompletionRequest(CommonRequest):
             if len(prompt) != 1:
                 raise bad_request(
                     f"one prompt per request is supported, got a batch of {len(prompt)}; send "
-                    "one request per prompt", "prompt")
+                    "one request per prompt",
+                    "prompt",
+                )
             prompt = prompt[0]
         if len(prompt) == 0:
             raise bad_request("prompt must not be empty", "prompt")
         if isinstance(prompt, list):
             bad = [t for t in prompt if not 0 <= t < vocab_size]
             if bad:
-                raise bad_request(f"prompt token ids must be in [0, {vocab_size}), got {bad[0]}",
-                                  "prompt")
+                raise bad_request(
+                    f"prompt token ids must be in [0, {vocab_size}), got {bad[0]}", "prompt"
+                )
         return prompt
 
 
@@ -331,17 +269,19 @@ class ChatMessage(_Strict):
     def text(self, index: int) -> str:
         """Plain-text content; only "text" parts are supported."""
         if self.content is None:
-            raise bad_request(f"messages[{index}].content must be a string, got null",
-                              f"messages[{index}].content")
+            raise bad_request(
+                f"messages[{index}].content must be a string, got null",
+                f"messages[{index}].content",
+            )
         if isinstance(self.content, str):
             return self.content
         texts = []
         for j, part in enumerate(self.content):
             if part.type != "text" or part.text is None:
                 raise bad_request(
-                    f"content part type {echo(part.type)} is not supported; only text parts "
-                    "are",
-                    f"messages[{index}].content[{j}].type")
+                    f"content part type {echo(part.type)} is not supported; only text parts are",
+                    f"messages[{index}].content[{j}].type",
+                )
             texts.append(part.text)
         return "\n".join(texts)
 
@@ -351,8 +291,11 @@ class ChatCompletionRequest(CommonRequest):
         ("logprobs", _unset, "set it to false"),
         ("top_logprobs", lambda v: v is None, "omit the field"),
         ("tools", _unset, "omit the field"),
-        ("response_format", lambda v: v is None or v.get("type") == "text",
-         "only {'type': 'text'} is supported"),
+        (
+            "response_format",
+            lambda v: v is None or v.get("type") == "text",
+            "only {'type': 'text'} is supported",
+        ),
     )
 
     messages: list[ChatMessage]
@@ -372,11 +315,15 @@ class ChatCompletionRequest(CommonRequest):
     def requested_max_tokens(self) -> int | None:
         a, b = self.max_tokens, self.max_completion_tokens
         if a is not None and b is not None and a != b:
-            raise bad_request("max_tokens and max_completion_tokens disagree; send only one",
-                              "max_completion_tokens")
+            raise bad_request(
+                "max_tokens and max_completion_tokens disagree; send only one",
+                "max_completion_tokens",
+            )
         return a if a is not None else b
 
     def chat_messages(self) -> list[dict[str, str]]:
         # "developer" is OpenAI's newer name for "system"; chat templates know only the latter.
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
-                for i, m in enumerate(self.messages)]
+        return [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
+            for i, m in enumerate(self.messages)
+        ]

@@ -17,8 +17,11 @@ class Usage(BaseModel):
 
     @classmethod
     def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
 
 
 class CompletionChoice(BaseModel):
@@ -55,19 +58,35 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def full_response(chat: bool, rid: str, model: str, text: str, finish_reason: str,
-                  usage: Usage) -> ResponseBody:
+def full_response(
+    chat: bool, rid: str, model: str, text: str, finish_reason: str, usage: Usage
+) -> ResponseBody:
     """The non-streamed answer."""
-    choice = (ChatChoice(message={"role": "assistant", "content": text},
-                         finish_reason=finish_reason) if chat
-              else CompletionChoice(text=text, finish_reason=finish_reason))
-    return ResponseBody(id=rid, object="chat.completion" if chat else "text_completion",
-                        created=int(time.time()), model=model, choices=[choice], usage=usage)
+    choice = (
+        ChatChoice(message={"role": "assistant", "content": text}, finish_reason=finish_reason)
+        if chat
+        else CompletionChoice(text=text, finish_reason=finish_reason)
+    )
+    return ResponseBody(
+        id=rid,
+        object="chat.completion" if chat else "text_completion",
+        created=int(time.time()),
+        model=model,
+        choices=[choice],
+        usage=usage,
+    )
 
 
-def stream_chunk(chat: bool, rid: str, model: str, created: int, text: str | None,
-                 finish_reason: str | None = None, usage: Usage | None = None,
-                 role: bool = False) -> ResponseBody:
+def stream_chunk(
+    chat: bool,
+    rid: str,
+    model: str,
+    created: int,
+    text: str | None,
+    finish_reason: str | None = None,
+    usage: Usage | None = None,
+    role: bool = False,
+) -> ResponseBody:
     """One streamed chunk; text None = the final usage-only chunk (empty choices)."""
     choices: list[CompletionChoice | ChatChoice | ChatChunkChoice] = []
     if text is not None and chat:
@@ -75,5 +94,11 @@ def stream_chunk(chat: bool, rid: str, model: str, created: int, text: str | Non
         choices = [ChatChunkChoice(delta=delta, finish_reason=finish_reason)]
     elif text is not None:
         choices = [CompletionChoice(text=text, finish_reason=finish_reason)]
-    return ResponseBody(id=rid, object="chat.completion.chunk" if chat else "text_completion",
-                        created=created, model=model, choices=choices, usage=usage)
+    return ResponseBody(
+        id=rid,
+        object="chat.completion.chunk" if chat else "text_completion",
+        created=created,
+        model=model,
+        choices=choices,
+        usage=usage,
+    )

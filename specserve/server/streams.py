@@ -26,8 +26,9 @@ class RequestTimeoutError(RuntimeError):
 class RequestStream:
     """Async iterator over one request's outputs; closing it early aborts the request."""
 
-    def __init__(self, abort: Callable[[str], None], request_id: str,
-                 num_prompt_tokens: int) -> None:
+    def __init__(
+        self, abort: Callable[[str], None], request_id: str, num_prompt_tokens: int
+    ) -> None:
         self.request_id = request_id
         self.loop = asyncio.get_running_loop()
         self.finished = False
