@@ -40,6 +40,26 @@ def _send_or_done(sock: socket.socket, data: bytes, done: set) -> None:
         done.add(sock)
 
 
+def _trickle(ctx: Ctx, count: int, head: bytes, drip: bytes) -> tuple[list, float]:
+    """count connections send `head`, then `drip` every 0.2 s until the server answers (6 s
+    at most); (what each got until closed, seconds)."""
+    socks = [socket.create_connection(ctx.addr()) for _ in range(count)]
+    for s in socks:
+        s.sendall(head)
+    t0, done = time.monotonic(), set()
+    while len(done) < len(socks) and time.monotonic() - t0 < 6:
+        ready, _, _ = select.select([s for s in socks if s not in done], [], [], 0.2)
+        done.update(ready)
+        for s in socks:
+            if s not in done:
+                _send_or_done(s, drip, done)
+    results = _read_until_closed(socks, 3)
+    elapsed = time.monotonic() - t0
+    for s in socks:
+        s.close()
+    return results, elapsed
+
+
 def _status(raw: bytes) -> str:
     return raw[9:12].decode() if raw.startswith(b"HTTP/1.1 ") else ("none" if not raw else "?")
 
@@ -82,20 +102,8 @@ def stalled_uploads(ctx: Ctx) -> Result:
 
 
 def slowloris(ctx: Ctx) -> Result:
-    socks = [socket.create_connection(ctx.addr()) for _ in range(20)]
-    for s in socks:
-        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
-    t0, done = time.monotonic(), set()
-    while len(done) < len(socks) and time.monotonic() - t0 < 6:
-        ready, _, _ = select.select([s for s in socks if s not in done], [], [], 0.2)
-        done.update(ready)
-        for s in socks:
-            if s not in done:
-                _send_or_done(s, b"X-Slow: 1\r\n", done)  # a line every 0.2 s, never the end
-    results = _read_until_closed(socks, 3)
-    elapsed = time.monotonic() - t0
-    for s in socks:
-        s.close()
+    # a header line every 0.2 s, never the blank line that ends them
+    results, elapsed = _trickle(ctx, 20, b"GET /health HTTP/1.1\r\nHost: x\r\n", b"X-Slow: 1\r\n")
     ok = all(closed and _status(raw) == "408" for raw, closed in results)
     return ok, f"20 slowloris connections: {_tally(results)}, closed after {elapsed:.1f} s"
 
@@ -105,20 +113,7 @@ def slow_body(ctx: Ctx) -> Result:
         f"POST {COMP} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {ctx.key}\r\n"
         "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
     ).encode()
-    socks = [socket.create_connection(ctx.addr()) for _ in range(5)]
-    for s in socks:
-        s.sendall(head)
-    t0, done = time.monotonic(), set()
-    while len(done) < len(socks) and time.monotonic() - t0 < 6:
-        ready, _, _ = select.select([s for s in socks if s not in done], [], [], 0.2)
-        done.update(ready)
-        for s in socks:
-            if s not in done:
-                _send_or_done(s, b" ", done)  # one byte every 0.2 s
-    results = _read_until_closed(socks, 3)
-    elapsed = time.monotonic() - t0
-    for s in socks:
-        s.close()
+    results, elapsed = _trickle(ctx, 5, head, b" ")  # one body byte every 0.2 s
     ok = all(closed and _status(raw) == "408" for raw, closed in results)
     return ok, f"5 slow bodies (1 byte / 0.2 s): {_tally(results)}, closed after {elapsed:.1f} s"
 

@@ -143,15 +143,17 @@ class Handler:
             requested, len(ids), self.max_len, room, self.vocab_size, default_cap, param
         )
 
+    async def _parse(self, request: Request, model: type, limits: dict[str, str]) -> Any:
+        """The validated request; `limits`: list fields capped at the context (and why)."""
+        caps = {name: (self.max_len, why) for name, why in limits.items()}
+        content_type = request.headers.get("content-type", "")
+        req = P.parse_request(await request.body(), content_type, model, caps)
+        self.admit_fast(req)
+        return req
+
     async def completions(self, request: Request) -> Response:
         why = "a longer prompt cannot fit the context"
-        req: P.CompletionRequest = P.parse_request(
-            await request.body(),
-            request.headers.get("content-type", ""),
-            P.CompletionRequest,
-            {"prompt": (self.max_len, why)},
-        )
-        self.admit_fast(req)
+        req: P.CompletionRequest = await self._parse(request, P.CompletionRequest, {"prompt": why})
         prompt = req.single_prompt(self.vocab_size)
         if isinstance(prompt, str):
             self.check_chars(len(prompt), "prompt")
@@ -163,13 +165,9 @@ class Handler:
 
     async def chat(self, request: Request) -> Response:
         why = "each takes at least one token of the context"
-        req: P.ChatCompletionRequest = P.parse_request(
-            await request.body(),
-            request.headers.get("content-type", ""),
-            P.ChatCompletionRequest,
-            {"messages": (self.max_len, why), "messages[].content": (self.max_len, why)},
+        req: P.ChatCompletionRequest = await self._parse(
+            request, P.ChatCompletionRequest, {"messages": why, "messages[].content": why}
         )
-        self.admit_fast(req)
         messages = req.chat_messages()
         self.check_chars(sum(len(m["content"]) for m in messages), "messages")
         ids = await self.encode(self.engine.tokenizer.apply_chat_template, messages, "messages")
