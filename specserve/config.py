@@ -358,8 +358,8 @@ class ParallelConfig:
         "auto", "collectives between TP ranks: auto (nccl on GPUs, gloo on the CPU) | nccl | "
         "gloo", choices=("auto", "nccl", "gloo"))
     step_timeout_s: float = option(
-        30.0, "a TP step running longer than this means a hung worker: the engine stops "
-        "(seconds)", above=0.0)
+        30.0, "a step running longer than this means a hang (a TP worker, or the server's "
+        "engine thread): the engine stops (seconds; 0 = no server watchdog)", min=0.0)
 
     def __post_init__(self) -> None:
         check_fields(self)

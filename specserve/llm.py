@@ -56,8 +56,23 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
 
     def close(self) -> None:
-        """Stop the engine's TP workers and release its model and KV pool."""
-        self.engine.close()
+        """Stop the engine's TP workers and release its model, KV pool and CUDA graphs now
+        (also on `del` and at the end of a `with` block); it generates nothing afterwards."""
+        engine = getattr(self, "engine", None)  # None if __init__ failed before it was set
+        if engine is not None:
+            engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: modules may be gone; nothing to release
+            return
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams() under the model's generation config (--generation-config)."""

@@ -41,8 +41,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' on every route but /health",
+        help="require 'Authorization: Bearer KEY' on every route but /health (shows in ps: "
+        "prefer --api-key-file or $SPECSERVE_API_KEY)",
     )
+    serve.add_argument("--api-key-file", default=None, help="read the API key from this file")
     serve.add_argument(
         "--served-model-name",
         nargs="+",
@@ -60,6 +62,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=30.0,
         help="seconds SIGTERM waits for in-flight requests (default: 30)",
     )
+    serve.add_argument("--max-connections", type=int, default=1024,
+                       help="open connections past this get 503 (0 = no cap; default: 1024)")
+    serve.add_argument("--timeout-header", type=float, default=10.0,
+                       help="seconds a client has to send the request headers (408 after; "
+                       "default: 10)")
+    serve.add_argument("--timeout-body", type=float, default=30.0,
+                       help="seconds a client has to send the whole body (408 after; "
+                       "default: 30)")
+    serve.add_argument("--request-timeout", type=float, default=0.0,
+                       help="abort a request unfinished this long after arrival (504; "
+                       "default: 0 = off)")
+    serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                       help="run the engine core in a process of its own (default: on; off: "
+                       "a thread of the server process)")
     add_engine_args(serve, positional_model=True)
     serve.set_defaults(func=serve_command)
 
@@ -115,15 +131,24 @@ def serve_command(args: argparse.Namespace) -> int:
         raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     if args.served_model_name is not None and not all(args.served_model_name):
         raise ValueError("--served-model-name names must be non-empty")
+    from specserve.server.guard import resolve_api_key  # torch-free
+
+    key = resolve_api_key(args.api_key, args.api_key_file)
+    timeouts = {"timeout-header": args.timeout_header, "timeout-body": args.timeout_body,
+                "request-timeout": args.request_timeout, "drain-timeout": args.drain_timeout}
     config = checked_engine_config(args)
     check_port(args.host, args.port)
     from specserve import defaults
-    from specserve.server.api import serve
+    from specserve.server.api import check_serve_limits, serve
 
+    check_serve_limits(args.host, key, timeouts, args.max_connections,
+                       args.max_body_bytes or 1)
     given = args.model_tag or args.model
     names = args.served_model_name or [given or defaults.DEFAULT_MODEL_NAME]
     return serve(
-        config, names, args.host, args.port, args.api_key, args.max_body_bytes, args.drain_timeout
+        config, names, args.host, args.port, key, args.max_body_bytes, args.drain_timeout,
+        args.timeout_header, args.timeout_body, args.request_timeout, args.max_connections,
+        args.engine_process,
     )
 
 
