@@ -152,7 +152,7 @@ def main() -> int:
         spec = dict(algorithm="eagle3", draft_model="dummy", topk=args.spec_topk,
                     num_steps=args.spec_num_steps, num_draft_tokens=args.spec_num_draft_tokens,
                     synthetic_accept_len=args.spec_accept_len)
-    llm = LLM(args.model, speculative=spec, load_format="dummy",
+    llm = LLM(args.model, speculative_config=spec, load_format="dummy",
               cuda_graph_max_bs=max(batch_sizes),
               scheduler={"max_model_len": args.context_len + 512,
                          "max_num_seqs": max(batch_sizes)})

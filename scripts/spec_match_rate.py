@@ -45,7 +45,7 @@ def main() -> None:
     for cfg in args.configs.split(","):
         steps, topk, tokens = (int(x) for x in cfg.split("x"))
         spec = LLM(args.model, dtype=args.dtype, load_format=args.load_format,
-                   speculative=dict(algorithm="eagle3", draft_model=args.draft,
+                   speculative_config=dict(algorithm="eagle3", draft_model=args.draft,
                                     num_steps=steps, topk=topk, num_draft_tokens=tokens))
         outs = spec.generate(prompts, sp)
         divergences = []

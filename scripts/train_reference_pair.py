@@ -36,8 +36,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specserve.train.eagle3 import TrainConfig, train_eagle3  # noqa: E402
-from specserve.train.evaluate import EvalConfig, evaluate_accept, format_table  # noqa: E402
+from specserve.train.config import EvalConfig, TrainConfig  # noqa: E402
+from specserve.train.eagle3 import train_eagle3  # noqa: E402
+from specserve.train.evaluate import evaluate_accept, format_table  # noqa: E402
 
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>"]
 CHAT_FREE_TEMPLATE = "{{ bos_token }}{% for message in messages %}{{ message['content'] }}" \

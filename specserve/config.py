@@ -1,28 +1,35 @@
 """Engine configuration: composed, frozen dataclasses.
 
 `ModelConfig.from_hf` normalises a Hugging Face config.json once; everything downstream reads
-the normalised fields. CLI flags are generated from the dataclass fields (`add_cli_args` /
-`from_cli_args`), with the help text in each field's metadata: one source of truth.
+the normalised fields. CLI flags, offline-API keywords and value checks come from each field's
+metadata (`config_flags.option`): one source of truth. Building a config checks it, so a bad
+value fails before anything loads. Imports no torch.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
-import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from specserve.config_flags import (
+    ConfigError,
+    check_fields,
+    keyword_aliases,
+    option,
+    unwrap_optional,
+)
+from specserve.spec_config import SpecConfig
+
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-
-
-def _f(default: Any, help: str, **kw: Any) -> Any:
-    """A dataclass field carrying its CLI help text."""
-    return field(default=default, metadata={"help": help, **kw})
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's spellings
+GENERATION_CONFIG_HELP = ("request sampling defaults: auto = the model's generation_config.json "
+                          "(temperature, top_p, top_k, min_p, repetition_penalty); vllm = none "
+                          "(neutral defaults); DIR = DIR/generation_config.json")
 
 
 def _first(hf: dict[str, Any], *names: str, default: Any = None) -> Any:
@@ -276,6 +283,41 @@ class ModelConfig:
             num_mtp_layers=int(_first(hf, "num_nextn_predict_layers", "num_mtp_layers", default=0)),
         )
 
+    def num_parameters(self) -> int:
+        """Parameters of a decoder-only model of this shape: embeddings, decoder layers
+        (attention with its optional biases / q-k norms, or MLA's latent projections; a gated
+        MLP, or a MoE block's router, routed and shared experts; two norms), final norm and LM
+        head (unless tied)."""
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attn = h * (q + 2 * kv) + q * h + (q + 2 * kv) * self.attention_bias
+        attn += 2 * self.head_dim * self.qk_norm
+        if self.mla is not None:  # projections through the latents (biases left out)
+            m, heads = self.mla, self.num_heads
+            q_out = heads * m.qk_head_dim
+            attn = h * q_out if m.q_lora_rank is None else (
+                m.q_lora_rank * (h + 1 + q_out))
+            attn += (h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
+                     + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
+                     + heads * m.v_head_dim * h)
+        layers = self.num_layers * (attn + 2 * h)
+        moe = self.moe
+        for i in range(self.num_layers):
+            if moe is None or not moe.is_moe_layer(i):
+                layers += 3 * h * self.intermediate_size
+                continue
+            router = moe.num_experts * h + moe.num_experts * (moe.topk_method == "noaux_tc")
+            experts = (moe.num_experts + moe.num_shared_experts) * 3 * h * moe.intermediate_size
+            layers += router + experts
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.vocab_size * h + layers + h + head
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """K and V of every decoder layer for one token (MLA: the latent and rope key)."""
+        if self.mla is not None:
+            return self.num_layers * (self.mla.kv_lora_rank + self.mla.qk_rope_head_dim) * (
+                dtype_bytes)
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
 
 # Config adapters: an architecture's config.json -> the flat text-model config `from_hf` reads.
 
@@ -334,13 +376,17 @@ def _read_quantization(hf: dict[str, Any], quant_file: str | None) -> dict | Non
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tp_size: int = _f(1, "tensor-parallel degree (GPUs per model replica)")
-    distributed_backend: str = _f(
+    tp_size: int = option(1, "tensor-parallel degree (GPUs per model replica)", min=1,
+                          flags=("-tp", "--tensor-parallel-size", "--tp-size"), metavar="N")
+    distributed_backend: str = option(
         "auto", "collectives between TP ranks: auto (nccl on GPUs, gloo on the CPU) | nccl | "
         "gloo", choices=("auto", "nccl", "gloo"))
-    step_timeout_s: float = _f(
-        30.0, "a TP step running longer than this means a hung worker: the engine stops "
-        "(seconds)")
+    step_timeout_s: float = option(
+        30.0, "a step running longer than this means a hang (a TP worker, or the server's "
+        "engine thread): the engine stops (seconds; 0 = no server watchdog)", min=0.0)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 COMM_BACKENDS = ("auto", "nccl", "gloo", "symm-one-shot", "symm-two-shot", "triton-one-shot")
@@ -350,105 +396,113 @@ COMM_BACKENDS = ("auto", "nccl", "gloo", "symm-one-shot", "symm-two-shot", "trit
 class CommConfig:
     """Tensor-parallel communication, and the communication-cost emulator."""
 
-    comm_backend: str = _f(
+    comm_backend: str = option(
         "auto", "all-reduce backend under TP: auto picks the fastest per message size by "
         "measurement at start-up (cached per machine); a named one is used, unmeasured, for "
         "every message its buffers hold (nccl|gloo: the process group's own)",
         choices=COMM_BACKENDS)
-    comm_fuse: str = _f(
+    comm_fuse: str = option(
         "auto", "all-reduce fused with the residual add + RMSNorm in one launch: auto (where "
         "measured faster) | on (wherever a backend has the kernel) | off",
         choices=("auto", "on", "off"))
-    comm_tune: str = _f(
+    comm_tune: str = option(
         "auto", "start-up measurement: auto (reuse the cached table, measure missing sizes) | "
         "refresh (measure anew) | off (no measurement: the chosen backend, else nccl/gloo)",
         choices=("auto", "refresh", "off"))
-    comm_cache_dir: str = _f("", "where measured tables are cached (default: the user cache "
-                                 "dir, ~/.cache/specserve/comm)")
-    emulate_comm: str = _f(
+    comm_cache_dir: str = option("", "where measured tables are cached",
+                                 help_default="the user cache dir, ~/.cache/specserve/comm")
+    emulate_comm: str = option(
         "", "COST-ONLY benchmarking: each all-reduce also costs (TP 1: costs instead) the "
         "latency this table gives for its size, as a GPU busy-wait; a name from "
         "specserve/distributed/comm_tables or a JSON path (bench latency: comma-separated, "
-        "one pass per table)")
-    emulate_tp: int = _f(8, "world size whose latencies the emulated table supplies")
-    emulate_compute: str = _f(
+        "one pass per table)", help_default="off")
+    emulate_tp: int = option(8, "world size whose latencies the emulated table supplies", min=2)
+    emulate_compute: str = option(
         "full", "with --emulate-comm on one GPU: full = the whole model's math (TP 1); "
         "shard = rank 0's shard of a TP --emulate-tp model (its per-GPU compute; outputs are "
         "meaningless)", choices=("full", "shard"))
 
+    def __post_init__(self) -> None:
+        check_fields(self)
+
 
 @dataclass(frozen=True)
 class CacheConfig:
-    page_size: int = _f(16, "tokens per KV-cache page")
-    gpu_memory_utilization: float = _f(
-        0.90, "fraction of the GPU's free memory (after weights) given to the KV cache"
-    )
-    kv_cache_bytes: int = _f(
-        256 << 20, "KV-cache size in bytes when running on the CPU"
-    )
-    num_pages: int = _f(0, "fix the number of KV pages (0 = size from the memory budget)")
+    page_size: int = option(16, "tokens per KV-cache page", min=1,
+                            flags=("--page-size", "--block-size"))
+    gpu_memory_utilization: float = option(
+        0.90, "fraction of the GPU's free memory (after weights) given to the KV cache",
+        above=0.0, max=1.0)
+    kv_cache_bytes: int = option(256 << 20, "KV-cache size in bytes when running on the CPU",
+                                 min=1)
+    num_pages: int = option(0, "fix the number of KV pages (0 = size from the memory budget)",
+                            min=0)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = _f(128, "most requests running at once")
-    max_num_batched_tokens: int = _f(2048, "token budget of one forward (chunked prefill)")
-    max_model_len: int = _f(0, "context length (0 = the model's max_position_embeddings)")
-    max_waiting: int = _f(1024, "bounded waiting queue; the server answers 429 past it")
+    max_num_seqs: int = option(128, "most requests running at once", min=1)
+    max_num_batched_tokens: int = option(2048, "token budget of one forward (chunked prefill)",
+                                         min=1)
+    max_model_len: int = option(0, "context length (0 = the model's max_position_embeddings)",
+                                min=0)
+    max_waiting: int = option(1024, "bounded waiting queue; the server answers 429 past it",
+                              min=1)
 
-
-@dataclass(frozen=True)
-class SpecConfig:
-    algorithm: str = _f("none", "speculative decoding: none | eagle3", choices=("none", "eagle3"))
-    draft_model: str = _f("", "EAGLE-3 draft head directory ('dummy': a random head)")
-    num_steps: int = _f(3, "draft forwards per cycle (tree depth)")
-    topk: int = _f(1, "branching factor: 1 = chain, >1 = EAGLE-2 dynamic tree")
-    num_draft_tokens: int = _f(0, "tokens verified per cycle incl. the root (0 = num_steps+1)")
-    synthetic_accept_len: int = _f(
-        0, "COST-ONLY benchmarking: force this accept length (0 = real verification)"
-    )
-
-    @property
-    def enabled(self) -> bool:
-        return self.algorithm != "none"
-
-    @property
-    def verify_tokens(self) -> int:
-        """Tokens run through the target per cycle, the root included."""
-        if self.num_draft_tokens:
-            return self.num_draft_tokens
-        return self.num_steps + 1
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = _f("", "model directory or Hugging Face repo id (local cache only)")
-    tokenizer: str = _f("", "tokenizer directory (default: the model's)")
-    load_format: str = _f(
+    model: str = option("", "model directory or Hugging Face repo id (local cache only)",
+                        metavar="MODEL")
+    tokenizer: str = option("", "tokenizer directory", help_default="the model's")
+    load_format: str = option(
         "auto", "auto: read the checkpoint; dummy: random weights (cost benchmarks; --model may "
         "then name a preset such as llama-3.1-8b)", choices=("auto", "dummy"))
-    dtype: str = _f("auto", "weight/activation dtype", choices=DTYPES)
-    quantization: str = _f(
+    dtype: str = option("auto", "weight/activation dtype (half = float16, float = float32); "
+                        "auto: float32 on the CPU, the checkpoint's half type on a GPU",
+                        choices=DTYPES, cli_choices=(*DTYPES, *DTYPE_ALIASES))
+    quantization: str = option(
         "auto", "weight format: auto = what the checkpoint declares (quantization_config or "
-        "hf_quant_config.json); fp8 (128x128 blocks, W8A8) | w4a16 (int4, group 128) | nvfp4 "
+        "hf_quant_config.json); fp8 (128x128 blocks, W8A8) | w4a16 (int4, group 128; a preset "
+        "may name its own, e.g. kimi-k2-3l: Kimi K2.5's INT4 g32 experts) | nvfp4 "
         "(weight-only) must match the checkpoint, or give --load-format dummy random weights "
         "in that format", choices=("auto", "fp8", "w4a16", "nvfp4"))
-    device: str = _f("auto", "auto | cpu | cuda")
-    seed: int = _f(0, "engine seed for requests without their own")
-    enforce_eager: bool = _f(False, "disable CUDA graphs")
-    cuda_graph_max_bs: int = _f(128, "largest decode batch captured in a CUDA graph")
-    decode_overlap: str = _f(
+    device: str = option("auto", "auto | cpu | cuda | cuda:N")
+    seed: int = option(0, "engine seed for requests without their own", min=0)
+    enforce_eager: bool = option(False, "disable CUDA graphs")
+    cuda_graph_max_bs: int = option(128, "largest decode batch captured in a CUDA graph", min=1)
+    decode_overlap: str = option(
         "auto", "launch the next decode step (or speculative cycle) before the host reads "
         "this one (hides the host's work); auto: on where decode CUDA graphs are captured",
         choices=("auto", "on", "off"))
-    cpu_threads: int = _f(
+    cpu_threads: int = option(
         0, "torch threads on the CPU (0 = auto: 1 for small models, whose matmuls are too "
-        "small to split, else torch's default)")
+        "small to split, else torch's default)", min=0)
+    generation_config: str = option("auto", GENERATION_CONFIG_HELP, metavar="auto|vllm|DIR")
+    chat_template: str = option(
+        "", "chat template for chat requests: a Jinja file or the template text itself",
+        metavar="FILE|TEMPLATE", help_default="the tokenizer's")
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype in DTYPE_ALIASES:
+            object.__setattr__(self, "dtype", DTYPE_ALIASES[self.dtype])
+        check_fields(self)
+        device = self.device
+        if device not in ("auto", "cpu", "cuda") and not (
+                device.startswith("cuda:") and device[5:].isdigit()):
+            raise ConfigError(EngineConfig, "device", f"must be auto, cpu, cuda or cuda:N; "
+                              f"got {device!r}")
 
     def replace(self, **changes: Any) -> EngineConfig:
         """Return a copy with fields changed; nested configs accept dicts of changes."""
@@ -461,68 +515,35 @@ class EngineConfig:
         return dataclasses.replace(self, **out)
 
 
-# ---------------------------------------------------------------------------------------------
-# CLI flags generated from the fields
+# keyword (a field name, or a long flag spelled with underscores) -> (nested config, field)
+ENGINE_KEYWORDS: dict[str, tuple[str | None, str]] = {
+    **{k: (None, v) for k, v in keyword_aliases(EngineConfig).items()},
+    **{k: (name, v) for name, cls in (("parallel", ParallelConfig), ("cache", CacheConfig),
+                                      ("scheduler", SchedulerConfig))
+       for k, v in keyword_aliases(cls).items()},
+}
 
 
-def _unwrap_optional(tp: Any) -> Any:
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1:
-            return args[0]
-    return tp
-
-
-def _flag(prefix: str, name: str) -> str:
-    return "--" + (f"{prefix}-{name}" if prefix else name).replace("_", "-")
-
-
-def add_cli_args(parser: argparse.ArgumentParser, cls: type = EngineConfig, prefix: str = "",
-                 skip: tuple[str, ...] = ()) -> None:
-    """Add one flag per leaf field of `cls` (nested configs get their own flags).
-
-    Nested fields are flattened without a prefix except for `spec` (`--spec-num-steps`), so the
-    common flags read naturally (`--page-size`, `--tp-size`).
-    """
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if f.name in skip:
-            continue
-        tp = _unwrap_optional(hints[f.name])
-        if dataclasses.is_dataclass(tp):
-            add_cli_args(parser, tp, "spec" if f.name == "spec" else prefix, skip)
-            continue
-        flag = _flag(prefix, f.name)
-        help_text = f.metadata.get("help", "")
-        default = f.default
-        if tp is bool:
-            parser.add_argument(flag, dest=flag[2:].replace("-", "_"),
-                                action=argparse.BooleanOptionalAction, default=None,
-                                help=f"{help_text} (default: {default})")
+def engine_config(base: EngineConfig | None = None, **kwargs: Any) -> EngineConfig:
+    """EngineConfig from keywords: EngineConfig fields, the leaf fields of the nested configs
+    by name or flag spelling (`page_size=32`, `tensor_parallel_size=1`), or nested configs
+    (`cache=CacheConfig(...)` or a dict of changes). Unknown keywords raise TypeError."""
+    base = base or EngineConfig()
+    top: dict[str, Any] = {}
+    nested: dict[str, dict[str, Any]] = {}
+    for key, value in kwargs.items():
+        if key in ("parallel", "cache", "scheduler", "spec", "comm"):
+            top[key] = value
+        elif key not in ENGINE_KEYWORDS:
+            raise TypeError(f"unknown engine option {key!r}; see specserve.config.EngineConfig")
         else:
-            parser.add_argument(flag, dest=flag[2:].replace("-", "_"), type=tp, default=None,
-                                choices=f.metadata.get("choices"),
-                                help=f"{help_text} (default: {default!r})")
-
-
-def config_from_cli_args(args: argparse.Namespace, cls: type = EngineConfig, prefix: str = "",
-                         base: Any = None) -> Any:
-    """Inverse of `add_cli_args`: flags left unset keep the dataclass (or `base`) default."""
-    hints = typing.get_type_hints(cls)
-    values: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        tp = _unwrap_optional(hints[f.name])
-        if dataclasses.is_dataclass(tp):
-            sub_base = getattr(base, f.name) if base is not None else None
-            values[f.name] = config_from_cli_args(
-                args, tp, "spec" if f.name == "spec" else prefix, sub_base)
-            continue
-        value = getattr(args, _flag(prefix, f.name)[2:].replace("-", "_"), None)
-        if value is not None:
-            values[f.name] = value
-    if base is not None:
-        return dataclasses.replace(base, **values)
-    return cls(**values)
+            group, name = ENGINE_KEYWORDS[key]
+            if group is None:
+                top[name] = value
+            else:
+                nested.setdefault(group, {})[name] = value
+    config = base.replace(**top)
+    return config.replace(**nested) if nested else config
 
 
 def config_to_dict(config: EngineConfig) -> dict[str, Any]:
@@ -539,7 +560,7 @@ def config_from_dict(values: dict[str, Any], cls: type = EngineConfig) -> Any:
         raise ValueError(f"unknown {cls.__name__} fields: {', '.join(unknown)}")
     out: dict[str, Any] = {}
     for name, value in values.items():
-        tp = _unwrap_optional(hints[name])
+        tp = unwrap_optional(hints[name])
         if dataclasses.is_dataclass(tp) and isinstance(value, dict):
             value = config_from_dict(value, tp)
         elif isinstance(value, list):

@@ -21,7 +21,6 @@ from importlib import metadata
 from typing import Any
 
 from specserve.comm_report import (
-    add_measure_args,
     backend_rows,
     comm_facts,
     format_comm,
@@ -296,13 +295,6 @@ def format_report(facts: dict[str, Any]) -> str:
     if "comm_backends" in facts:
         out.extend(format_comm(facts))
     return "\n".join(out)
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("doctor", help="report the hardware and usable fast paths")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    add_measure_args(p)
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

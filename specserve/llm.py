@@ -1,4 +1,4 @@
-"""Offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+"""Offline API: `LLM(model, ...).generate(prompts, SamplingParams(...))`, and `.chat(messages)`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from specserve.config import EngineConfig, SpecConfig
+from specserve import spec_config
+from specserve.config import EngineConfig, SpecConfig, engine_config
 from specserve.engine.engine import Engine
 from specserve.sampling_params import SamplingParams
 
@@ -33,32 +34,69 @@ class GenerationOutput:
 
 
 class LLM:
-    """Keyword arguments are EngineConfig fields; `speculative=dict(...)` sets SpecConfig and
-    nested configs accept dicts (`cache=dict(page_size=32)`). `proposer` brings a drafter of
-    one's own (see Engine; speculative/proposer.py), drafting with SpecConfig's shape."""
+    """The offline engine, shaped like vLLM's:
+
+        LLM("/path/to/model", speculative_config={"method": "eagle3", "model": "/path/to/head",
+            "num_speculative_tokens": 3}, tensor_parallel_size=1, dtype="bfloat16", seed=0)
+
+    Keywords are EngineConfig fields, nested config fields by name or flag spelling
+    (`page_size=32`, `max_num_seqs=8`, `gpu_memory_utilization=0.8`), or nested configs
+    (`cache=CacheConfig(...)` or a dict). `speculative_config` takes vLLM's keys (method,
+    model, num_speculative_tokens) and the tree fields (topk, num_draft_tokens); see
+    specserve/spec_config.py. `proposer` brings a drafter of one's own (see Engine;
+    speculative/proposer.py), drafting with the speculative config's shape."""
 
     def __init__(self, model: str | EngineConfig,
-                 speculative: dict[str, Any] | SpecConfig | None = None,
+                 speculative_config: dict[str, Any] | str | SpecConfig | None = None,
                  proposer: Callable[..., Any] | None = None, **kwargs: Any) -> None:
-        config = model if isinstance(model, EngineConfig) else EngineConfig(model=model)
-        if isinstance(speculative, dict):
-            kwargs["spec"] = SpecConfig(**speculative)
-        elif speculative is not None:
-            kwargs["spec"] = speculative
-        self.engine = Engine(config.replace(**kwargs), proposer=proposer)
+        base = model if isinstance(model, EngineConfig) else EngineConfig(model=model)
+        if speculative_config is not None:
+            kwargs["spec"] = spec_config.speculative_config(speculative_config)
+        self.engine = Engine(engine_config(base, **kwargs), proposer=proposer)
         self.tokenizer = self.engine.tokenizer
 
     def close(self) -> None:
-        """Stop the engine's TP workers and release its model and KV pool."""
-        self.engine.close()
+        """Stop the engine's TP workers and release its model, KV pool and CUDA graphs now
+        (also on `del` and at the end of a `with` block); it generates nothing afterwards."""
+        engine = getattr(self, "engine", None)  # None if __init__ failed before it was set
+        if engine is not None:
+            engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: modules may be gone; nothing to release
+            return
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() under the model's generation config (--generation-config)."""
+        return self.engine.default_sampling_params()
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = False) -> list[GenerationOutput]:
+        """Generate replies to one conversation or several, through the chat template."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(c) for c in conversations]
+        return self.generate(prompts, params, use_tqdm)
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[GenerationOutput]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(
-            prompts)
+        if isinstance(params, list):
+            params_list = params
+        else:  # no params: the model's generation-config defaults (vLLM's rule)
+            params_list = [params or self.get_default_sampling_params()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
         engine = self.engine

@@ -3,15 +3,25 @@
 from __future__ import annotations
 
 import math
+from array import array
 from dataclasses import dataclass, field
 
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_LEN = 1024
+MAX_STOP_TOKEN_IDS = 256
+# temperatures below this (compared in float32, the sampler's precision) sample greedily:
+# logits / T overflows float32 long before T reaches 0 (T = 1e-38 gives inf - inf = NaN)
+GREEDY_BELOW = 1e-5
+
+
+def as_float32(x: float) -> float:
+    """The float32 value the device sees for x (inf past float32's range, 0 below it)."""
+    return array("f", [x])[0]
 
 
 @dataclass
 class SamplingParams:
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_BELOW) = greedy
     top_p: float = 1.0  # (0, 1]
     top_k: int = -1  # -1 or 0 = off
     min_p: float = 0.0  # [0, 1]
@@ -31,7 +41,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Decided once, from the float32 temperature the sampler would divide by: the host
+        (batch modes, graph choice) and the device (which sees 0 for these rows) agree."""
+        return as_float32(self.temperature) < as_float32(GREEDY_BELOW)
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field and what to change."""
@@ -67,6 +79,9 @@ class SamplingParams:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
             if len(s) > MAX_STOP_STRING_LEN:
                 raise ValueError(f"stop strings must be at most {MAX_STOP_STRING_LEN} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids holds at most {MAX_STOP_TOKEN_IDS} ids, got "
+                             f"{len(self.stop_token_ids)}")
         for t in self.stop_token_ids:
             if integer("stop_token_ids[i]", t) < 0:
                 raise ValueError(f"stop_token_ids must be >= 0, got {t}")

@@ -49,6 +49,7 @@ class Tokenizer:
         eos = [] if hf.eos_token_id is None else [int(hf.eos_token_id)]
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys([*eos, *eos_token_ids]))
         self.vocab_size: int = len(hf)  # ids the tokenizer knows (the model may pad beyond)
+        self.max_chars_per_token = _max_chars_per_token(json.loads(spec), self._plain.get_vocab())
 
     @property
     def bos_token_id(self) -> int | None:
@@ -56,7 +57,7 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Encode user text; special-token text in it stays plain text."""
-        return self._plain.encode(text, add_special_tokens=add_special_tokens).ids
+        return _encode(self._plain, text, add_special_tokens)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._special.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -97,14 +98,75 @@ class Tokenizer:
         except jinja2.TemplateError as e:
             raise ValueError(f"the chat template rejected the messages: {e}") from e
         if not originals:
-            return self._special.encode(text, add_special_tokens=False).ids
+            return _encode(self._special, text, False)
         ids: list[int] = []
         for piece in re.split("(" + "|".join(map(re.escape, originals)) + ")", text):
             if piece in originals:
-                ids += self._plain.encode(originals[piece], add_special_tokens=False).ids
+                ids += _encode(self._plain, originals[piece], False)
             elif piece:
-                ids += self._special.encode(piece, add_special_tokens=False).ids
+                ids += _encode(self._special, piece, False)
         return ids
+
+
+def _encode(tok: tokenizers.Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    """Token ids of one text. The batch entry point runs without the interpreter lock (the
+    single-text one holds it throughout), so a long text does not stall other threads."""
+    return tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+
+# normalizers that never map a run of characters to fewer than 1/4 as many (NFC composes a
+# base and its marks, Hangul jamo into syllables); any other may delete characters
+_BOUNDED_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Prepend"}
+# pre-tokenizers that keep every character (whitespace splitters drop the whitespace)
+_KEEPING_PRE_TOKENIZERS = {
+    "ByteLevel",
+    "Metaspace",
+    "Digits",
+    "Punctuation",
+    "UnicodeScripts",
+    "Split",
+}
+
+
+def _shrink(component: dict | None, keeping: set[str]) -> int | None:
+    """How many characters of input one character after this component may stand for (1 =
+    none dropped), or None when it may drop characters outright."""
+    if component is None:
+        return 1
+    kind = component.get("type")
+    if kind == "Sequence":
+        parts = component.get("normalizers") or component.get("pretokenizers") or []
+        factor = 1
+        for part in parts:
+            f = _shrink(part, keeping)
+            if f is None:
+                return None
+            factor *= f
+        return factor
+    if kind == "Replace":
+        return 1 if component.get("content") else None
+    if kind == "Split" and str(component.get("behavior", "")).lower() == "removed":
+        return None
+    if kind in keeping:
+        return 4 if kind in ("NFC", "NFD", "NFKC", "NFKD") else 1
+    return None
+
+
+def _max_chars_per_token(spec: dict, vocab: dict[str, int]) -> int | None:
+    """A bound on the characters of input text one token can cover, so a text longer than
+    context x bound cannot fit the context; None where the tokenizer allows no such bound
+    (normalizers or pre-tokenizers that drop characters, unknown characters fused into one
+    token)."""
+    model = spec.get("model") or {}
+    if model.get("fuse_unk") and not model.get("byte_fallback"):
+        return None
+    normalize = _shrink(spec.get("normalizer"), _BOUNDED_NORMALIZERS)
+    split = _shrink(spec.get("pre_tokenizer"), _KEEPING_PRE_TOKENIZERS)
+    if normalize is None or split is None or not vocab:
+        return None
+    # a byte-level vocabulary entry spells one byte per character (a text's characters are
+    # at most its bytes); others spell the characters themselves
+    return max(len(piece) for piece in vocab) * normalize
 
 
 def _map_content(message: dict, fn: Any) -> dict:
@@ -125,6 +187,46 @@ def _map_content(message: dict, fn: Any) -> dict:
             for part in content
         ]
     return out
+
+
+def _generation_tag() -> type:
+    import jinja2.ext
+
+    class GenerationTag(jinja2.ext.Extension):
+        """Parses transformers' `{% generation %} ... {% endgeneration %}` (assistant-mask
+        markers) as a plain block."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body, lineno=lineno)
+
+    return GenerationTag
+
+
+def read_chat_template(value: str) -> str:
+    """A chat template given as a file path or as the Jinja text itself (vLLM's rule: text with
+    '{', '}' or a newline is a template, anything else must be a file). ValueError for a missing
+    file or a template Jinja cannot parse."""
+    import jinja2
+
+    _GenerationTag = _generation_tag()
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as fh:
+            text = fh.read()
+    elif any(c in value for c in "{}\n"):
+        text = value
+    else:
+        raise ValueError(f"{value!r} is not a file (nor inline Jinja text); give a template file "
+                         "or the template itself")
+    try:  # the extensions transformers renders templates with: loop controls, {% generation %}
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols", _GenerationTag]).parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"the chat template does not parse: {exc.message} (line {exc.lineno})"
+                         ) from None
+    return text
 
 
 def has_tokenizer(path: str) -> bool:

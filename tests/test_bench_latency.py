@@ -8,19 +8,21 @@ import math
 import random
 
 import pytest
+from cli_run import run_cli
 from tiny_models import make_tiny_checkpoint
 
 from specserve.bench import floor, latency
 from specserve.bench.log import read_results
+from specserve.models import presets
 
 SYNTHETIC_AL = 3  # forced accept length: 2 drafts + the bonus token per cycle
 OUTPUT_LEN = 7
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    latency.register(parser.add_subparsers())
-    return parser.parse_args(["latency", *argv])
+    from specserve.cli import build_parser
+
+    return build_parser().parse_args(["bench", "latency", "--no-progress", *argv])
 
 
 def _tiny_args(tmp_path, *extra: str) -> list[str]:
@@ -34,7 +36,7 @@ def engine():
     from specserve.llm import LLM
 
     return LLM("tiny-llama", load_format="dummy", device="cpu",
-               speculative=dict(algorithm="eagle3", draft_model="dummy")).engine
+               speculative_config=dict(algorithm="eagle3", draft_model="dummy")).engine
 
 
 def _check_summary(s: dict, n: int) -> None:
@@ -76,6 +78,19 @@ def test_bench_latency_cli_log_json_png(tmp_path, capsys):
         assert p["efficiency"] == pytest.approx(eff)
         floor_pt = next(f for f in report["floor"]["points"] if f["batch_size"] == bs)
         assert p["floor_ratio"] == pytest.approx(floor_pt["ms"] / base["ms_per_step"]["mean"])
+        # roofline: tiny-llama in fp32 on the CPU, by hand from its config.json shape
+        roof, shape = p["roofline"], presets.PRESETS["tiny-llama"]
+        context = 24 + OUTPUT_LEN / 2
+        kv = bs * context * 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * (
+            shape["hidden_size"] // shape["num_attention_heads"]) * 4
+        assert roof["kv_bytes"] == pytest.approx(kv) and roof["context"] == context
+        assert roof["weight_bytes"] == floor_pt["weight_bytes"]
+        mem_ms = (roof["weight_bytes"] + kv) / (report["copy"]["bandwidth_gbs"] * 1e9) * 1e3
+        assert roof["memory_ms"] == pytest.approx(mem_ms)
+        assert roof["compute_ms"] == pytest.approx(
+            roof["flops"] / (report["peak"]["tflops"] * 1e12) * 1e3)
+        assert roof["ms"] == max(roof["memory_ms"], roof["compute_ms"])
+        assert p["roofline_ratio"] == pytest.approx(roof["ms"] / base["ms_per_step"]["mean"])
     assert report["copy"]["bandwidth_gbs"] > 0
     hf = report["hf"]
     _check_summary(hf["tok_s"], 2)
@@ -85,6 +100,8 @@ def test_bench_latency_cli_log_json_png(tmp_path, capsys):
     exp = tmp_path / "exp"
     rows = [r for r in (exp / "LOG.md").read_text().splitlines() if "| latency |" in r]
     assert len(rows) == 4  # (baseline, eagle3) x (bs 1, bs 3)
+    assert sum("roofline/step" in r and "-bound" in r for r in rows) == 2  # baseline rows
+    assert "roofline ctx 24 bs 3" in table and "matmul peak" in table
     assert sum("synthetic acceptance (cost-only)" in r for r in rows) == 2
     records = read_results(str(exp))
     assert [(r["mode"], r["point"]["batch_size"]) for r in records] == [
@@ -113,11 +130,11 @@ def test_bench_latency_baseline_only_skips_floor_and_hf_with_reason(tmp_path, ca
     (["--batch-sizes", "300"], "--max-num-seqs"),
     (["--context-len", "4000"], "--max-model-len"),
     (["--no-baseline"], "nothing to time"),
+    (["--kv-cache-bytes", "100000"], "does not fit the KV cache"),
 ])
-def test_bench_latency_bad_flags(tmp_path, argv, message):
-    args = _parse(_tiny_args(tmp_path, *argv))
-    with pytest.raises(ValueError, match=message):
-        args.func(args)
+def test_bench_latency_bad_flags(tmp_path, argv, message, capsys):
+    rc, err = run_cli(["bench", "latency", "--no-progress", *_tiny_args(tmp_path, *argv)], capsys)
+    assert rc == 2 and message in err and "Traceback" not in err
 
 
 def test_floor_weights_are_the_models_linear_weights(engine):
@@ -223,3 +240,28 @@ def test_make_prompts_from_a_prompt_set_cycles_and_cuts():
             want += encode(texts[k % len(texts)])
             k += 1
         assert got == want[:150]
+
+
+def test_bench_latency_shows_progress_per_point(tmp_path, capsys):
+    argv = ["--model", "tiny-llama", "--device", "cpu", "--batch-sizes", "1,2",
+            "--context-len", "16", "--output-len", "4", "--runs", "1", "--warmup", "0",
+            "--spec-draft-model", "dummy"]
+    rc, err = run_cli(["bench", "latency", *argv], capsys)
+    assert rc == 0, err
+    assert "bench latency" in err and "4/4" in err  # the bar: 2 points x 2 modes x 1 run
+    for bs in (1, 2):
+        assert f"ctx 16 bs {bs}: baseline " in err and "tok/s, eagle3 " in err
+
+
+def test_planned_capacity_is_the_engines(engine):
+    # the pre-build estimate (model config only) against the built engine's KV pool
+    from specserve.config import engine_config
+
+    config = engine_config(model="tiny-llama", load_format="dummy", device="cpu",
+                           spec=engine.config.spec)
+    assert latency.planned_capacity(config) == (
+        engine.max_model_len, engine.stats()["kv_token_capacity"])
+    plain = engine_config(model="tiny-llama", load_format="dummy", device="cpu",
+                          kv_cache_bytes=1 << 20)
+    per_token = 2 * 4 * 2 * 16 * 4  # K and V x 4 layers x 2 kv heads x head_dim 16 x fp32
+    assert latency.planned_capacity(plain)[1] == (1 << 20) // (per_token * 16) * 16

@@ -14,6 +14,7 @@ import time
 import httpx
 import pytest
 import uvicorn
+from cli_run import run_cli
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -205,9 +206,9 @@ def test_request_rate_mode(fake) -> None:
 
 
 def _cli(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="specserve bench")
-    serving.register(parser.add_subparsers())
-    return parser.parse_args(argv)
+    from specserve.cli import build_parser
+
+    return build_parser().parse_args(["bench", *argv])
 
 
 def test_cli_logs_rows_records_and_plot(fake, tmp_path, capsys) -> None:
@@ -264,17 +265,16 @@ def test_cli_logs_rows_records_and_plot(fake, tmp_path, capsys) -> None:
 @pytest.mark.parametrize(
     "extra,message",
     [
-        (["--concurrency", "1,x"], "--concurrency must be"),
-        (["--concurrency", "0"], "--concurrency must be"),
+        (["--concurrency", "1,x"], "argument --concurrency: want comma-separated positive"),
+        (["--concurrency", "0"], "argument --concurrency: want comma-separated positive"),
         (["--concurrency", "1", "--request-rate", "2"], "not both"),
-        (["--max-tokens", "0"], "--max-tokens must be >= 1"),
+        (["--max-tokens", "0"], "argument --max-tokens: must be >= 1"),
         (["--prompts", "nope"], "unknown prompt set"),
     ],
 )
-def test_cli_bad_input(extra: list[str], message: str) -> None:
-    args = _cli(["serve", "--model", "m", *extra])
-    with pytest.raises(ValueError, match=message):
-        args.func(args)
+def test_cli_bad_input(extra: list[str], message: str, capsys) -> None:
+    rc, err = run_cli(["bench", "serve", "--model", "m", *extra], capsys)
+    assert rc == 2 and message in err, err
 
 
 def test_metric_names_and_request_recording() -> None:

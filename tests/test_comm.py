@@ -166,7 +166,7 @@ def test_shard_emulation_builds_rank0_of_tp_n(tmp_path) -> None:
         load_format="dummy",
         device="cpu",
         comm=config,
-        speculative=dict(algorithm="eagle3", draft_model="dummy", synthetic_accept_len=2),
+        speculative_config=dict(algorithm="eagle3", draft_model="dummy", synthetic_accept_len=2),
     )
     assert get_tp_size() == 2
     model = llm.engine.runner.model
@@ -289,12 +289,13 @@ def test_message_rows() -> None:
 
 
 def test_bench_latency_runs_each_table(tmp_path, capsys) -> None:
-    from specserve.bench import latency
 
     slow, fast = _flat(tmp_path, 3000.0, name="slow"), _flat(tmp_path, 10.0, name="fast")
     out = tmp_path / "report.json"
     args = [
+        "bench",
         "latency",
+        "--no-progress",
         "--model",
         "tiny-llama",
         "--device",
@@ -314,11 +315,9 @@ def test_bench_latency_runs_each_table(tmp_path, capsys) -> None:
         "--json-out",
         str(out),
     ]
-    import argparse
+    from specserve.cli import build_parser
 
-    parser = argparse.ArgumentParser()
-    latency.register(parser.add_subparsers())
-    parsed = parser.parse_args(args)
+    parsed = build_parser().parse_args(args)
     assert parsed.func(parsed) == 0
     assert "-- emulated communication: table slow, TP 8, compute full" in capsys.readouterr().out
     report = json.loads(out.read_text())

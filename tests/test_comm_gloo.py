@@ -230,7 +230,7 @@ def _engine_tokens(out_dir: Path, tp: int, config: CommConfig) -> list[list[int]
         str(out_dir / "model"),
         device="cpu",
         dtype="float32",
-        speculative=spec,
+        speculative_config=spec,
         parallel=ParallelConfig(tp_size=tp),
         comm=config,
     )

@@ -100,7 +100,7 @@ def test_eagle3_greedy_equals_plain(targets, head, single, name: str, spec: str)
         targets[name],
         device="cpu",
         dtype="float32",
-        speculative=dict(algorithm="eagle3", draft_model=head, **SPEC[spec]),
+        speculative_config=dict(algorithm="eagle3", draft_model=head, **SPEC[spec]),
         **kw,
     )
     preempted = record_preemptions(llm.engine.scheduler)
@@ -117,7 +117,8 @@ def test_eagle3_greedy_equals_plain(targets, head, single, name: str, spec: str)
 def test_oracle_tree_compacts_latent_kv(targets, head, single, name: str) -> None:
     spec = dict(algorithm="eagle3", draft_model=head, num_steps=3, topk=2, num_draft_tokens=6)
     # eager: the oracle replaces a Python method, which a captured graph would not call
-    llm = LLM(targets[name], device="cpu", dtype="float32", speculative=spec, enforce_eager=True)
+    llm = LLM(targets[name], device="cpu", dtype="float32", speculative_config=spec,
+              enforce_eager=True)
     llm.engine.drafter.proposer.propose = oracle_propose(llm, single[name], decoys=True)
     prompts = _prompts(8, 0)[:4]
     outs = llm.generate(prompts, GREEDY)
@@ -174,7 +175,7 @@ def test_tp2_engine_equals_single_requests(targets, head, single, spec: str | No
         device="cpu",
         dtype="float32",
         parallel=ParallelConfig(tp_size=2),
-        speculative=spec and dict(algorithm="eagle3", draft_model=head, **SPEC[spec]),
+        speculative_config=spec and dict(algorithm="eagle3", draft_model=head, **SPEC[spec]),
     )
     try:
         outs = llm.generate(prompts, GREEDY)

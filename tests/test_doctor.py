@@ -36,9 +36,9 @@ Legend:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specserve")
-    doctor.register(parser.add_subparsers())
-    return parser
+    from specserve.cli import build_parser
+
+    return build_parser()
 
 
 @no_cuda

@@ -60,7 +60,7 @@ def test_graphs_and_eager_agree_on_outputs(target: str, tmp_path, spec: dict) ->
     outs = {}
     for eager in (True, False):
         llm = LLM(target, device="cuda", dtype="float32", enforce_eager=eager, cache=CACHE,
-                  speculative=dict(algorithm="eagle3", draft_model=head, **spec))
+                  speculative_config=dict(algorithm="eagle3", draft_model=head, **spec))
         assert (llm.engine.drafter.graphs is None) == eager
         outs[eager] = [o.token_ids for o in llm.generate(prompts, sp)]
     plain = LLM(target, device="cuda", dtype="float32", cache=CACHE)

@@ -145,7 +145,7 @@ def test_eagle3_head_stays_dense_over_a_quantized_target(fp8_target: str, tmp_pa
             fp8_target,
             device="cpu",
             dtype="float32",
-            speculative={"algorithm": "eagle3", "draft_model": draft},
+            speculative_config={"algorithm": "eagle3", "draft_model": draft},
         )
         engine = llm.engine
         target = engine.runner.model.model.layers[0].mlp.down_proj

@@ -326,7 +326,7 @@ def test_dummy_quantized_experts_and_their_floor(flag: str, method: str, tmp_pat
     each read expert's codes and scales (top_k per MoE layer at bs 1)."""
     from tiny_models import make_hf_model
 
-    from specserve.bench.floor import floor_weights, measure_floor
+    from specserve.bench.floor import floor_weights, measure_floor, token_weight_params
     from specserve.config import EngineConfig
     from specserve.llm import LLM
     from specserve.sampling_params import SamplingParams
@@ -363,3 +363,25 @@ def test_dummy_quantized_experts_and_their_floor(flag: str, method: str, tmp_pat
     assert streamed <= total < streamed + config["hidden_size"] * 4  # scales' matrix: whole rows
     assert any(w.data_ptr() == w13.weight[0].data_ptr() for w in weights)  # codes as views
     assert measure_floor(model, [1], replays=2, warmup=1)[0].weight_bytes == total
+    # the flops count the weights a token multiplies, as in the dense model of that shape
+    dense_llm = LLM(EngineConfig(model=str(tmp_path), load_format="dummy", device="cpu",
+                                 dtype="float32"))  # fmt: skip
+    dense = dense_llm.engine.runner.model
+    per_token = sum(w.numel() for w in floor_weights(dense))
+    assert token_weight_params(model) == token_weight_params(dense) == per_token
+
+
+def test_memory_check_counts_the_stored_format(expert_ckpts: dict) -> None:
+    """The fit check before loading counts a quantized model's codes and scales: exactly the
+    bytes of the FP8 checkpoint's tensors (the dense count would be 4 bytes per weight)."""
+    from specserve.config import CacheConfig, ModelConfig
+    from specserve.engine.memory import required_bytes
+
+    path = expert_ckpts["fp8-block"]["path"]
+    config = ModelConfig.from_hf(path)
+    weights, _ = required_bytes(config, None, torch.float32, torch.device("cpu"), CacheConfig())
+    stored = sum(
+        t.numel() * t.element_size() for t in load_file(f"{path}/model.safetensors").values()
+    )
+    assert weights == stored
+    assert weights < 0.5 * config.num_parameters() * 4

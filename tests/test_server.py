@@ -16,14 +16,13 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 from tiny_models import make_tiny_checkpoint
 
 from specserve.config import EngineConfig
 from specserve.engine.engine import Engine
 from specserve.sampling_params import SamplingParams
-from specserve.server.api import build_app
+from specserve.server.api import build_app, build_server
 from specserve.server.async_engine import AsyncEngine
 
 
@@ -34,13 +33,18 @@ def tiny_config(path: str | Path, **scheduler: int) -> EngineConfig:
 
 
 class LiveServer:
-    """uvicorn serving build_app(...) in a thread on a free loopback port."""
+    """The server `specserve serve` runs (build_app + build_server: the guarded protocol and
+    the drain-first shutdown) in a thread on a free loopback port. engine_kw go to
+    AsyncEngine, server_kw to build_server, the rest to build_app."""
 
-    def __init__(self, config: EngineConfig, api_key: str | None = None, **app_kw: object) -> None:
-        self.async_engine = AsyncEngine(Engine(config))
+    def __init__(self, config: EngineConfig, api_key: str | None = None,
+                 engine_kw: dict | None = None, server_kw: dict | None = None,
+                 **app_kw: object) -> None:
+        self.async_engine = AsyncEngine(Engine(config), **(engine_kw or {}))
         self.initial_free_pages = self.async_engine.stats()["kv_free_pages"]
         app = build_app(self.async_engine, api_key, **app_kw)
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.server = build_server(self.async_engine, app, log_level="warning",
+                                   **(server_kw or {}))
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"

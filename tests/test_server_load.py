@@ -145,9 +145,7 @@ def _free_port() -> int:
 
 
 # the `serve` subcommand alone, as `specserve serve` runs it
-SERVE = ("import argparse, sys; from specserve.server.api import register; "
-         "p = argparse.ArgumentParser(); register(p.add_subparsers()); "
-         "a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))")
+SERVE = "import sys; from specserve.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
 def test_sigterm_drains_and_exits_zero(checkpoint: str, tmp_path: Path) -> None:

@@ -59,7 +59,7 @@ def device(request: pytest.FixtureRequest) -> str:
 
 def _llm(target: str, spec: dict | None = None, **kw) -> LLM:
     kw.setdefault("cache", CacheConfig(page_size=4, kv_cache_bytes=16 << 20, num_pages=1024))
-    return LLM(target, device=DEVICE, dtype="float32", speculative=spec, **kw)
+    return LLM(target, device=DEVICE, dtype="float32", speculative_config=spec, **kw)
 
 
 @pytest.fixture(scope="module")

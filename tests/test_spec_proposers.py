@@ -135,7 +135,7 @@ def test_second_proposer_is_lossless(pair, plain_outputs, shape: dict) -> None:
         dtype="float32",
         cache=CACHE,
         proposer=RepeatProposer,
-        speculative=SpecConfig(**shape),
+        speculative_config=SpecConfig(**shape),
     )
     prompts = [list(p) for p in plain_outputs]
     outs = llm.generate(prompts, GREEDY)

@@ -85,7 +85,7 @@ def _fixed_proposals(llm: LLM, plain: list[list[int]]) -> None:
                                   dict(num_steps=2, topk=2, num_draft_tokens=5)])
 def test_sampled_speculation_matches_plain_distribution(setup, spec: dict) -> None:
     target, head, kw, plain = setup
-    llm = LLM(target, speculative=dict(algorithm="eagle3", draft_model=head, **spec),
+    llm = LLM(target, speculative_config=dict(algorithm="eagle3", draft_model=head, **spec),
               enforce_eager=True, **kw)
     _fixed_proposals(llm, plain)
     got = _samples(llm)

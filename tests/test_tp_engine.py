@@ -53,7 +53,7 @@ def _llm(pair: tuple[str, str], tp: int, spec: dict | None, **kw) -> LLM:
     kw.setdefault("cache", CacheConfig(page_size=4, num_pages=24))
     kw.setdefault("scheduler", SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=8))
     kw.setdefault("parallel", ParallelConfig(tp_size=tp))
-    return LLM(pair[0], device="cpu", dtype="float32", speculative=spec, **kw)
+    return LLM(pair[0], device="cpu", dtype="float32", speculative_config=spec, **kw)
 
 
 def _generate(llm: LLM) -> tuple[list[list[int]], list]:

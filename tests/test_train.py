@@ -26,7 +26,8 @@ from specserve.models.eagle3 import load_eagle3_head
 from specserve.models.loader import load_model
 from specserve.sampling_params import SamplingParams
 from specserve.train import data as D
-from specserve.train.eagle3 import Eagle3Trainer, TrainConfig
+from specserve.train.config import TrainConfig
+from specserve.train.eagle3 import Eagle3Trainer
 from specserve.train.head import Eagle3TrainHead, draft_vocab_from_counts, export_head
 from specserve.worker.forward_batch import build_attention_metadata
 
@@ -306,7 +307,7 @@ def test_trained_head_decodes_losslessly(trained: tuple[str, dict], target: str,
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     kw = dict(device="cpu", dtype="float32", cache=dict(page_size=4, kv_cache_bytes=8 << 20))
     plain = LLM(target, **kw).generate(prompts, params)
-    spec_out = LLM(target, speculative=dict(algorithm="eagle3", draft_model=out, **spec),
+    spec_out = LLM(target, speculative_config=dict(algorithm="eagle3", draft_model=out, **spec),
                    **kw).generate(prompts, params)
     for a, b in zip(plain, spec_out):
         assert b.token_ids == a.token_ids
@@ -323,7 +324,7 @@ def test_bundled_pair_decodes_losslessly() -> None:
     prompts = ["def fibonacci(n):\n", "import os\n\nclass Config:\n    def __init__(self"]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     plain = LLM(model, device="cpu", dtype="float32").generate(prompts, params)
-    spec = LLM(model, device="cpu", dtype="float32", speculative=dict(
+    spec = LLM(model, device="cpu", dtype="float32", speculative_config=dict(
         algorithm="eagle3", draft_model=draft, num_steps=5, topk=1)).generate(prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert sum(o.spec_accepted_tokens for o in spec) > 0  # the head predicts its target
@@ -383,3 +384,56 @@ def test_recipe_end_to_end_on_toy_sizes(tmp_path: Path) -> None:
         assert r["accept_length"] >= 1.0 and r["cycles"] > 0
         if r["temperature"] == 0:
             assert r["greedy_match"] == 3
+
+
+def test_ctrl_c_saves_after_the_step_and_exits_130(tmp_path: Path, target: str,
+                                                  code_files: tuple[str, ...],
+                                                  monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    import signal
+
+    from cli_run import run_cli
+
+    real_loss = Eagle3Trainer.loss
+    calls = []
+
+    def loss_then_ctrl_c(self, ids, mask):  # the user presses Ctrl-C during step 3
+        calls.append(1)
+        if len(calls) == 3:
+            signal.raise_signal(signal.SIGINT)
+        return real_loss(self, ids, mask)
+
+    monkeypatch.setattr(Eagle3Trainer, "loss", loss_then_ctrl_c)
+    out = tmp_path / "head"
+    rc, err = run_cli(["train-eagle3", "--target", target, "--out", str(out), "--data",
+                       *code_files, "--seq-len", "48", "--batch-size", "2", "--max-steps", "50",
+                       "--draft-vocab-size", "100", "--save-every", "0", "--no-progress"],
+                      capsys)
+    assert rc == 130, err
+    assert len(calls) == 3  # the interrupted step finished, no further step began
+    assert torch.load(out / "trainer_state.pt", weights_only=True)["step"] == 3
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
+
+
+def test_time_budget_stops_training(trained: tuple[str, dict], tmp_path: Path) -> None:
+    import dataclasses
+
+    _, info = trained
+    cfg = dataclasses.replace(info["cfg"], out=str(tmp_path / "head"), max_steps=100_000,
+                              time_budget=1.0, save_every=0)
+    result = Eagle3Trainer(cfg).train()
+    assert 0 < result.steps < 100_000 and not result.interrupted
+
+
+def test_eval_accept_cli_reports_progress(trained: tuple[str, dict], target: str,
+                                          code_files: tuple[str, ...],
+                                          capsys: pytest.CaptureFixture) -> None:
+    from cli_run import run_cli
+
+    out, _ = trained
+    rc, err = run_cli(["eval-accept", "--model", target, "--draft", out, "--files", *code_files,
+                       "--num-prompts", "2", "--prompt-tokens", "16", "--max-tokens", "8",
+                       "--specs", "2/1/3", "--temperatures", "0", "--device", "cpu"], capsys)
+    assert rc == 0, err
+    assert "chain2 temperature 0: accept length" in err and "eval-accept" in err

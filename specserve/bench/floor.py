@@ -12,6 +12,10 @@
   distinct experts the batch's tokens touch, counted on the benchmark's own requests
   (`touched_experts`); each routed expert streams its matrices in their stored format too.
 - Device copy bandwidth: read + write bytes of a large device-to-device copy over its time.
+- Roofline of a plain decode step: max(bytes it reads (those weights, the touched experts
+  included, + the K and V of every request at its context) / copy bandwidth, its flops (the
+  weights one token multiplies: top_k experts) / the throughput of one large matmul).
+  At large batches and contexts the KV reads dominate, which a weights-only floor misses.
 - The transformers peer: `generate` on a transformers model of the same shape whose parameters
   are views of ours (same random init, no second copy of the weights), with a static cache
   (which `generate` compiles on CUDA) where a GPU is present, plain generate otherwise.
@@ -75,14 +79,7 @@ def floor_weights(model: nn.Module, experts: Sequence[int] | None = None) -> lis
     their codes as a matrix in the activation dtype, and their scales' bytes one more matrix.
     A MoE layer's routed experts count `experts[j]` each (its j-th MoE block; default: its
     top_k), as 2-D slices of the stacked weights: w13[e] then w2[e]."""
-    from specserve.layers.linear import LinearBase
-
-    layers = next((m for name, m in model.named_modules()
-                   if name.endswith("layers") and isinstance(m, nn.ModuleList)), None)
-    head = getattr(model, "lm_head", None)
-    if layers is None or head is None:
-        raise ValueError(f"{type(model).__name__} has no decoder `layers` list and `lm_head`; "
-                         "the weight-stream floor supports decoder-only language models")
+    layers, head = _decoder(model)
     dtype = head.weight.dtype
     weights: list[torch.Tensor] = []
     extra = 0  # scale bytes, streamed as one more matrix
@@ -96,13 +93,10 @@ def floor_weights(model: nn.Module, experts: Sequence[int] | None = None) -> lis
 
     j = 0  # MoE blocks so far
     for layer in layers:
-        linears = [m for m in layer.modules() if isinstance(m, LinearBase)]
-        blocks = [m for m in layer.modules() if isinstance(m, DeepseekMoE)]
-        owned = {id(p) for m in [*linears, *(b.experts for b in blocks)]
-                 for p in m.parameters(recurse=False)}
+        linears, blocks, others = _layer_parts(layer)
         for linear in linears:
             stream(linear.quant_method.stream_tensors(linear))
-        weights += [p for p in layer.parameters() if p.dim() == 2 and id(p) not in owned]
+        weights += others
         for block in blocks:
             n = block.gate.rule.top_k if experts is None else experts[j]
             for e in range(n):
@@ -114,6 +108,44 @@ def floor_weights(model: nn.Module, experts: Sequence[int] | None = None) -> lis
         rows = -(-extra // (width * head.weight.element_size()))
         weights.append(torch.zeros(rows, width, dtype=dtype, device=head.weight.device))
     return [*weights, head.weight]
+
+
+def token_weight_params(model: nn.Module) -> int:
+    """Weights one token multiplies in a decode step, whatever format stores them (the
+    matmul flops are 2 per weight): each linear's [out, in], the other 2-D weights (routers),
+    top_k routed experts per MoE block, the LM head."""
+    layers, head = _decoder(model)
+    total = head.weight.numel()
+    for layer in layers:
+        linears, blocks, others = _layer_parts(layer)
+        total += sum(m.output_size * m.input_size for m in linears)
+        total += sum(p.numel() for p in others)
+        total += sum(b.gate.rule.top_k * 3 * b.experts.inter * b.experts.hidden_size
+                     for b in blocks)  # fmt: skip
+    return total
+
+
+def _decoder(model: nn.Module) -> tuple[nn.ModuleList, nn.Module]:
+    layers = next((m for name, m in model.named_modules()
+                   if name.endswith("layers") and isinstance(m, nn.ModuleList)), None)
+    head = getattr(model, "lm_head", None)
+    if layers is None or head is None:
+        raise ValueError(f"{type(model).__name__} has no decoder `layers` list and `lm_head`; "
+                         "the weight-stream floor supports decoder-only language models")
+    return layers, head
+
+
+def _layer_parts(
+    layer: nn.Module,
+) -> tuple[list[nn.Module], list[DeepseekMoE], list[nn.Parameter]]:
+    """(linear layers, MoE blocks, the other 2-D weights: routers) of one decoder layer."""
+    from specserve.layers.linear import LinearBase
+
+    linears = [m for m in layer.modules() if isinstance(m, LinearBase)]
+    blocks = [m for m in layer.modules() if isinstance(m, DeepseekMoE)]
+    owned = {id(p) for m in [*linears, *(b.experts for b in blocks)]
+             for p in m.parameters(recurse=False)}  # fmt: skip
+    return linears, blocks, [p for p in layer.parameters() if p.dim() == 2 and id(p) not in owned]
 
 
 def moe_blocks(model: nn.Module) -> list[DeepseekMoE]:
@@ -244,6 +276,60 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int | None = None,
     if device.type == "cuda":
         torch.cuda.empty_cache()  # hand the memory back before the engine sizes its KV cache
     return CopyBandwidth(nbytes, ms)
+
+
+# -- the roofline: weights + KV bytes over bandwidth, flops over peak -------------------------
+
+
+@dataclass
+class MatmulPeak:
+    n: int  # [n, n] @ [n, n]
+    dtype: str
+    ms: float  # median of the repeats
+
+    @property
+    def tflops(self) -> float:
+        return 2 * self.n**3 / (self.ms * 1e-3) / 1e12
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "tflops": self.tflops}
+
+
+@torch.inference_mode()
+def measure_matmul_peak(device: torch.device, dtype: torch.dtype, n: int | None = None,
+                        repeats: int = 10) -> MatmulPeak:
+    """Achieved throughput of one large square matmul: the compute ceiling of the roofline."""
+    n = n or (8192 if device.type == "cuda" else 1024)
+    mats = [torch.randn(n, n, device=device, dtype=dtype) for _ in range(2)]
+
+    def mm() -> None:
+        torch.mm(mats[0], mats[1])
+
+    time_ms(mm, device, 3)
+    ms = statistics.median(time_ms(mm, device, repeats))
+    mats.clear()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return MatmulPeak(n, str(dtype).removeprefix("torch."), ms)
+
+
+def decode_roofline(weight_bytes: int, weight_params: int, kv_bytes_per_token: int,
+                    num_layers: int, q_dim: int, batch_size: int, context: float,
+                    bandwidth_gbs: float, tflops: float) -> dict[str, Any]:
+    """The least time one plain decode step of `batch_size` requests, each attending over
+    `context` tokens, can take: max(bytes read / bandwidth, flops / peak).
+        bytes = the streamed weights + the K and V of every request at its context
+        flops = 2 x weight params x batch (the matmuls) + 4 x q_dim x context x layers x batch
+                (q.k and p.v, a multiply-add = 2 flops)
+    """
+    kv_bytes = batch_size * context * kv_bytes_per_token
+    flops = 2 * weight_params * batch_size + 4 * q_dim * context * num_layers * batch_size
+    memory_ms = (weight_bytes + kv_bytes) / (bandwidth_gbs * 1e9) * 1e3
+    compute_ms = flops / (tflops * 1e12) * 1e3
+    return {"ms": max(memory_ms, compute_ms), "memory_ms": memory_ms, "compute_ms": compute_ms,
+            "bound": "memory" if memory_ms >= compute_ms else "compute",
+            "weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "flops": flops,
+            "context": context}
 
 
 # -- the transformers peer --------------------------------------------------------------------
@@ -380,9 +466,14 @@ def measure_references(engine: Any, batch_sizes: list[int], floor: bool, compare
     out: dict[str, Any] = {}
     if floor:
         points = measure_floor(engine.runner.model, batch_sizes, experts=experts)
-        out["floor"] = {"points": [p.to_dict() for p in points]}
+        peak = measure_matmul_peak(engine.runner.device, engine.runner.dtype)
+        # the weights one token multiplies (a MoE layer: its top_k experts), for the flops
+        out["floor"] = {"points": [p.to_dict() for p in points],
+                        "weight_params": token_weight_params(engine.runner.model)}
+        out["peak"] = peak.to_dict()
     else:
         out["floor"] = {"skipped": "off by default without CUDA; --floor runs an eager CPU form"}
+        out["peak"] = {"skipped": "runs with --floor"}
     if not compare_hf:
         out["hf"] = {"skipped": "not asked for (--compare-hf)"}
         return out
@@ -401,10 +492,13 @@ def measure_references(engine: Any, batch_sizes: list[int], floor: bool, compare
 def describe_references(report: dict[str, Any], speedup: dict[str, float] | None) -> list[str]:
     """Summary lines of the copy bandwidth, floor and transformers parts of a report;
     `speedup`: specserve's batch-1 tok/s over transformers' per mode."""
-    copy, floor, hf = report["copy"], report["floor"], report["hf"]
+    copy, floor, hf, peak = report["copy"], report["floor"], report["hf"], report["peak"]
     lines = [f"copy bandwidth: skipped ({copy['skipped']})" if "skipped" in copy else
              f"copy bandwidth: {copy['bandwidth_gbs']:.0f} GB/s (read + write, "
              f"{copy['nbytes'] / GIB:.2f} GiB)"]
+    if "skipped" not in peak:
+        lines.append(f"matmul peak: {peak['tflops']:.3g} TFLOP/s ({peak['dtype']}, "
+                     f"{peak['n']}^3)")
     lines += [f"floor bs {f['batch_size']}: {f['ms']:.3f} ms, {f['weight_bytes'] / 1e9:.3f} GB "
               f"at {f['bandwidth_gbs']:.0f} GB/s" + ("" if f["graphed"] else " (eager, no graph)")
               + (f", routed experts read per MoE layer {f['experts_per_layer']}"

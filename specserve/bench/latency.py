@@ -13,8 +13,6 @@ length (tokens per draft-verify cycle, bonus included) and the per-position acce
 counter deltas over the timed phase.
     speculative efficiency = spec tok/s / (accept length x plain tok/s)   (1.0: drafting free)
 With a synthetic accept length every number is a cost-only measurement and says so.
-With --emulate-comm T1,T2 every point runs once per table (the table is swapped in place, no
-re-capture), each all-reduce point costing the table's latency at --emulate-tp.
 """
 
 from __future__ import annotations
@@ -26,21 +24,23 @@ import logging
 import math
 import os
 import random
+import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any
+
+from tqdm import tqdm
 
 from specserve.bench.floor import describe_references, sync, touched_experts
 from specserve.bench.log import append_result, environment_info
 from specserve.bench.stats import (
     Summary,
     format_range,
-    parse_positive_list,
     relative_change,
     summarize,
 )
-from specserve.config import add_cli_args
+from specserve.config import EngineConfig
 from specserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -193,32 +193,59 @@ def make_prompts(engine: Any, source: str | None, batch_size: int, context_len: 
     return [stream[starts[j % len(encoded)]:][:context_len] for j in range(batch_size)]
 
 
-def check_point(engine: Any, batch_size: int, context_len: int, output_len: int) -> None:
-    """ValueError (what to change) for a point that cannot run at the full batch."""
-    sched = engine.config.scheduler
-    if output_len < 2:
-        raise ValueError(f"--output-len must be >= 2, got {output_len}")
+def check_point(config: EngineConfig, max_model_len: int, kv_capacity: int | None,
+                batch_size: int, context_len: int, output_len: int) -> None:
+    """ValueError (what to change) for a point that cannot run at the full batch;
+    kv_capacity None: not known yet (a GPU's cache is sized when the engine is built)."""
+    sched = config.scheduler
     if batch_size > sched.max_num_seqs:
         raise ValueError(f"batch size {batch_size} exceeds --max-num-seqs {sched.max_num_seqs}; "
                          "raise --max-num-seqs")
-    lookahead = engine.config.spec.verify_tokens if engine.config.spec.enabled else 1
+    lookahead = config.spec.verify_tokens if config.spec.enabled else 1
     need = context_len + output_len + 4 * lookahead
-    if need > engine.max_model_len:
+    if need > max_model_len:
         raise ValueError(f"context {context_len} + output {output_len} (+ drafts) exceeds the "
-                         f"context length {engine.max_model_len}; raise --max-model-len")
-    capacity = engine.stats()["kv_token_capacity"]
-    if batch_size * (need + engine.config.cache.page_size) > capacity:
+                         f"context length {max_model_len}; raise --max-model-len")
+    if kv_capacity is not None and batch_size * (need + config.cache.page_size) > kv_capacity:
         raise ValueError(f"batch {batch_size} x {need} tokens does not fit the KV cache "
-                         f"({capacity} tokens); lower the batch or context, or give the cache "
+                         f"({kv_capacity} tokens); lower the batch or context, or give the cache "
                          "more memory (--gpu-memory-utilization / --kv-cache-bytes)")
 
 
+def planned_capacity(config: EngineConfig) -> tuple[int, int | None]:
+    """(context length, KV tokens) the engine will have, from the model's config alone, once
+    its weights are known to fit (ValueError otherwise): the checks run before the weights are
+    built. The KV size is known up front on the CPU only."""
+    from specserve.engine.local_worker import resolve_model
+    from specserve.engine.memory import check_fits
+    from specserve.worker.device import resolve_device, resolve_dtype
+
+    _, mc = resolve_model(config)
+    device = resolve_device(config.device)
+    # the weights first: the biggest thing a preset on the wrong machine gets wrong
+    check_fits(config.model, mc, None, resolve_dtype(config.dtype, mc, device), device,
+               config.cache, tp_size=config.parallel.tp_size)
+    mpe = mc.max_position_embeddings
+    max_len = min(config.scheduler.max_model_len or mpe, mpe)
+    cache = config.cache
+    if cache.num_pages:
+        return max_len, cache.num_pages * cache.page_size
+    if device.type == "cuda":
+        return max_len, None
+    per_token = mc.kv_bytes_per_token(resolve_dtype(config.dtype, mc, device).itemsize)
+    if config.spec.enabled:  # one EAGLE-3 layer, the target's KV shape (MHA targets only)
+        if mc.mla is not None:
+            return max_len, None  # an MHA head over a latent cache: checked once built
+        per_token += per_token // mc.num_layers
+    return max_len, cache.kv_cache_bytes // (per_token * cache.page_size) * cache.page_size
+
+
 def bench_point(engine: Any, prompts: list[list[int]], modes: list[str], output_len: int,
-                runs: int, warmup: int, experts: dict[int, list[int]] | None = None
-                ) -> dict[str, ModeResult]:  # fmt: skip
-    """Warm-up, then `runs` timed runs per mode, interleaved A B A B. With `experts` (a MoE
-    model), the routed experts the batch touches in a decode step after the last run are
-    recorded as experts[bs] (for the floor)."""
+                runs: int, warmup: int, experts: dict[int, list[int]] | None = None,
+                bar: Any = None) -> dict[str, ModeResult]:
+    """Warm-up, then `runs` timed runs per mode, interleaved A B A B; `bar` (a tqdm) advances
+    per run. With `experts` (a MoE model), the routed experts the batch touches in a decode
+    step after the last run are recorded as experts[bs] (for the floor)."""
     bs, ctx = len(prompts), len(prompts[0])
     results = {m: ModeResult(m, bs, ctx, []) for m in modes}
 
@@ -236,51 +263,24 @@ def bench_point(engine: Any, prompts: list[list[int]], modes: list[str], output_
                 results[mode].runs.append(run)
             log.info("bs %d ctx %d %s run %d: %.1f tok/s", bs, ctx, mode, i - warmup,
                      run.tok_s)
+            if bar is not None:
+                bar.set_postfix_str(f"ctx {ctx} bs {bs} {mode} {run.tok_s:.1f} tok/s")
+                bar.update(1)
     return results
 
 
-# -- command line -----------------------------------------------------------------------------
+# -- the command ------------------------------------------------------------------------------
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add `latency` to the `bench` sub-commands."""
-    p = subparsers.add_parser("latency", help="offline decode latency: plain vs speculation")
-    p.add_argument("--batch-sizes", default="1,8,32,128", help="comma-separated batch sizes")
-    p.add_argument("--context-len", default="1024", help="prompt tokens (comma-separated list)")
-    p.add_argument("--output-len", type=int, default=128, help="decode tokens timed per request")
-    p.add_argument("--runs", type=int, default=10, help="timed runs per mode and point")
-    p.add_argument("--warmup", type=int, default=2, help="untimed runs per mode and point")
-    p.add_argument("--prompts", default=None,
-                   help="'chat', 'code' or a .jsonl file (default: random token ids)")
-    p.add_argument("--no-baseline", action="store_true", help="time speculation only")
-    p.add_argument("--floor", action=argparse.BooleanOptionalAction, default=None,
-                   help="measure the weight-stream floor and copy bandwidth (default: on CUDA)")
-    p.add_argument("--compare-hf", action="store_true",
-                   help="time transformers' generate at batch 1 on the same weights")
-    p.add_argument("--log", action="store_true", help="append to the experiment log + plot")
-    p.add_argument("--exp-dir", default="experiments", help="where LOG.md and results live")
-    p.add_argument("--label", default="latency", help="names this run in the log and plots")
-    p.add_argument("--json-out", default=None, help="write the full report as JSON here")
-    add_cli_args(p)
-    p.set_defaults(func=run)
-
-
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, config: EngineConfig) -> int:
+    """`specserve bench latency` with its flags already checked (specserve/cli/bench.py)."""
     from specserve.bench.floor import measure_copy_bandwidth, measure_references
-    from specserve.cli import engine_config_from_args
     from specserve.distributed import comm
     from specserve.distributed.comm import emulated_tables
     from specserve.llm import LLM
-    from specserve.models.presets import PRESETS
     from specserve.worker.device import resolve_device
 
-    batch_sizes = parse_positive_list(args.batch_sizes, int, "--batch-sizes")
-    contexts = parse_positive_list(args.context_len, int, "--context-len")
-    if args.runs < 1 or args.warmup < 0:
-        raise ValueError("--runs must be >= 1 and --warmup >= 0")
-    if args.model in PRESETS and args.load_format is None:
-        args.load_format = "dummy"  # a preset is a shape: random weights
-    config = engine_config_from_args(args)
+    batch_sizes, contexts = args.batch_sizes, args.context_len
     modes = ([] if args.no_baseline else [BASELINE]) + ([SPEC] if config.spec.enabled else [])
     if not modes:
         raise ValueError("--no-baseline without speculation leaves nothing to time; add "
@@ -289,28 +289,39 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(config.device)
     floor = device.type == "cuda" if args.floor is None else args.floor
     # before the engine: its KV cache takes most of the free memory
+    grid = [(ctx, bs) for ctx in contexts for bs in batch_sizes]
+    planned = planned_capacity(config)
+    for ctx, bs in grid:  # before the weights are built
+        check_point(config, *planned, bs, ctx, args.output_len)
     copy = measure_copy_bandwidth(device).to_dict() if floor else None
     t0 = time.perf_counter()
-    engine = LLM(config.model, **{f.name: getattr(config, f.name) for f in fields(config)
-                                  if f.name != "model"}).engine
+    engine = LLM(config).engine
     startup_s = time.perf_counter() - t0
-    for ctx in contexts:
-        for bs in batch_sizes:
-            check_point(engine, bs, ctx, args.output_len)
+    capacity = engine.stats()["kv_token_capacity"]
+    for ctx, bs in grid:  # the engine's real sizes (a sliding window, a GPU's KV cache)
+        check_point(engine.config, engine.max_model_len, capacity, bs, ctx, args.output_len)
+    bar = tqdm(total=len(tables) * len(grid) * len(modes) * (args.runs + args.warmup),
+               desc="bench latency",
+               unit="run", disable=not args.progress)
     points = []
     experts: dict[int, list[int]] = {}  # MoE: routed experts a decode step reads, per batch
     # the probe is one eager forward on this process: with TP ranks elsewhere the floor
     # counts top_k experts per token instead
     probe_experts = floor and config.parallel.tp_size == 1
-    for table in tables:
-        if table is not None:
+    for table, (ctx, bs) in ((t, g) for t in tables for g in grid):
+        if table is not None:  # swapped in place: the captured graphs stay valid
             comm.emulator().set_table(table)
-        for ctx in contexts:
-            for bs in batch_sizes:
-                prompts = make_prompts(engine, args.prompts, bs, ctx, config.seed)
-                points.append((table, bench_point(engine, prompts, modes, args.output_len,
-                                                  args.runs, args.warmup,
-                                                  experts if probe_experts else None)))
+        prompts = make_prompts(engine, args.prompts, bs, ctx, config.seed)
+        point = bench_point(engine, prompts, modes, args.output_len, args.runs, args.warmup,
+                            experts if probe_experts else None, bar)
+        points.append((table, point))
+        if args.progress:
+            where = f" comm {table.name}" if table is not None else ""
+            bar.write(f"ctx {ctx} bs {bs}{where}: " + ", ".join(
+                f"{m} {r.tok_s.mean:.1f} tok/s" + (
+                    f" (accept length {r.accept_length.mean:.2f})" if r.accept_length else "")
+                for m, r in point.items()), file=sys.stderr)
+    bar.close()
     first = make_prompts(engine, args.prompts, 1, contexts[0], config.seed)[0]
     refs = measure_references(engine, batch_sizes, floor, args.compare_hf, first,
                               args.output_len, args.runs, args.warmup, experts or None)
@@ -325,7 +336,8 @@ def run(args: argparse.Namespace) -> int:
         "environment": environment_info(),
         "engine_startup_s": engine.startup_seconds, "config": asdict(engine.config),
         "copy": copy or {"skipped": "runs with --floor"}, **refs,
-        "points": [{**_point_dict(p, refs), "comm_table": t and t.name} for t, p in points],
+        "points": [{**_point_dict(p, refs, _roofline(engine, refs, copy, p, args.output_len)),
+                    "comm_table": t and t.name} for t, p in points],
     }
     print(format_report(report))
     if args.log:
@@ -337,8 +349,30 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _point_dict(modes: dict[str, ModeResult], refs: dict[str, Any]) -> dict[str, Any]:
-    """One (batch, context) point: the modes, efficiency, floor ratio, HF speedup."""
+def _roofline(engine: Any, refs: dict[str, Any], copy: dict[str, Any] | None,
+              modes: dict[str, ModeResult], output_len: int) -> dict[str, Any] | None:
+    """The plain decode step's roofline at this point (None without --floor). Each request's
+    context during the timed phase averages the prompt + half the decoded tokens."""
+    from specserve.bench.floor import decode_roofline
+    from specserve.distributed.parallel_state import get_tp_size
+
+    if copy is None or "points" not in refs["floor"]:
+        return None
+    mc, tp = engine.model_config, get_tp_size()
+    any_mode = next(iter(modes.values()))
+    floor_pt = next(f for f in refs["floor"]["points"] if f["batch_size"] == any_mode.batch_size)
+    return decode_roofline(
+        floor_pt["weight_bytes"], refs["floor"]["weight_params"],  # a MoE: experts touched
+        mc.kv_bytes_per_token(engine.runner.dtype.itemsize) // (1 if mc.mla else tp),
+        mc.num_layers,
+        mc.num_heads * mc.head_dim // tp, any_mode.batch_size,
+        any_mode.context_len + output_len / 2, copy["bandwidth_gbs"], refs["peak"]["tflops"])
+
+
+def _point_dict(modes: dict[str, ModeResult], refs: dict[str, Any],
+                roofline: dict[str, Any] | None) -> dict[str, Any]:
+    """One (batch, context) point: the modes, efficiency, floor and roofline ratios (of the
+    plain decode step), HF speedup."""
     any_mode = next(iter(modes.values()))
     bs, plain, spec = any_mode.batch_size, modes.get(BASELINE), modes.get(SPEC)
     floor_ms = next((f["ms"] for f in refs["floor"].get("points", ())
@@ -352,6 +386,9 @@ def _point_dict(modes: dict[str, ModeResult], refs: dict[str, Any]) -> dict[str,
         "efficiency": efficiency(spec, plain) if spec and plain else None,
         "floor_ms": floor_ms,
         "floor_ratio": floor_ms / plain.ms_per_step.mean if floor_ms and plain else None,
+        "roofline": roofline,
+        "roofline_ratio": roofline["ms"] / plain.ms_per_step.mean if roofline and plain
+        else None,
         "hf_speedup": {m: r.tok_s.mean / hf_tok_s for m, r in modes.items()} if hf_tok_s
         else None,
     }
@@ -368,8 +405,8 @@ def format_report(report: dict[str, Any]) -> str:
     if report["acceptance"] == SYNTHETIC:
         head += f"  [{SYNTHETIC}]"
     lines = [head, f"{'ctx':>6} {'bs':>4} {'mode':<9} {'tok/s mean (min-max)':<26} "
-             f"{'95% CI':<19} {'ms/step':>8} {'floor ms':>8} {'fl/step':>7} {'AL':>5} "
-             f"{'eff':>5}"]
+             f"{'95% CI':<19} {'ms/step':>8} {'floor ms':>8} {'fl/step':>7} {'roof ms':>8} "
+             f"{'rf/step':>7} {'AL':>5} {'eff':>5}"]
     table = None
     for p in report["points"]:
         if p.get("comm_table") != table:
@@ -384,13 +421,24 @@ def format_report(report: dict[str, Any]) -> str:
                 f"{format_range(t['mean'], t['min'], t['max']):<26} "
                 f"{format_range(t['mean'], t['ci95_low'], t['ci95_high']):<19} "
                 f"{r['ms_per_step']['mean']:>8.3f} {_num(p['floor_ms'], '.3f'):>8} "
-                f"{_num(None if spec else p['floor_ratio'], '.3f'):>7} {_num(al, '.2f'):>5} "
+                f"{_num(None if spec else p['floor_ratio'], '.3f'):>7} "
+                f"{_num(p['roofline']['ms'] if p['roofline'] else None, '.3f'):>8} "
+                f"{_num(None if spec else p['roofline_ratio'], '.3f'):>7} {_num(al, '.2f'):>5} "
                 f"{_num(p['efficiency'] if spec else None, '.2f'):>5}")
     lines.append(f"start-up {report['startup_s']:.2f} s (engine: weights + graph capture "
                  f"{report['engine_startup_s']:.2f} s)")
+    lines.extend(_describe_roofline(p) for p in report["points"] if p["roofline"])
     speedup = next((p["hf_speedup"] for p in report["points"] if p["hf_speedup"]), None)
     lines.extend(describe_references(report, speedup))
     return "\n".join(lines)
+
+
+def _describe_roofline(p: dict[str, Any]) -> str:
+    r = p["roofline"]
+    return (f"roofline ctx {p['context_len']} bs {p['batch_size']}: {r['ms']:.3f} ms "
+            f"({r['bound']}-bound: {r['weight_bytes'] / 1e9:.4g} GB weights + "
+            f"{r['kv_bytes'] / 1e9:.4g} GB KV at mean context {r['context']:.0f} -> "
+            f"{r['memory_ms']:.3f} ms; {r['flops'] / 1e9:.4g} GFLOP -> {r['compute_ms']:.3f} ms)")
 
 
 def write_log(report: dict[str, Any], exp_dir: str) -> list[str]:
@@ -414,6 +462,11 @@ def write_log(report: dict[str, Any], exp_dir: str) -> list[str]:
             notes = [f"ms/step {r['ms_per_step']['mean']:.3f}"]
             if not spec and p["floor_ratio"]:
                 notes.append(f"floor/step {p['floor_ratio']:.3f}")
+            if not spec and p["roofline_ratio"]:
+                roof = p["roofline"]
+                notes.append(f"roofline/step {p['roofline_ratio']:.3f} ({roof['bound']}-bound, "
+                             f"{(roof['weight_bytes'] + roof['kv_bytes']) / 1e9:.4g} GB "
+                             "weights+KV)")
             if spec:
                 notes.append(f"AL {r['accept_length']['mean']:.2f}")
                 if p["efficiency"] is not None:

@@ -28,7 +28,6 @@ from specserve.bench.plots import plot_sweep
 from specserve.bench.prompts import Prompt, load_prompts
 from specserve.bench.stats import (
     format_range,
-    parse_positive_list,
     percentiles,
     relative_change,
     summarize,
@@ -336,34 +335,6 @@ def _resolve_model(target: ServeTarget) -> str:
         raise ValueError(msg) from None
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add `serve` to the `bench` sub-commands."""
-    p = subparsers.add_parser("serve", help="load-test an OpenAI-compatible server over HTTP")
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root URL")
-    p.add_argument("--start-server", default=None, metavar="ARGS",
-                   help="start `specserve serve ARGS` on a free loopback port for the run")
-    p.add_argument("--model", default=None, help="model name (default: the server's first)")
-    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
-    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
-    p.add_argument("--prompts", default="chat", help="'chat', 'code' or a .jsonl file")
-    p.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--ignore-eos", action="store_true", help="ask the server not to stop early")
-    p.add_argument("--concurrency", default=None, help="closed-loop sweep, e.g. 1,2,4,8 (default)")
-    p.add_argument("--request-rate", default=None, help="Poisson arrivals per second, e.g. 2,8")
-    p.add_argument("--max-concurrency", type=int, default=None, help="cap with --request-rate")
-    p.add_argument("--num-requests", type=int, default=64, help="requests per point and repeat")
-    p.add_argument("--repeats", type=int, default=3, help="timed repeats of each point")
-    p.add_argument("--warmup-requests", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
-    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
-    p.add_argument("--log", action="store_true", help="append to the experiment log + plot")
-    p.add_argument("--exp-dir", default="experiments", help="where LOG.md and results live")
-    p.add_argument("--label", default="serve", help="names this run in the log and plot")
-    p.add_argument("--baseline", default=None, help="label of a logged run to compare against")
-    p.set_defaults(func=run)
-
-
 def run(args: argparse.Namespace) -> int:
     if args.start_server is not None:
         from specserve.bench.server_proc import started_server
@@ -371,14 +342,11 @@ def run(args: argparse.Namespace) -> int:
         with started_server(args.start_server) as url:
             args.base_url, args.start_server = url, None
             return run(args)
-    rates = args.request_rate and parse_positive_list(args.request_rate, float, "--request-rate")
-    concs = args.concurrency and parse_positive_list(args.concurrency, int, "--concurrency")
+    rates, concs = args.request_rate, args.concurrency  # lists, checked by the parser
     if rates and concs:
         raise ValueError("pass either --concurrency or --request-rate, not both")
     if not rates and not concs:
         concs = [1, 2, 4, 8]
-    if args.max_tokens < 1:
-        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     prompts = load_prompts(args.prompts)
     target = ServeTarget(
         args.base_url, args.model or "", args.endpoint, args.max_tokens, args.temperature,

@@ -12,6 +12,7 @@ Not thread-safe: one thread owns an Engine (the server runs it in its own thread
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import logging
 import random
@@ -21,10 +22,12 @@ from dataclasses import dataclass
 from specserve.config import EngineConfig
 from specserve.engine.executor import Executor
 from specserve.engine.local_worker import ProposerFactory, resolve_model
+from specserve.engine.memory import check_fits
 from specserve.engine.request import Request
 from specserve.engine.scheduler import Scheduler, SchedulerOutput
 from specserve.engine.spec_policy import SpecPolicy, StaticPolicy
 from specserve.engine.step_builder import build_step_input
+from specserve.generation_config import load_generation_defaults
 from specserve.kv_cache.allocator import PageAllocator
 from specserve.sampling_params import SamplingParams
 from specserve.speculative.worker import SpecWorker
@@ -34,7 +37,9 @@ from specserve.tokenizer import (
     Tokenizer,
     has_tokenizer,
     load_tokenizer,
+    read_chat_template,
 )
+from specserve.worker.device import resolve_device, resolve_dtype
 from specserve.worker.step_input import StepOutput
 
 log = logging.getLogger(__name__)
@@ -61,6 +66,21 @@ class _TextState:
         self.emitted = 0  # output tokens already reported
 
 
+def engine_tokenizer(config: EngineConfig, model_path: str | None) -> Tokenizer | None:
+    """The model's tokenizer (with --chat-template applied); random-weight benchmark models
+    may have none (then prompts must be token ids)."""
+    path = config.tokenizer or model_path
+    if config.load_format == "dummy" and (path is None or not has_tokenizer(path)):
+        if config.chat_template:
+            raise ValueError("--chat-template needs a tokenizer; this random-weight model "
+                             "has none (pass --tokenizer DIR)")
+        return None
+    tokenizer = load_tokenizer(path)
+    if config.chat_template:
+        tokenizer.hf.chat_template = read_chat_template(config.chat_template)
+    return tokenizer
+
+
 class Engine:
     def __init__(self, config: EngineConfig,
                  proposer: ProposerFactory | None = None) -> None:
@@ -71,7 +91,11 @@ class Engine:
             raise ValueError("no model given: pass --model PATH (a directory or cached repo id)")
         self.model_name = config.model
         self.model_path, self.model_config = resolve_model(config)
-        self.tokenizer = self._load_tokenizer(config)
+        self.tokenizer = engine_tokenizer(config, self.model_path)
+        self.generation_defaults = load_generation_defaults(config.generation_config,
+                                                            self.model_path)
+        if self.generation_defaults.unapplied:
+            log.warning("%s", self.generation_defaults.describe())
         max_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
         self.max_model_len = min(max_len, self.model_config.max_position_embeddings)
         window = self.model_config.sliding_window
@@ -81,6 +105,15 @@ class Engine:
                         "there (sliding-window attention is not implemented)", window)
             self.max_model_len = window
         self.config = config.replace(scheduler={"max_model_len": self.max_model_len})
+        draft_config = None
+        if config.spec.enabled and proposer is None:
+            from specserve.speculative.eagle3 import load_draft_config
+
+            draft_config = load_draft_config(config.spec, self.model_config)
+        device = resolve_device(config.device)
+        check_fits(self.model_name, self.model_config, draft_config,
+                   resolve_dtype(config.dtype, self.model_config, device), device, config.cache,
+                   tp_size=config.parallel.tp_size)
         t0 = time.perf_counter()
         # rank 0 here; with tp_size > 1 the other ranks in worker processes
         self.executor = Executor(self.config, self.model_path, proposer)
@@ -102,17 +135,14 @@ class Engine:
         self._ids = itertools.count()
         self._text: dict[str, _TextState] = {}
         self._requests: dict[str, Request] = {}
+        self.closed = False
         log.info("model %s: %d KV pages x %d tokens = %d tokens of context capacity",
                  self.model_name, self.runner.num_pages, config.cache.page_size,
                  self.runner.num_pages * config.cache.page_size)
 
-    def _load_tokenizer(self, config: EngineConfig) -> Tokenizer | None:
-        """The model's tokenizer; random-weight benchmark models may have none (then prompts
-        must be token ids)."""
-        path = config.tokenizer or self.model_path
-        if config.load_format == "dummy" and (path is None or not has_tokenizer(path)):
-            return None
-        return load_tokenizer(path)
+    def default_sampling_params(self, **overrides: object) -> SamplingParams:
+        """SamplingParams from the generation config's defaults, under `overrides`."""
+        return self.generation_defaults.sampling_params(**overrides)
 
     def set_speculation(self, enabled: bool) -> None:
         """Switch speculation off or on between runs (no request in flight): a plain step
@@ -137,6 +167,8 @@ class Engine:
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | list[int],
                     params: SamplingParams | None = None) -> str:
+        if self.closed:
+            raise RuntimeError("this engine was closed; create a new one")
         params = params or SamplingParams()
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
@@ -250,6 +282,7 @@ class Engine:
         stats = {
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
+            "num_preemptions": self.scheduler.num_preemptions,
             "kv_free_pages": free,
             "kv_total_pages": total,
             "kv_usage": 1.0 - free / total,
@@ -265,6 +298,21 @@ class Engine:
         return self._requests.get(request_id)
 
     def close(self) -> None:
-        """Stop the TP workers and drop the model, KV pool and graphs (idempotent)."""
+        """Abort every request, stop the TP workers and release the model, KV pool and CUDA
+        graphs now, so the next engine in this process sizes its KV cache from the memory
+        they held. Idempotent; the engine accepts no request afterwards."""
+        if self.closed:
+            return
+        self.closed = True
+        for request_id in list(self._requests):  # the workers go too: no release step
+            self.scheduler.abort(request_id)
+        self._requests.clear()
+        self._text.clear()
+        device = self.runner.device
         self.executor.close()
         self.runner = self.drafter = self._drafter = None
+        gc.collect()  # graphs and modules can sit in reference cycles
+        if device.type == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()

@@ -70,8 +70,13 @@ class LocalWorker:
             raise ValueError(f"unknown worker control operation {op!r}")
 
     def close(self) -> None:
-        """Drop the references to the model, KV pool and graphs (freed with the last one),
-        and the process's communication set-up (communicator, emulator)."""
+        """Release the model, KV pool and graphs now, even where other objects still hold
+        the runner (the layers' cache views, graph pools, capture hooks), and the process's
+        communication set-up (communicator, emulator)."""
+        if self._drafter is not None:
+            self._drafter.close()
+        if self.runner is not None:
+            self.runner.close()
         self.runner = None  # type: ignore[assignment]
         self.drafter = self._drafter = None
         comm.reset()

@@ -36,6 +36,8 @@ class Request:
         self.params = params if params is not None else SamplingParams()
         # the request's own seed wins; otherwise the engine's (given here at construction)
         self.seed: int = self.params.seed if self.params.seed is not None else seed
+        # looked up for every emitted token: a set, not the params' list
+        self.stop_token_set: frozenset[int] = frozenset(self.params.stop_token_ids)
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []  # append through append_token only
         self._all_token_ids: list[int] = list(self.prompt_token_ids)

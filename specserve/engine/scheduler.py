@@ -104,6 +104,7 @@ class Scheduler:
         # lookahead the drafter its next speculative cycle
         self.keep_ahead = 0
         self._finished_ids: list[str] = []  # running requests ended since the last schedule
+        self.num_preemptions = 0  # cumulative
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -153,7 +154,7 @@ class Scheduler:
         ahead = max(self._lookahead, self.keep_ahead)
         need = pages_for(n + max_tokens + ahead, self.page_size)
         if need > self.allocator.num_total:
-            fit = self.allocator.num_total * self.page_size - n - ahead
+            fit = self.max_new_tokens(n)
             fix = f"lower max_tokens to at most {fit}" if fit >= 1 else "shorten the prompt"
             raise ValueError(
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs {need} KV "
@@ -165,6 +166,14 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self._requests[request.request_id] = request
         self.waiting.append(request)
+
+    def max_new_tokens(self, num_prompt_tokens: int) -> int:
+        """The largest max_tokens `add` accepts beside a prompt of this length: the context
+        and the whole KV pool (less the slots kept ahead for drafts) both bound it; < 1 means
+        the prompt itself does not fit."""
+        ahead = max(self._lookahead, self.keep_ahead)
+        pool = self.allocator.num_total * self.page_size - num_prompt_tokens - ahead
+        return min(self.max_model_len - num_prompt_tokens, pool)
 
     # -- planning ------------------------------------------------------------------------------
 
@@ -242,6 +251,7 @@ class Scheduler:
         self._release_pages(victim)
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
+        self.num_preemptions += 1
         victim.status = RequestStatus.WAITING
         self.waiting.appendleft(victim)
         plan.preempted.append(victim)
@@ -304,7 +314,7 @@ class Scheduler:
         params = req.params
         for t in new:
             req.append_token(t)
-            if t in params.stop_token_ids:
+            if t in req.stop_token_set:
                 self.finish(req, "stop", t)
             elif t in self.eos_token_ids and not params.ignore_eos:
                 self.finish(req, "stop")

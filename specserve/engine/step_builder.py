@@ -37,7 +37,10 @@ def build_step_input(out: SchedulerOutput, speculate: bool | np.ndarray = False)
             (r.max_tokens - r.num_output_tokens for r in reqs), np.int64, len(rows)
         ),
         page_counts=np.fromiter((len(r.page_ids) for r in reqs), np.int64, len(rows)),
-        temperature=np.array([p.temperature for p in params], dtype=np.float32),
+        # greedy judged once (SamplingParams.greedy, in float32): such rows carry 0
+        temperature=np.array(
+            [0.0 if p.greedy else p.temperature for p in params], dtype=np.float32
+        ),
         top_k=np.array([p.top_k for p in params], dtype=np.int64),
         top_p=np.array([p.top_p for p in params], dtype=np.float32),
         min_p=np.array([p.min_p for p in params], dtype=np.float32),

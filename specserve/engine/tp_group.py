@@ -146,7 +146,7 @@ class WorkerGroup:
                     self._fail(f"TP worker rank {rank} (pid {proc.pid}) died: {how}")
                     break
             started = self._step_started
-            if (self.failure is None and started is not None
+            if (self.failure is None and started is not None and self.step_timeout_s > 0
                     and time.monotonic() - started > self.step_timeout_s):
                 self._fail(f"a TP step ran past the step timeout ({self.step_timeout_s:g} s): "
                            "a worker is hung")

@@ -2,8 +2,12 @@
 
 Randomness is counter-based: a splitmix64 hash of (seed, counter, index, salt) gives each
 request its own stream without per-row generators and without host syncs, so a request samples
-the same tokens whatever else shares its batch, on the CPU and on the GPU alike. The engine
-passes counter = the position of the token being decided and a salt per purpose.
+the same tokens whatever else shares its batch, on the CPU and on the GPU alike.
+
+Every sampled token is one draw: the inverse CDF of the row's transformed distribution at the
+uniform keyed by (seed, position of the token decided). Plain decoding, prefill and each node
+of speculative verification use it alike, so a seeded request emits the same tokens whatever
+decides them: preemption and re-prefill, where cycles start, speculation on or off.
 """
 
 from __future__ import annotations
@@ -14,10 +18,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from specserve.sampling_params import SamplingParams
+from specserve.sampling_params import GREEDY_BELOW, SamplingParams
 
-SAMPLE_SALT = 0  # salt of the noise behind plain sampling
-ACCEPT_SALT = 1  # salt of the uniforms behind speculative verification
+SAMPLE_SALT = 0  # salt of the token draws (token_uniforms)
+ACCEPT_SALT = 1  # a second stream (no engine draw uses it)
 
 _M64 = (1 << 64) - 1
 
@@ -69,10 +73,13 @@ def host_fields(temperature: Sequence[float], top_k: Sequence[int], top_p: Seque
                 min_p: Sequence[float], seeds: Sequence[int],
                 vocab_size: int) -> dict[str, np.ndarray]:
     """The per-row sampling fields as host arrays (no counters), named as a captured graph's
-    static inputs. Top-k off (<= 0) or past the vocabulary becomes vocab_size."""
+    static inputs. Top-k off (<= 0) or past the vocabulary becomes vocab_size; a temperature
+    under GREEDY_BELOW (compared in float32, as SamplingParams.greedy) becomes 0, the greedy
+    marker every later check reads."""
     top_k = np.asarray(top_k, dtype=np.int64)
+    temps = np.asarray(temperature, dtype=np.float32)
     return {
-        "temperatures": np.asarray(temperature, dtype=np.float32),
+        "temperatures": np.where(temps < np.float32(GREEDY_BELOW), np.float32(0), temps),
         "top_ks": np.where(top_k <= 0, vocab_size, np.minimum(top_k, vocab_size)),
         "top_ps": np.asarray(top_p, dtype=np.float32),
         "min_ps": np.asarray(min_p, dtype=np.float32),
@@ -229,20 +236,36 @@ def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
     return out.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
 
 
+def token_uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """[bs] seeds, [bs, m] positions -> [bs, m] uniforms in (0, 1): the draw that decides the
+    token at each position (verification passes every tree node's; nodes of one depth share
+    one, which is sound since the walk visits one node per depth)."""
+    bs, m = positions.shape
+    flat = uniform_noise(seeds[:, None].expand(bs, m).reshape(-1), positions.reshape(-1), 1,
+                         SAMPLE_SALT)
+    return flat.view(bs, m)
+
+
+def sample_per_node(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw: [..., V] probs and [...] uniforms in (0, 1) -> [...] int64 tokens.
+
+    Picks the first token whose cumulative mass exceeds u * total; that token has p > 0, and a
+    one-hot row always gives its hot index.
+    """
+    cdf = probs.float().cumsum(dim=-1)  # [..., V]
+    target = (uniforms.float() * cdf[..., -1])[..., None]  # [..., 1]
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
+
+
 class Sampler:
     """Greedy and sampled rows in one call; the result stays on the device (no host sync)."""
 
     def sample(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-        """[bs, V] logits -> [bs] int64 tokens.
-
-        Sampled rows use the exponential race: argmax_i p_i / E_i with E_i = -log(u_i) picks
-        token i with probability p_i. Greedy rows have one-hot probs, so the race returns their
-        argmax too.
-        """
+        """[bs, V] logits -> [bs] int64 tokens: the draw at the uniform of (seed, counter);
+        greedy rows have one-hot probs, so the draw returns their argmax."""
         if st.all_greedy:
             return logits.argmax(dim=-1)
         probs = probs_from_logits(logits, st)  # [bs, V]
-        u = uniform_noise(st.seeds, st.counters, logits.shape[-1], SAMPLE_SALT)  # [bs, V]
-        return (probs / -torch.log(u)).argmax(dim=-1)
+        return sample_per_node(probs, token_uniforms(st.seeds, st.counters[:, None])[:, 0])
 
     __call__ = sample

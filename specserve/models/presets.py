@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the shapes are read by the CLI before torch is imported
+    from torch import nn
 
 _LLAMA_31_8B = {
     "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
@@ -79,11 +81,12 @@ PRESETS: dict[str, dict] = {
 }
 
 
-@torch.no_grad()
 def random_init(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
     """Random weights for cost benchmarks: N(0, std) matrices, ones for norm scales; a
     quantized linear (or routed-expert block) gets random codes in its format whose values are
     ~N(0, std), then the post-loading step a checkpoint's weights would get."""
+    import torch
+
     from specserve.layers.quantization import process_weights_after_loading, quant_modules
 
     gens: dict[torch.device, torch.Generator] = {}
@@ -94,14 +97,15 @@ def random_init(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
     quantized = [m for m in quant_modules(model) if m.quant_method.family is not None]
     owned = {id(p) for m in quantized for name, p in m.named_parameters(recurse=False)
              if name != "bias"}
-    for param in model.parameters():
-        if id(param) in owned:
-            continue
-        if param.dim() >= 2:
-            param.data.normal_(0.0, std, generator=gen_for(param.device))
-        else:
-            param.data.fill_(1.0)
-    for module in quantized:
-        device = next(module.parameters()).device
-        module.quant_method.random_init(module, gen_for(device), std)
-    process_weights_after_loading(model)
+    with torch.no_grad():
+        for param in model.parameters():
+            if id(param) in owned:
+                continue
+            if param.dim() >= 2:
+                param.data.normal_(0.0, std, generator=gen_for(param.device))
+            else:
+                param.data.fill_(1.0)
+        for module in quantized:
+            device = next(module.parameters()).device
+            module.quant_method.random_init(module, gen_for(device), std)
+        process_weights_after_loading(model)

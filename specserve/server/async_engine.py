@@ -8,6 +8,12 @@ The engine thread loops `engine.step()` while work exists and sleeps on an event
 consumer that goes away (client disconnect) closes its stream, which sends an abort: the engine
 frees the request's KV before its next step. Errors of `Engine.add_request` (ValueError,
 QueueFullError) are raised to the awaiting caller, before any output exists.
+
+Metrics of a step (gauges, finished-request counters) are updated before its outputs go out,
+so a client that has its answer sees them. A watchdog thread marks the engine dead when one
+step (or command) runs past `watchdog_timeout_s`: /health turns 503, every in-flight request
+fails, and `on_failure` runs (the server exits non-zero). With `request_timeout_s`, a request
+still unfinished that long after arrival is aborted with RequestTimeoutError.
 """
 
 from __future__ import annotations
@@ -27,70 +33,34 @@ from specserve.engine.engine import Engine, RequestOutput
 from specserve.engine.scheduler import QueueFullError
 from specserve.sampling_params import SamplingParams
 from specserve.server.metrics import EngineMetrics
+from specserve.server.streams import (
+    EngineDeadError,
+    EngineDrainingError,
+    RequestStream,
+    RequestTimeoutError,
+)
 
 log = logging.getLogger(__name__)
-_SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
-
-
-_CLOSED = RuntimeError("stream closed")  # queue sentinel: the consumer closed the stream
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread died: in-flight and new requests fail (the server answers 503)."""
-
-
-class EngineDrainingError(RuntimeError):
-    """The server is shutting down: it admits no new requests (the server answers 503)."""
-
-
-class RequestStream:
-    """Async iterator over one request's outputs; closing it early aborts the request."""
-
-    def __init__(self, owner: AsyncEngine, request_id: str, num_prompt_tokens: int) -> None:
-        self.request_id = request_id
-        self.loop = asyncio.get_running_loop()
-        self.finished = False
-        self._owner = owner
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()  # or _CLOSED
-        # engine-thread bookkeeping for metrics
-        self.t_arrival = time.perf_counter()
-        self.t_first: float | None = None
-        self.num_prompt_tokens = num_prompt_tokens
-        self.num_output_tokens = 0
-
-    def push(self, item: RequestOutput | BaseException) -> None:
-        """Called on the stream's event loop (via call_soon_threadsafe)."""
-        self._queue.put_nowait(item)
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if item is _CLOSED:
-            raise StopAsyncIteration
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        if item.finished:
-            self.finished = True
-        return item
-
-    def close(self) -> None:
-        """Abort the request unless it already finished (idempotent); a consumer waiting in
-        `__anext__` (on this loop) stops iterating."""
-        if not self.finished:
-            self.finished = True
-            self._owner.abort(self.request_id)
-            self._queue.put_nowait(_CLOSED)
+# what clients are told; the cause goes to the log only
+_DEAD = "the engine stopped; retry on another replica"
+_STALLED = "the engine stopped responding; retry on another replica"
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, max_waiting: int | None = None,
-                 idle_wait_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        max_waiting: int | None = None,
+        idle_wait_s: float = 1.0,
+        watchdog_timeout_s: float | None = None,
+        request_timeout_s: float = 0.0,
+    ) -> None:
         self.engine = engine
+        if watchdog_timeout_s is None:  # the engine's step deadline (--step-timeout-s)
+            watchdog_timeout_s = engine.config.parallel.step_timeout_s
+        self.watchdog_timeout_s = watchdog_timeout_s  # 0 = no watchdog
+        self.request_timeout_s = request_timeout_s  # 0 = no per-request deadline
+        self._busy_since: float | None = None  # set while a step or command runs
         self.registry = CollectorRegistry()  # one per server: /metrics renders it
         self.metrics = EngineMetrics(self.registry)
         self.max_waiting = max_waiting or engine.config.scheduler.max_waiting
@@ -99,13 +69,16 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._live: dict[str, RequestStream] = {}  # owned by the engine thread
         self._stats: dict[str, Any] = engine.stats()  # snapshot, replaced after each step
-        self._spec_seen: dict[str, Any] = {}
         self._draining = False
         self._stop = False
         self._dead: BaseException | None = None
         # called on the engine thread if it dies (the server uses it to exit non-zero)
         self.on_failure: Callable[[BaseException], None] | None = None
         self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
+        self._watchdog = threading.Thread(
+            target=self._watch, name="specserve-watchdog", daemon=True
+        )
+        self.drained: tuple[bool, int] | None = None  # drain()'s result once it ran
 
     # -- read-only views of the engine --------------------------------------------------------
     @property
@@ -119,6 +92,10 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    def max_new_tokens(self, num_prompt_tokens: int) -> int:
+        """The most tokens a request with this prompt may generate (context and KV pool)."""
+        return self.engine.scheduler.max_new_tokens(num_prompt_tokens)
 
     @property
     def healthy(self) -> bool:
@@ -145,6 +122,8 @@ class AsyncEngine:
     def start(self) -> None:
         if not self._thread.is_alive():
             self._thread.start()
+        if self.watchdog_timeout_s > 0 and not self._watchdog.is_alive():
+            self._watchdog.start()
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the engine thread; requests still in flight get EngineDrainingError."""
@@ -158,35 +137,38 @@ class AsyncEngine:
         """Stop admitting new requests (they get EngineDrainingError); in-flight ones go on."""
         self._draining = True
 
-    async def drain(self, timeout_s: float) -> bool:
-        """Stop admitting, wait up to timeout_s for in-flight requests; True if all finished.
-        Whatever is left is aborted (its consumers see EngineDrainingError)."""
+    async def drain(self, timeout_s: float) -> tuple[bool, int]:
+        """Stop admitting, wait up to timeout_s for in-flight requests, then abort the rest
+        (their consumers see EngineDrainingError). Returns (all finished, number aborted)."""
         self.begin_drain()
         deadline = time.monotonic() + timeout_s
         while self._live and time.monotonic() < deadline and self._dead is None:
             await asyncio.sleep(0.02)
-        drained = not self._live
-        if not drained and self._thread.is_alive():
+        left = len(self._live)
+        if left and self._dead is None and self._thread.is_alive():
             await asyncio.wrap_future(self._submit_call(self._abort_all))
-        return drained
+        self.drained = (left == 0, left)
+        return self.drained
 
     # -- submission (any thread / event loop) --------------------------------------------------
     def check_admission(self) -> None:
         """Fast refusal before any tokenization: dead, draining, or the waiting queue full."""
         if self._dead is not None:
-            raise EngineDeadError(f"the engine stopped: {self._dead!r}")
+            raise EngineDeadError(_DEAD)
         if self._draining:
             raise EngineDrainingError("the server is shutting down; retry on another replica")
         if self._stats.get("num_waiting", 0) >= self.max_waiting:
-            raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests); "
-                                 "retry later")
+            raise QueueFullError(
+                f"the waiting queue is full ({self.max_waiting} requests); retry later"
+            )
 
-    async def add_request(self, request_id: str, prompt: str | list[int],
-                          params: SamplingParams) -> RequestStream:
+    async def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> RequestStream:
         """Admit a request; raises ValueError / QueueFullError / EngineDrainingError up front."""
         self.check_admission()
         num_prompt = len(prompt) if isinstance(prompt, list) else 0
-        stream = RequestStream(self, request_id, num_prompt)
+        stream = RequestStream(self.abort, request_id, num_prompt)
         fut: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._put(("add", stream, prompt, params, fut))
         try:
@@ -196,8 +178,9 @@ class AsyncEngine:
             raise
         return stream
 
-    async def generate(self, request_id: str, prompt: str | list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
         """Admit a request and yield its outputs; aborts it if the consumer stops early."""
         stream = await self.add_request(request_id, prompt, params)
         try:
@@ -240,30 +223,78 @@ class AsyncEngine:
                 return
             fut = cmd[-1] if cmd[0] != "abort" else None
             if fut is not None and fut.set_running_or_notify_cancel():
-                fut.set_exception(EngineDeadError(f"the engine stopped: {self._dead!r}"))
+                fut.set_exception(EngineDeadError(_DEAD))
 
     # -- the engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            while not self._stop:
+            while not self._stop and self._dead is None:
                 self._wake.clear()  # before draining: a later submit re-sets it
+                self._busy_since = time.monotonic()
                 self._drain_commands()
+                if self.request_timeout_s > 0:
+                    self._expire(time.perf_counter())
                 if self.engine.has_unfinished():
-                    self._dispatch(self.engine.step())
-                    self._sample_stats()
+                    outputs = self.engine.step()
+                    if self._dead is not None:  # the watchdog gave up on this step
+                        return
+                    self._sample_stats()  # before the outputs leave: clients see fresh gauges
+                    self._dispatch(outputs)
+                    self._busy_since = None
                 else:
+                    self._busy_since = None
                     self._wake.wait(self._idle_wait_s)
-            self._drain_commands()
-            self._abort_all(self.engine)
+            if self._dead is None:
+                self._drain_commands()
+                self._abort_all(self.engine)
         except BaseException as exc:  # the engine is unusable: fail everything, /health -> 503
             log.exception("engine thread died")
-            self._dead = exc
-            for stream in list(self._live.values()):
-                self._send(stream, EngineDeadError(f"the engine stopped: {exc!r}"))
-            self._live.clear()
-            self._fail_pending()
-            if self.on_failure is not None:
-                self.on_failure(exc)
+            self._fail_all(exc, _DEAD)
+        finally:
+            self._busy_since = None
+
+    def _fail_all(self, exc: BaseException, message: str) -> None:
+        """Mark the engine dead and fail every in-flight and pending request (any thread)."""
+        if self._dead is not None:
+            return
+        self._dead = exc
+        for stream in list(self._live.values()):
+            self._send(stream, EngineDeadError(message))
+        self._live.clear()
+        self._fail_pending()
+        if self.on_failure is not None:
+            self.on_failure(exc)
+
+    def _watch(self) -> None:
+        """Watchdog thread: fail everything once a step or command overruns the deadline."""
+        limit = self.watchdog_timeout_s
+        while self._dead is None and not self._stop:
+            busy = self._busy_since
+            now = time.monotonic()
+            if busy is not None and now - busy > limit:
+                log.error(
+                    "the engine has been inside one step for %.1f s (watchdog %g s): "
+                    "failing every request; the server stops",
+                    now - busy,
+                    limit,
+                )
+                self._fail_all(
+                    TimeoutError(f"engine step stalled for {now - busy:.1f} s"), _STALLED
+                )
+                return
+            time.sleep(min(0.25, limit / 4))
+
+    def _expire(self, now: float) -> None:
+        """Abort requests past the per-request deadline (engine thread)."""
+        for request_id, stream in list(self._live.items()):
+            if now - stream.t_arrival > self.request_timeout_s:
+                self._do_abort(request_id)
+                self._send(
+                    stream,
+                    RequestTimeoutError(
+                        f"the request ran past the server's {self.request_timeout_s:g} s deadline"
+                    ),
+                )
 
     def _drain_commands(self) -> None:
         changed = False
@@ -287,8 +318,13 @@ class AsyncEngine:
         if changed:
             self._sample_stats()
 
-    def _do_add(self, stream: RequestStream, prompt: str | list[int], params: SamplingParams,
-                fut: concurrent.futures.Future[None]) -> None:
+    def _do_add(
+        self,
+        stream: RequestStream,
+        prompt: str | list[int],
+        params: SamplingParams,
+        fut: concurrent.futures.Future[None],
+    ) -> None:
         if not fut.set_running_or_notify_cancel():
             return  # the caller went away before admission
         try:
@@ -309,8 +345,10 @@ class AsyncEngine:
     def _abort_all(self, engine: Engine) -> None:
         for request_id, stream in list(self._live.items()):
             self._do_abort(request_id)
-            self._send(stream, EngineDrainingError("the server shut down before the request "
-                                                   "finished; retry it"))
+            self._send(
+                stream,
+                EngineDrainingError("the server shut down before the request finished; retry it"),
+            )
 
     def _send(self, stream: RequestStream, item: RequestOutput | BaseException) -> bool:
         try:
@@ -321,6 +359,7 @@ class AsyncEngine:
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.perf_counter()
+        aborted = False
         for out in outputs:
             stream = self._live.get(out.request_id)
             if stream is None:
@@ -329,39 +368,28 @@ class AsyncEngine:
             stream.num_output_tokens = out.num_output_tokens
             if stream.t_first is None and out.new_token_ids:
                 stream.t_first = now
-            if not self._send(stream, out):
-                self._do_abort(out.request_id)
-                continue
-            if out.finished:
+            if out.finished:  # counted before the client can have its answer
                 del self._live[out.request_id]
                 self._record_finish(stream, out, now)
+            if not self._send(stream, out) and not out.finished:
+                self._do_abort(out.request_id)
+                aborted = True
+        if aborted:
+            self._sample_stats()
 
     def _record_finish(self, stream: RequestStream, out: RequestOutput, now: float) -> None:
         if out.finish_reason in ("stop", "length"):
             ttft = None if stream.t_first is None else stream.t_first - stream.t_arrival
-            self.metrics.record_request(out.finish_reason, out.num_prompt_tokens,
-                                        out.num_output_tokens, ttft, now - stream.t_arrival)
+            self.metrics.record_request(
+                out.finish_reason,
+                out.num_prompt_tokens,
+                out.num_output_tokens,
+                ttft,
+                now - stream.t_arrival,
+            )
         else:
             self.metrics.record_abort(out.num_prompt_tokens, out.num_output_tokens)
 
     def _sample_stats(self) -> None:
-        stats = self.engine.stats()
-        self._stats = stats
-        self.metrics.set_scheduler_state(stats.get("num_running", 0), stats.get("num_waiting", 0),
-                                         float(stats.get("kv_usage", 0.0)))
-        # speculation counters: the engine's are cumulative; the metrics take deltas
-        m = self.metrics
-        for key, counter in zip(_SPEC_COUNTERS, (m.spec_num_drafts, m.spec_num_draft_tokens,
-                                                 m.spec_num_accepted)):
-            if key in stats:
-                delta = stats[key] - self._spec_seen.get(key, 0)
-                if delta > 0:
-                    counter.inc(delta)
-                self._spec_seen[key] = stats[key]
-        per_pos = list(stats.get("accepted_per_pos") or [])
-        seen = self._spec_seen.get("accepted_per_pos", [])
-        for pos, value in enumerate(per_pos):
-            delta = value - (seen[pos] if pos < len(seen) else 0)
-            if delta > 0:
-                m.spec_accepted_per_pos.labels(position=str(pos)).inc(delta)
-        self._spec_seen["accepted_per_pos"] = per_pos
+        self._stats = self.engine.stats()
+        self.metrics.observe_engine_stats(self._stats)

@@ -22,6 +22,7 @@ REQUEST_SUCCESS = PREFIX + "request_success_total"  # label finished_reason
 PROMPT_TOKENS = PREFIX + "prompt_tokens_total"
 GENERATION_TOKENS = PREFIX + "generation_tokens_total"
 REQUEST_ABORTED = PREFIX + "request_aborted_total"
+NUM_PREEMPTIONS = PREFIX + "num_preemptions_total"
 TTFT = PREFIX + "time_to_first_token_seconds"
 TPOT = PREFIX + "time_per_output_token_seconds"
 E2E_LATENCY = PREFIX + "e2e_request_latency_seconds"
@@ -58,6 +59,9 @@ class EngineMetrics:
         self.prompt_tokens = _counter(PROMPT_TOKENS, "Prompt tokens processed.", r)
         self.generation_tokens = _counter(GENERATION_TOKENS, "Tokens generated.", r)
         self.request_aborted = _counter(REQUEST_ABORTED, "Requests aborted (disconnect).", r)
+        self.num_preemptions = _counter(
+            NUM_PREEMPTIONS, "Requests preempted (KV freed, recomputed later).", r
+        )
         self.ttft = Histogram(TTFT, "Time to first token (s).", buckets=_TTFT_BUCKETS, registry=r)
         self.tpot = Histogram(
             TPOT, "Time per output token after the first (s).", buckets=_TPOT_BUCKETS, registry=r
@@ -73,6 +77,7 @@ class EngineMetrics:
         self.spec_num_accepted = _counter(
             SPEC_NUM_ACCEPTED, "Draft tokens accepted (bonus token excluded).", r
         )
+        self._seen: dict[str, Any] = {}  # the engine's cumulative counts already counted
         self.spec_accepted_per_pos = _counter(
             SPEC_ACCEPTED_PER_POS, "Draft tokens accepted at each draft position.", r, ("position",)
         )
@@ -124,6 +129,34 @@ class EngineMetrics:
             # requests whose accepted run reaches draft position pos
             hits = sum(1 for a in accepted if a > pos)
             self.spec_accepted_per_pos.labels(position=str(pos)).inc(hits)
+
+    def observe_engine_stats(self, stats: dict[str, Any]) -> None:
+        """Engine.stats() after a step or command: the gauges, and the counters the engine
+        keeps cumulatively (speculation, preemptions) advanced by their deltas."""
+        self.set_scheduler_state(
+            stats.get("num_running", 0),
+            stats.get("num_waiting", 0),
+            float(stats.get("kv_usage", 0.0)),
+        )
+        seen = self._seen
+        for key, counter in (
+            ("num_drafts", self.spec_num_drafts),
+            ("num_draft_tokens", self.spec_num_draft_tokens),
+            ("num_accepted_tokens", self.spec_num_accepted),
+            ("num_preemptions", self.num_preemptions),
+        ):
+            if key in stats:
+                delta = stats[key] - seen.get(key, 0)
+                if delta > 0:
+                    counter.inc(delta)
+                seen[key] = stats[key]
+        per_pos = list(stats.get("accepted_per_pos") or [])
+        before = seen.get("accepted_per_pos", [])
+        for pos, value in enumerate(per_pos):
+            delta = value - (before[pos] if pos < len(before) else 0)
+            if delta > 0:
+                self.spec_accepted_per_pos.labels(position=str(pos)).inc(delta)
+        seen["accepted_per_pos"] = per_pos
 
     def set_scheduler_state(self, running: int, waiting: int, kv_cache_usage: float) -> None:
         """Gauges, sampled once per engine step."""

@@ -10,117 +10,85 @@ Unknown fields are ignored, as OpenAI clients send extras (user, metadata, store
 from __future__ import annotations
 
 import json
-import time
-import uuid
+import re
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from specserve.sampling_params import SamplingParams
+from specserve.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
+from specserve.server.errors import bad_request, echo, validation_error
 
-# What a union-typed field accepts, for messages clearer than pydantic's per-branch ones.
-_EXPECTED = {"prompt": "a string or a list of token ids (integers)",
-             "stop": "a string or a list of strings"}
-# Pydantic union tags that can appear inside an error location; they are not field names.
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
-
-
-class APIError(Exception):
-    """An error answered with the OpenAI envelope {"error": {message, type, param, code}}."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | int | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code if code is not None else status
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type: str, param: str | None, code: str | int) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def bad_request(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code="invalid_value")
-
-
-def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
-    """('messages', 0, 'role') -> 'messages[0].role'; union tags such as 'list[int]' dropped."""
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif "[" in part or part in _TYPE_TAGS or part.startswith("function-"):
-            continue
-        else:
-            out += f".{part}" if out else part
-    return out or None
-
-
-def validation_error(exc: ValidationError | Any) -> APIError:
-    """Turn a pydantic (or FastAPI) validation error into a 400 naming the first bad field."""
-    errors = exc.errors()
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    loc = tuple(first.get("loc", ()))
-    if loc and loc[0] == "body":  # FastAPI prefixes body fields with "body"
-        loc = loc[1:]
-    param = _loc_to_param(loc)
-    kind = str(first.get("type", ""))
-    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
-    if kind == "model_type" or (not loc and "dictionary" in msg):
-        return bad_request("the request body must be a JSON object")
-    if param in _EXPECTED and kind.endswith("_type"):
-        msg = f"{param} must be {_EXPECTED[param]}"
-    elif param and not msg.startswith(param):
-        msg = f"{param}: {msg}"
-    if kind != "missing" and "input" in first and "got" not in msg:
-        msg += f", got {_short(first['input'])}"
-    return bad_request(msg, param)
-
-
-def _short(value: Any) -> str:
-    if isinstance(value, (list, dict)) and len(value) > 8:
-        return f"a {type(value).__name__} of {len(value)} items"
-    text = json.dumps(value) if isinstance(value, (str, int, float, list, dict)) else repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def _reject_constant(token: str) -> Any:
     raise ValueError(f"{token} is not valid JSON; send finite numbers")
 
 
-def parse_request(body: bytes, content_type: str, model: type[CommonRequest]) -> Any:
-    """Parse and validate a JSON request body; APIError(400) naming what is wrong."""
+def parse_request(
+    body: bytes,
+    content_type: str,
+    model: type[CommonRequest],
+    max_items: dict[str, tuple[int, str]] | None = None,
+) -> Any:
+    """Parse and validate a JSON request body; APIError(400) naming what is wrong.
+
+    max_items: field -> (most list items, why), checked on the parsed JSON before validation
+    (a field ending in "[].content" caps the content parts of each message)."""
     if content_type.split(";")[0].strip().lower() != "application/json":
-        raise bad_request(f"Content-Type must be application/json, got {content_type or 'none'!r}")
+        raise bad_request(
+            f"Content-Type must be application/json, got "
+            f"{echo(content_type) if content_type else 'none'}"
+        )
     if not body.strip():
         raise bad_request("the request body is empty; send a JSON object")
     try:
         obj = json.loads(body, parse_constant=_reject_constant)
-        json.dumps(obj, ensure_ascii=False).encode("utf-8")  # lone surrogates from \ud800 escapes
+        if _SURROGATE_ESCAPE.search(body):  # a lone surrogate needs a \ud800-style escape
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
     except UnicodeError:
-        raise bad_request("the request body is not valid UTF-8 / Unicode (a lone surrogate?); "
-                          "send valid UTF-8 JSON") from None
+        raise bad_request(
+            "the request body is not valid UTF-8 / Unicode (a lone surrogate?); "
+            "send valid UTF-8 JSON"
+        ) from None
     except RecursionError:
         raise bad_request("the request body is nested too deeply") from None
     except ValueError as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    _check_list_lengths(obj, {**model.MAX_ITEMS, **(max_items or {})})
     try:
         req = model.model_validate(obj)
     except ValidationError as exc:
         raise validation_error(exc) from None
     for name, accepted, hint in req.UNSUPPORTED:
         if not accepted(getattr(req, name)):
-            raise bad_request(f"{name}={getattr(req, name)!r} is not supported; {hint}", name)
+            raise bad_request(f"{name}={echo(getattr(req, name))} is not supported; {hint}", name)
     return req
+
+
+def _check_list_lengths(obj: Any, limits: dict[str, tuple[int, str]]) -> None:
+    if not isinstance(obj, dict):
+        return  # validation names the problem
+    for field, (cap, why) in limits.items():
+        outer, _, inner = field.partition("[].")
+        items = obj.get(outer)
+        if not isinstance(items, list):
+            continue
+        lists = (
+            [(outer, items)]
+            if not inner
+            else [
+                (f"{outer}[{i}].{inner}", item.get(inner))
+                for i, item in enumerate(items)
+                if isinstance(item, dict) and isinstance(item.get(inner), list)
+            ]
+        )
+        for name, value in lists:
+            if len(value) > cap:
+                raise bad_request(
+                    f"{name} holds {len(value)} items; at most {cap} are accepted ({why})", name
+                )
 
 
 class _Strict(BaseModel):
@@ -138,6 +106,11 @@ class StreamOptions(_Strict):
 class CommonRequest(_Strict):
     """Fields shared by completions and chat completions (OpenAI + common vLLM extensions)."""
 
+    # list fields capped before validation: field -> (most items, why)
+    MAX_ITEMS: ClassVar[dict[str, tuple[int, str]]] = {
+        "stop": (MAX_STOP_STRINGS, "the stop-string cap"),
+        "stop_token_ids": (MAX_STOP_TOKEN_IDS, "the stop-token cap"),
+    }
     # (field, accepts its value?, what to do instead): OpenAI fields we do not implement
     UNSUPPORTED: ClassVar[tuple[tuple[str, Callable[[Any], bool], str], ...]] = (
         ("presence_penalty", _unset, "leave it at 0"),
@@ -177,39 +150,63 @@ class CommonRequest(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def build_params(self, requested: int | None, num_prompt: int, max_model_len: int,
-                     vocab_size: int, default_cap: int | None, prompt_param: str,
-                     ) -> SamplingParams:
-        """SamplingParams under the length policy: the prompt must leave room for one token; an
-        explicit max_tokens must fit beside it (else 400); an omitted one is clamped to the room
-        left (and to default_cap)."""
-        room = max_model_len - num_prompt
+    def build_params(
+        self,
+        requested: int | None,
+        num_prompt: int,
+        max_model_len: int,
+        room: int,
+        vocab_size: int,
+        default_cap: int | None,
+        prompt_param: str,
+        defaults: dict[str, Any] | None = None,
+    ) -> SamplingParams:
+        """SamplingParams under the length policy. room: the most new tokens that fit beside
+        the prompt, in the context and in the KV pool (Scheduler.max_new_tokens). The prompt
+        must leave room for one token; an explicit max_tokens must fit (else 400); an omitted
+        one is clamped to the room (and to default_cap). `defaults`: the model's generation-config
+        sampling values, for fields the request leaves out."""
+        if num_prompt >= max_model_len:
+            raise bad_request(
+                f"the prompt is {num_prompt} tokens but the context is "
+                f"{max_model_len}; shorten the prompt",
+                prompt_param,
+            )
         if room < 1:
-            raise bad_request(f"the prompt is {num_prompt} tokens but the context is "
-                              f"{max_model_len}; shorten the prompt", prompt_param)
+            raise bad_request(
+                f"the prompt is {num_prompt} tokens and leaves no room in the KV "
+                "cache; shorten the prompt",
+                prompt_param,
+            )
         if requested is None:
             max_tokens = room if default_cap is None else min(room, default_cap)
         elif requested > room:
-            raise bad_request(f"max_tokens={requested} does not fit: the prompt is {num_prompt} "
-                              f"tokens and the context {max_model_len}; lower max_tokens to at "
-                              f"most {room}", "max_tokens")
+            raise bad_request(
+                f"max_tokens={requested} does not fit: the prompt is {num_prompt} "
+                f"tokens and at most {room} more fit (context {max_model_len}, "
+                f"and the KV cache); lower max_tokens to at most {room}",
+                "max_tokens",
+            )
         else:
             max_tokens = requested
-        params = self.sampling_params(max_tokens)
+        params = self.sampling_params(max_tokens, defaults)
         for t in params.stop_token_ids:
             if t >= vocab_size:
-                raise bad_request(f"stop_token_ids must be < the vocab size {vocab_size}, got {t}",
-                                  "stop_token_ids")
+                raise bad_request(
+                    f"stop_token_ids must be < the vocab size {vocab_size}, got {t}",
+                    "stop_token_ids",
+                )
         return params
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """Build SamplingParams; APIError(400) naming the field on an out-of-range value."""
+    def sampling_params(self, max_tokens: int,
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """Build SamplingParams; APIError(400) naming the field on an out-of-range value.
+        Sampling fields left out take `defaults`, else OpenAI's defaults."""
+        given = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p")}
+        sampling = {**(defaults or {}), **{k: v for k, v in given.items() if v is not None}}
         try:
             return SamplingParams(
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=-1 if self.top_k is None else self.top_k,
-                min_p=0.0 if self.min_p is None else self.min_p,
+                **sampling,
                 seed=self.seed,
                 max_tokens=max_tokens,
                 stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
@@ -247,15 +244,18 @@ class CompletionRequest(CommonRequest):
             if len(prompt) != 1:
                 raise bad_request(
                     f"one prompt per request is supported, got a batch of {len(prompt)}; send "
-                    "one request per prompt", "prompt")
+                    "one request per prompt",
+                    "prompt",
+                )
             prompt = prompt[0]
         if len(prompt) == 0:
             raise bad_request("prompt must not be empty", "prompt")
         if isinstance(prompt, list):
             bad = [t for t in prompt if not 0 <= t < vocab_size]
             if bad:
-                raise bad_request(f"prompt token ids must be in [0, {vocab_size}), got {bad[0]}",
-                                  "prompt")
+                raise bad_request(
+                    f"prompt token ids must be in [0, {vocab_size}), got {bad[0]}", "prompt"
+                )
         return prompt
 
 
@@ -272,16 +272,19 @@ class ChatMessage(_Strict):
     def text(self, index: int) -> str:
         """Plain-text content; only "text" parts are supported."""
         if self.content is None:
-            raise bad_request(f"messages[{index}].content must be a string, got null",
-                              f"messages[{index}].content")
+            raise bad_request(
+                f"messages[{index}].content must be a string, got null",
+                f"messages[{index}].content",
+            )
         if isinstance(self.content, str):
             return self.content
         texts = []
         for j, part in enumerate(self.content):
             if part.type != "text" or part.text is None:
                 raise bad_request(
-                    f"content part type {part.type!r} is not supported; only text parts are",
-                    f"messages[{index}].content[{j}].type")
+                    f"content part type {echo(part.type)} is not supported; only text parts are",
+                    f"messages[{index}].content[{j}].type",
+                )
             texts.append(part.text)
         return "\n".join(texts)
 
@@ -291,8 +294,11 @@ class ChatCompletionRequest(CommonRequest):
         ("logprobs", _unset, "set it to false"),
         ("top_logprobs", lambda v: v is None, "omit the field"),
         ("tools", _unset, "omit the field"),
-        ("response_format", lambda v: v is None or v.get("type") == "text",
-         "only {'type': 'text'} is supported"),
+        (
+            "response_format",
+            lambda v: v is None or v.get("type") == "text",
+            "only {'type': 'text'} is supported",
+        ),
     )
 
     messages: list[ChatMessage]
@@ -312,84 +318,15 @@ class ChatCompletionRequest(CommonRequest):
     def requested_max_tokens(self) -> int | None:
         a, b = self.max_tokens, self.max_completion_tokens
         if a is not None and b is not None and a != b:
-            raise bad_request("max_tokens and max_completion_tokens disagree; send only one",
-                              "max_completion_tokens")
+            raise bad_request(
+                "max_tokens and max_completion_tokens disagree; send only one",
+                "max_completion_tokens",
+            )
         return a if a is not None else b
 
     def chat_messages(self) -> list[dict[str, str]]:
         # "developer" is OpenAI's newer name for "system"; chat templates know only the latter.
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
-                for i, m in enumerate(self.messages)]
-
-
-# ---------------------------------------------------------------------------------------------
-# Responses: one envelope for the four shapes (completion, chat, and their stream chunks)
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-    @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: None = None
-    finish_reason: str | None = None  # "stop" | "length"; None until the last chunk
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: dict[str, str]  # {"role": "assistant", "content": ...}
-    logprobs: None = None
-    finish_reason: str | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: dict[str, str]  # {"role": "assistant", "content": ""} first, then {"content": ...}
-    logprobs: None = None
-    finish_reason: str | None = None
-
-
-class ResponseBody(BaseModel):
-    id: str
-    object: Literal["text_completion", "chat.completion", "chat.completion.chunk"]
-    created: int
-    model: str
-    choices: list[CompletionChoice | ChatChoice | ChatChunkChoice]
-    usage: Usage | None = None  # streams: null, then a last usage-only chunk if asked for
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def full_response(chat: bool, rid: str, model: str, text: str, finish_reason: str,
-                  usage: Usage) -> ResponseBody:
-    """The non-streamed answer."""
-    choice = (ChatChoice(message={"role": "assistant", "content": text},
-                         finish_reason=finish_reason) if chat
-              else CompletionChoice(text=text, finish_reason=finish_reason))
-    return ResponseBody(id=rid, object="chat.completion" if chat else "text_completion",
-                        created=int(time.time()), model=model, choices=[choice], usage=usage)
-
-
-def stream_chunk(chat: bool, rid: str, model: str, created: int, text: str | None,
-                 finish_reason: str | None = None, usage: Usage | None = None,
-                 role: bool = False) -> ResponseBody:
-    """One streamed chunk; text None = the final usage-only chunk (empty choices)."""
-    choices: list[CompletionChoice | ChatChoice | ChatChunkChoice] = []
-    if text is not None and chat:
-        delta = {"role": "assistant", "content": text} if role else {"content": text}
-        choices = [ChatChunkChoice(delta=delta, finish_reason=finish_reason)]
-    elif text is not None:
-        choices = [CompletionChoice(text=text, finish_reason=finish_reason)]
-    return ResponseBody(id=rid, object="chat.completion.chunk" if chat else "text_completion",
-                        created=created, model=model, choices=choices, usage=usage)
+        return [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
+            for i, m in enumerate(self.messages)
+        ]

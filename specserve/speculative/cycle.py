@@ -15,12 +15,7 @@ from __future__ import annotations
 import torch
 
 from specserve.kernels.kv_compact import compact_kv
-from specserve.layers.sampler import (
-    ACCEPT_SALT,
-    SamplingTensors,
-    probs_from_logits,
-    uniform_noise,
-)
+from specserve.layers.sampler import SamplingTensors, probs_from_logits, token_uniforms
 from specserve.models.capture import AuxHiddenCapture
 from specserve.speculative.proposer import DraftShape, Proposer
 from specserve.speculative.tree import DraftTree
@@ -92,7 +87,8 @@ class SpecCycle:
             return walk_tree(tree, logits.argmax(dim=-1)), feats
         v = logits.shape[-1]
         probs = probs_from_logits(logits.view(bs * n, v), st.repeat_interleave(n)).view(bs, n, v)
-        uniforms = uniform_noise(st.seeds, root_pos, n, ACCEPT_SALT)
+        # node i decides the token at its position + 1: the draw is keyed by that position
+        uniforms = token_uniforms(st.seeds, tree.positions(root_pos) + 1)
         return verify(tree, probs, uniforms), feats
 
     def compact_kv(self, result: VerifyResult, window: torch.Tensor, valid: torch.Tensor) -> None:

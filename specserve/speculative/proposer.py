@@ -30,6 +30,7 @@ from typing import Protocol
 
 import torch
 
+from specserve.spec_config import max_tree_nodes
 from specserve.speculative.tree import DraftTree
 from specserve.speculative.verify import VerifyResult
 
@@ -45,7 +46,7 @@ class DraftShape:
     def __post_init__(self) -> None:
         if self.topk < 1 or self.num_steps < 1:
             raise ValueError("--spec-topk and --spec-num-steps must be >= 1")
-        max_nodes = 1 + self.topk + (self.num_steps - 1) * self.topk**2
+        max_nodes = max_tree_nodes(self.num_steps, self.topk)
         if not 2 <= self.num_draft_tokens <= max_nodes:
             raise ValueError(
                 f"--spec-num-draft-tokens must be in [2, {max_nodes}] for topk {self.topk} "

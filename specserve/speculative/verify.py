@@ -16,6 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
+# the draw (inverse CDF at a uniform keyed by seed and position) is the sampler's, so a token
+# is the same whichever path decides it: plain sampling, a prefill, or a verify node
+from specserve.layers.sampler import sample_per_node
 from specserve.speculative.tree import DraftTree
 
 
@@ -27,17 +30,6 @@ class VerifyResult:
     num_accepted: torch.Tensor  # [bs] draft tokens accepted (root excluded)
     emitted: torch.Tensor  # [bs, max_depth + 1] accepted draft tokens then the bonus, -1 padded
     num_emitted: torch.Tensor  # [bs] = num_accepted + 1
-
-
-def sample_per_node(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF draw: [..., V] probs and [...] uniforms in (0, 1) -> [...] int64 tokens.
-
-    Picks the first token whose cumulative mass exceeds u * total; that token has p > 0, and a
-    one-hot row always gives its hot index.
-    """
-    cdf = probs.float().cumsum(dim=-1)  # [..., V]
-    target = (uniforms.float() * cdf[..., -1])[..., None]  # [..., 1]
-    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
 
 
 def walk_tree(
@@ -79,8 +71,8 @@ def verify(tree: DraftTree, probs: torch.Tensor, uniforms: torch.Tensor) -> Veri
 
     probs[b, i] is the target's distribution after node i under request b's sampling transform
     (probs_from_logits on the [bs * n, V] logits with SamplingTensors.repeat_interleave(n): a
-    one-hot argmax for greedy rows). uniforms[b, i] drives the draw at node i, e.g.
-    uniform_noise(seeds, root_positions, n, ACCEPT_SALT).
+    one-hot argmax for greedy rows). uniforms[b, i] drives the draw at node i: the engine
+    passes token_uniforms(seeds, tree.positions(root) + 1), one draw per decided position.
     """
     assert probs.shape[:2] == tree.tokens.shape and uniforms.shape == tree.tokens.shape
     return walk_tree(tree, sample_per_node(probs, uniforms))

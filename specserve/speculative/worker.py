@@ -114,6 +114,13 @@ class SpecWorker:
     def discard_launched(self) -> None:
         self.cycles.discard_launched()
 
+    def close(self) -> None:
+        """Drop the cycle graphs and per-request state and unhook the target (idempotent)."""
+        if self.capture is not None:
+            self.capture.remove()
+        self.state.clear()
+        self.cycles = self.cycle = self.proposer = None  # type: ignore[assignment]
+
     def _reachable(self, rid: str, start: int) -> bool:
         """The proposer covers [0, start) or can be caught up to it."""
         if not self.proposer.keeps_state:

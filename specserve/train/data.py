@@ -21,9 +21,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from specserve.train.config import MIN_WINDOW
+
 log = logging.getLogger(__name__)
 
-MIN_WINDOW = 8  # shorter windows carry too few TTT targets to be worth a row
 REGEN_CHUNK = 512  # prompts handed to the engine at once
 
 

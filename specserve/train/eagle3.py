@@ -13,10 +13,11 @@ Per batch of token rows ids [B, T] (loss_mask [B, T]):
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,92 +27,12 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from specserve.config import ModelConfig
-from specserve.models.capture import default_aux_layer_ids
 from specserve.train import data as D
+from specserve.train.config import TrainConfig
 from specserve.train.head import Eagle3TrainHead, draft_vocab_from_counts, export_head
 from specserve.worker.device import resolve_device
 
 log = logging.getLogger(__name__)
-
-
-def _opt(default: Any, help: str, **kw: Any) -> Any:
-    """A dataclass field carrying its CLI help text (flags are generated from the fields)."""
-    return field(default=default, metadata={"help": help, **kw})
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    target: str = _opt("", "target model directory (transformers checkpoint + tokenizer)")
-    out: str = _opt("", "output directory: the head in the public EAGLE-3 format + state")
-    data: tuple[str, ...] = ()  # files, directories or @LIST (flag built by the CLI)
-    draft_vocab_size: int = _opt(32000, "draft vocabulary size (capped at the target's)")
-    aux_layer_ids: str = _opt(
-        "", "three target layers feeding the head, e.g. 2,16,29: the residual stream ENTERING "
-        "each (= HF hidden_states index); default 2,N//2,N-3")
-    seq_len: int = _opt(2048, "tokens per training row (longer documents are split)")
-    batch_size: int = _opt(4, "rows per step")
-    epochs: int = _opt(1, "passes over the data")
-    max_steps: int = _opt(0, "stop after this many steps (0 = run the epochs)")
-    time_budget: float = _opt(0.0, "stop after this many seconds (0 = none); the learning "
-                              "rate schedule then follows elapsed time")
-    lr: float = _opt(1e-4, "peak learning rate (AdamW, betas 0.9/0.95)")
-    warmup: float = _opt(0.015, "warmup as a fraction of training")
-    weight_decay: float = _opt(0.0, "AdamW weight decay on matrices")
-    grad_clip: float = _opt(0.5, "gradient-norm clip")
-    ttt_steps: int = _opt(7, "training-time-test steps unrolled per position")
-    step_decay: float = _opt(0.8, "loss weight of TTT step i is decay**i")
-    device: str = _opt("auto", "auto | cpu | cuda")
-    dtype: str = _opt("auto", "compute dtype: auto = bf16 autocast on GPU, fp32 on CPU",
-                      choices=("auto", "float32", "bfloat16"))
-    export_dtype: str = _opt("bfloat16", "dtype of the exported weights",
-                             choices=("bfloat16", "float32"))
-    save_every: int = _opt(1000, "write a checkpoint (and export) every N steps (0 = at the end)")
-    resume: bool = _opt(False, "continue from OUT/trainer_state.pt")
-    seed: int = _opt(0, "data-order seed")
-    progress: bool = _opt(True, "show the progress bar")
-    regenerate: bool = _opt(False, "regenerate responses with the target (specserve engine)")
-    regen_prompt_tokens: int = _opt(64, "regeneration of plain text: prompt tokens per row")
-    regen_temperature: float = _opt(0.8, "regeneration sampling temperature")
-    regen_max_samples: int = _opt(
-        0, "0: train on regenerated responses only; N: regenerate N rows and keep the data too")
-
-    def validate(self) -> None:
-        if not os.path.isfile(os.path.join(self.target, "config.json")):
-            raise ValueError(f"--target {self.target!r} is not a model directory with "
-                             "config.json")
-        if not self.out:
-            raise ValueError("--out DIR is required")
-        if not self.data:
-            raise ValueError("--data needs at least one file, directory or @LIST")
-        for name in ("seq_len", "batch_size", "epochs", "ttt_steps", "draft_vocab_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-        if self.seq_len < D.MIN_WINDOW:
-            raise ValueError(f"--seq-len must be >= {D.MIN_WINDOW}")
-        if not 0 < self.step_decay <= 1 or not 0 <= self.warmup < 1:
-            raise ValueError("--step-decay must be in (0, 1] and --warmup in [0, 1)")
-
-    def aux_ids(self, num_layers: int) -> tuple[int, ...]:
-        if not self.aux_layer_ids:
-            return default_aux_layer_ids(num_layers)
-        try:
-            ids = tuple(int(x) for x in self.aux_layer_ids.split(","))
-        except ValueError as e:
-            raise ValueError(f"--aux-layer-ids takes three integers like 2,4,5, got "
-                             f"{self.aux_layer_ids!r}") from e
-        if len(ids) != 3 or not all(0 <= i < num_layers for i in ids):
-            raise ValueError(f"--aux-layer-ids needs three layer ids in [0, {num_layers}), "
-                             f"got {self.aux_layer_ids!r}")
-        return ids
-
-    def head_config(self, target: ModelConfig, aux_ids: tuple[int, ...]) -> ModelConfig:
-        """One Llama decoder layer shaped like the target, with its own draft vocabulary."""
-        return dataclasses.replace(
-            target, architecture="LlamaForCausalLMEagle3", num_layers=1,
-            draft_vocab_size=min(self.draft_vocab_size, target.vocab_size),
-            target_hidden_size=target.hidden_size, aux_layer_ids=aux_ids,
-            tie_word_embeddings=False, attention_bias=False, qk_norm=False,
-            norm_before_residual=False)
 
 
 @dataclass
@@ -120,6 +41,31 @@ class TrainResult:
     steps: int
     losses: list[float] = field(default_factory=list)  # weighted TTT loss per step
     accuracy: list[list[float]] = field(default_factory=list)  # per step: top-1 per TTT step
+    interrupted: bool = False  # stopped by Ctrl-C (after saving)
+
+
+class _StopOnInterrupt:
+    """While training: the first Ctrl-C (SIGINT) asks the loop to finish its step, save and
+    stop; a second one interrupts at once. Only in the main thread (signals go there)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+
+    def __enter__(self) -> _StopOnInterrupt:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        log.warning("Ctrl-C: saving after this step (press again to stop without saving)")
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
 
 
 def _shift(x: torch.Tensor, i: int) -> torch.Tensor:
@@ -260,6 +206,19 @@ class Eagle3Trainer:
         result = TrainResult(cfg.out, step)
         bar = tqdm(total=total, initial=step, desc="train-eagle3", disable=not cfg.progress)
         start = time.perf_counter()
+        with _StopOnInterrupt() as stop:
+            step = self._loop(rows, step, total, start, result, bar, stop)
+        bar.close()
+        result.steps = step
+        result.interrupted = stop.requested
+        self.save(step)
+        return result
+
+    def _loop(self, rows: list[D.Sample], step: int, total: int, start: float,
+              result: TrainResult, bar: tqdm, stop: _StopOnInterrupt) -> int:
+        """Steps until `total`, the time budget, or a Ctrl-C; returns the step reached."""
+        cfg = self.cfg
+        per_epoch = len(rows) // cfg.batch_size
         while step < total:
             epoch, skip = divmod(step, per_epoch)
             for ids, mask in D.batches(rows, cfg.batch_size, cfg.seed, epoch, pad_id=0):
@@ -288,12 +247,11 @@ class Eagle3Trainer:
                                 acc="/".join(f"{a:.2f}" for a in accs))
                 if cfg.save_every and step % cfg.save_every == 0:
                     self.save(step)
+                if stop.requested:
+                    return step
                 if step >= total:
                     break
-        bar.close()
-        result.steps = step
-        self.save(step)
-        return result
+        return step
 
     def save(self, step: int) -> None:
         """Trainer state (for --resume), then the exported head, each replaced atomically."""

@@ -11,60 +11,14 @@ from __future__ import annotations
 
 import gc
 import json
+import sys
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict
 
 import torch
+from tqdm import tqdm
 
-DEFAULT_SPECS = "3/1/4,5/1/6,5/4/16"  # chain 3, chain 5, tree topk 4 / 16 tokens (depth 5)
-
-
-def _opt(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
-
-
-@dataclass(frozen=True)
-class EvalConfig:
-    model: str = _opt("", "target model directory (default: the bundled tiny-code model)")
-    draft: str = _opt("", "EAGLE-3 head directory (default: the bundled head)")
-    files: tuple[str, ...] = ()  # hold-out files (flag built by the CLI)
-    num_prompts: int = _opt(32, "prompts taken from the files (one per file)")
-    prompt_tokens: int = _opt(128, "prompt length in tokens (files shorter are skipped)")
-    max_tokens: int = _opt(128, "tokens generated per prompt")
-    specs: str = _opt(DEFAULT_SPECS, "comma-separated steps/topk/tokens configs")
-    temperatures: str = _opt("0,1", "comma-separated sampling temperatures")
-    device: str = _opt("auto", "auto | cpu | cuda")
-    dtype: str = _opt("auto", "engine dtype: auto | float32 | bfloat16 | float16")
-    gpu_memory_utilization: float = _opt(0.5, "fraction of free GPU memory for the KV cache")
-    enforce_eager: bool = _opt(False, "no CUDA graphs (faster start, slower steps)")
-    seed: int = _opt(0, "base sampling seed (prompt i uses seed + i)")
-    out: str = _opt("", "also write the results as JSON here")
-
-
-@dataclass(frozen=True)
-class SpecShape:
-    steps: int
-    topk: int
-    tokens: int
-
-    @property
-    def label(self) -> str:
-        if self.topk == 1:
-            return f"chain{self.steps}"
-        return f"tree{self.topk}x{self.tokens}(d{self.steps})"
-
-
-def parse_specs(text: str) -> list[SpecShape]:
-    shapes = []
-    for item in text.split(","):
-        try:
-            steps, topk, tokens = (int(x) for x in item.strip().split("/"))
-        except ValueError as e:
-            raise ValueError(f"--specs items are steps/topk/tokens like 5/4/16, got {item!r}"
-                             ) from e
-        shapes.append(SpecShape(steps, topk, tokens))
-    return shapes
+from specserve.train.config import EvalConfig, parse_specs, parse_temperatures
 
 
 def load_prompts(files: list[str], tokenizer, prompt_tokens: int, num_prompts: int
@@ -102,7 +56,7 @@ def evaluate_accept(cfg: EvalConfig) -> dict:
     draft = cfg.draft or (defaults.default_draft_path() if not cfg.model else "")
     if not draft:
         raise ValueError("--draft DIR (an EAGLE-3 head for --model) is required")
-    temps = [float(t) for t in cfg.temperatures.split(",")]
+    temps = parse_temperatures(cfg.temperatures)
     shapes = parse_specs(cfg.specs)
     engine = dict(device=cfg.device, dtype=cfg.dtype, seed=cfg.seed,
                   enforce_eager=cfg.enforce_eager,
@@ -116,17 +70,20 @@ def evaluate_accept(cfg: EvalConfig) -> dict:
         return [SamplingParams(temperature=temp, max_tokens=cfg.max_tokens, ignore_eos=True,
                                seed=cfg.seed + i) for i in range(len(prompts))]
 
+    bar = tqdm(total=1 + len(shapes) * len(temps), desc="eval-accept", unit="pass",
+               disable=not cfg.progress)
+    bar.set_postfix_str(f"plain greedy, {len(prompts)} prompts")
     t0 = time.perf_counter()
     reference = [o.token_ids for o in plain.generate(prompts, params(0.0))]
     plain_s = time.perf_counter() - t0
+    bar.update(1)
     del plain
     _release_memory()
     rows = []
     for shape in shapes:
-        llm = LLM(model, speculative=dict(algorithm="eagle3", draft_model=draft,
-                                          num_steps=shape.steps, topk=shape.topk,
-                                          num_draft_tokens=shape.tokens), **engine)
+        llm = LLM(model, speculative_config=shape.spec(draft), **engine)
         for temp in temps:
+            bar.set_postfix_str(f"{shape.label} temperature {temp:g}")
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params(temp))
             seconds = time.perf_counter() - t0
@@ -142,8 +99,13 @@ def evaluate_accept(cfg: EvalConfig) -> dict:
             if temp == 0:
                 row["greedy_match"] = sum(o.token_ids == r for o, r in zip(outs, reference))
             rows.append(row)
+            bar.update(1)
+            if cfg.progress:
+                bar.write(f"{shape.label} temperature {temp:g}: accept length "
+                          f"{row['accept_length']:.2f}", file=sys.stderr)
         del llm
         _release_memory()
+    bar.close()
     result = dict(model=model, draft=draft, num_prompts=len(prompts),
                   prompt_tokens=cfg.prompt_tokens, max_tokens=cfg.max_tokens,
                   plain_greedy_seconds=plain_s, results=rows)

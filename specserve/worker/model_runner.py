@@ -294,6 +294,18 @@ class ModelRunner:
         """Forget a step launched ahead (its KV writes are harmless: see execute)."""
         self._launched = None
 
+    def close(self) -> None:
+        """Drop the CUDA graphs, the KV pool and the weights (idempotent): nothing of this
+        runner holds device memory afterwards, even while the object itself is referenced."""
+        self._launched = None
+        self.decode_graphs = None
+        self.graph_pool = None
+        for layer in self.attn_layers:  # the layers' views would keep the pool alive
+            layer.bind_kv_cache({name: torch.empty(0) for name in layer.kv_spec.names})
+        self.attn_layers = []
+        self.kv_pool = None
+        self.model = None
+
     @staticmethod
     def _match(launched: LaunchedStep | None, step: StepInput) -> dict[int, int]:
         """{row of step: row of the launched step} for the rows it already decoded: same

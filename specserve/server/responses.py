@@ -1,0 +1,104 @@
+"""OpenAI-compatible response shapes: one envelope for the four (completion, chat, and their
+stream chunks)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None  # "stop" | "length"; None until the last chunk
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: dict[str, str]  # {"role": "assistant", "content": ...}
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: dict[str, str]  # {"role": "assistant", "content": ""} first, then {"content": ...}
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ResponseBody(BaseModel):
+    id: str
+    object: Literal["text_completion", "chat.completion", "chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[CompletionChoice | ChatChoice | ChatChunkChoice]
+    usage: Usage | None = None  # streams: null, then a last usage-only chunk if asked for
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def full_response(
+    chat: bool, rid: str, model: str, text: str, finish_reason: str, usage: Usage
+) -> ResponseBody:
+    """The non-streamed answer."""
+    choice = (
+        ChatChoice(message={"role": "assistant", "content": text}, finish_reason=finish_reason)
+        if chat
+        else CompletionChoice(text=text, finish_reason=finish_reason)
+    )
+    return ResponseBody(
+        id=rid,
+        object="chat.completion" if chat else "text_completion",
+        created=int(time.time()),
+        model=model,
+        choices=[choice],
+        usage=usage,
+    )
+
+
+def stream_chunk(
+    chat: bool,
+    rid: str,
+    model: str,
+    created: int,
+    text: str | None,
+    finish_reason: str | None = None,
+    usage: Usage | None = None,
+    role: bool = False,
+) -> ResponseBody:
+    """One streamed chunk; text None = the final usage-only chunk (empty choices)."""
+    choices: list[CompletionChoice | ChatChoice | ChatChunkChoice] = []
+    if text is not None and chat:
+        delta = {"role": "assistant", "content": text} if role else {"content": text}
+        choices = [ChatChunkChoice(delta=delta, finish_reason=finish_reason)]
+    elif text is not None:
+        choices = [CompletionChoice(text=text, finish_reason=finish_reason)]
+    return ResponseBody(
+        id=rid,
+        object="chat.completion.chunk" if chat else "text_completion",
+        created=created,
+        model=model,
+        choices=choices,
+        usage=usage,
+    )

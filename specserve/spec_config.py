@@ -1,0 +1,206 @@
+"""Speculative decoding: the methods the engine knows, and their config.
+
+`SpecConfig` is what the engine reads. `speculative_config(...)` builds one from vLLM's
+`--speculative-config` / `speculative_config=` shape ({"method", "model",
+"num_speculative_tokens", ...}) or from this engine's own field names, refusing unknown keys
+and methods not implemented yet. A new method (ngram, suffix, mtp, ...) plugs in by turning
+its `SpecMethod` entry `implemented` and giving the engine its drafter; its own keys join
+`KEYS`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+from specserve.config_flags import ConfigError, check_fields, option
+
+
+@dataclass(frozen=True)
+class SpecMethod:
+    name: str
+    implemented: bool
+    draft: str  # what `model` names for it ("" when it needs none)
+
+
+METHODS: dict[str, SpecMethod] = {
+    m.name: m
+    for m in (
+        SpecMethod("eagle3", True, "an EAGLE-3 head directory ('dummy': a random head)"),
+        SpecMethod("eagle", False, "an EAGLE-1/2 head"),
+        SpecMethod("draft_model", False, "a small model of the target's vocabulary"),
+        SpecMethod("medusa", False, "Medusa heads"),
+        SpecMethod("mtp", False, ""),
+        SpecMethod("ngram", False, ""),
+        SpecMethod("suffix", False, ""),
+    )
+}
+IMPLEMENTED = tuple(name for name, m in METHODS.items() if m.implemented)
+
+
+def max_tree_nodes(num_steps: int, topk: int) -> int:
+    """Most tokens a draft tree of this shape can propose, the root included."""
+    return 1 + topk + (num_steps - 1) * topk**2
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    CLI_PREFIX: ClassVar[str] = "spec"
+
+    algorithm: str = option(
+        "none", "speculative decoding method: none | " + " | ".join(IMPLEMENTED), metavar="METHOD"
+    )
+    draft_model: str = option(
+        "",
+        "EAGLE-3 draft head directory or cached repo id ('dummy': a random head); given "
+        "without --spec-algorithm it turns EAGLE-3 on",
+        metavar="PATH",
+    )
+    num_steps: int = option(
+        3, "draft forwards per cycle (tree depth; vLLM's num_speculative_tokens)", min=1
+    )
+    topk: int = option(1, "branching factor: 1 = chain, >1 = EAGLE-2 dynamic tree", min=1)
+    num_draft_tokens: int = option(
+        0, "tokens verified per cycle incl. the root (0 = num_steps+1)", min=0
+    )
+    synthetic_accept_len: int = option(
+        0, "COST-ONLY benchmarking: force this accept length (0 = real verification)", min=0
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        method = METHODS.get(self.algorithm)
+        if self.algorithm != "none" and method is None:
+            raise ConfigError(
+                SpecConfig,
+                "algorithm",
+                f"{self.algorithm!r} is not a "
+                f"speculative method; known: none, {', '.join(METHODS)}",
+            )
+        if method is not None and not method.implemented:
+            raise ConfigError(
+                SpecConfig,
+                "algorithm",
+                f"{self.algorithm!r} is not implemented yet; implemented: {', '.join(IMPLEMENTED)}",
+            )
+        most = max_tree_nodes(self.num_steps, self.topk)
+        if not 2 <= self.verify_tokens <= most:
+            raise ConfigError(
+                SpecConfig,
+                "num_draft_tokens",
+                f"must be in [2, {most}] for topk "
+                f"{self.topk} and {self.num_steps} steps, got {self.verify_tokens}",
+            )
+        if not self.enabled:
+            if self.draft_model:
+                raise ConfigError(
+                    SpecConfig,
+                    "draft_model",
+                    f"{self.draft_model!r} is set but "
+                    "speculation is off (algorithm 'none'); drop the draft model "
+                    "or choose a method",
+                )
+            return
+        if not self.draft_model:
+            raise ConfigError(
+                SpecConfig, "draft_model", f"is required by {self.algorithm}: {method.draft}"
+            )
+        if self.synthetic_accept_len > self.num_steps + 1:
+            raise ConfigError(
+                SpecConfig,
+                "synthetic_accept_len",
+                f"must be <= num_steps + 1 = {self.num_steps + 1}, got {self.synthetic_accept_len}",
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.algorithm != "none"
+
+    @property
+    def verify_tokens(self) -> int:
+        """Tokens run through the target per cycle, the root included."""
+        if self.num_draft_tokens:
+            return self.num_draft_tokens
+        return self.num_steps + 1
+
+    def describe(self) -> str:
+        """One line for start-up logs: whether speculation is on and how."""
+        if not self.enabled:
+            return "speculation off"
+        shape = "chain" if self.topk == 1 else f"tree topk {self.topk}"
+        text = (
+            f"speculation {self.algorithm} ({shape}, {self.num_steps} draft steps, "
+            f"{self.verify_tokens} tokens verified per cycle; head {self.draft_model})"
+        )
+        if self.synthetic_accept_len:
+            text += f" [COST-ONLY: accept length forced to {self.synthetic_accept_len}]"
+        return text
+
+
+# speculative-config key -> SpecConfig field: vLLM's names, then this engine's own
+KEYS: dict[str, str] = {
+    "method": "algorithm",
+    "model": "draft_model",
+    "num_speculative_tokens": "num_steps",
+    **{f.name: f.name for f in fields(SpecConfig)},
+}
+
+
+def parse_speculative_config(value: str | dict[str, Any]) -> dict[str, tuple[str, Any]]:
+    """{SpecConfig field: (the key the user wrote, value)} from a speculative config (a JSON
+    object or a dict). Unknown keys, and two keys for one field with different values, raise
+    ValueError naming them."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"is not valid JSON ({exc.msg}); give an object such as "
+                '\'{"method": "eagle3", "model": "PATH", '
+                '"num_speculative_tokens": 3}\''
+            ) from None
+    if not isinstance(value, dict):
+        raise ValueError(f"must be a JSON object, got {type(value).__name__}")
+    out: dict[str, tuple[str, Any]] = {}
+    for key, v in value.items():
+        name = KEYS.get(key)
+        if name is None:
+            raise ValueError(f"has an unknown key {key!r}; known keys: {', '.join(KEYS)}")
+        if name in out and out[name][1] != v:
+            raise ValueError(
+                f"sets {out[name][0]!r}={out[name][1]!r} and {key!r}={v!r}, which "
+                "mean the same; give one"
+            )
+        out[name] = (key, v)
+    return out
+
+
+def build_spec_config(values: dict[str, Any], keys: dict[str, str] | None = None) -> SpecConfig:
+    """SpecConfig from field values. A draft model given without a method means EAGLE-3 (the
+    one method taking a head). A bad value raises ValueError naming the user's key (`keys`:
+    field -> key) or ConfigError naming the field."""
+    if values.get("draft_model") and "algorithm" not in values:
+        values = {**values, "algorithm": "eagle3"}
+    if values and "algorithm" not in values:
+        raise ValueError("needs 'method' (e.g. \"eagle3\") or 'model'")
+    try:
+        return SpecConfig(**values)
+    except ConfigError as exc:
+        if keys and exc.name in keys:
+            raise ValueError(f"{keys[exc.name]!r}: {exc.detail}") from None
+        raise
+
+
+def speculative_config(value: str | dict[str, Any] | SpecConfig | None) -> SpecConfig:
+    """The SpecConfig a user's speculative config describes (None: speculation off); errors
+    start with 'speculative_config'."""
+    if value is None or isinstance(value, SpecConfig):
+        return value or SpecConfig()
+    try:
+        parsed = parse_speculative_config(value)
+        return build_spec_config(
+            {k: v for k, (_, v) in parsed.items()}, {k: key for k, (key, _) in parsed.items()}
+        )
+    except ValueError as exc:
+        raise ValueError(f"speculative_config {exc}") from None
