@@ -26,10 +26,11 @@ from types import SimpleNamespace
 from typing import Any
 
 from specserve.config import EngineConfig, config_from_dict, config_to_dict
-from specserve.engine.engine import RequestOutput
+from specserve.engine.engine import RequestOutput, engine_tokenizer
 from specserve.engine.errors import EngineDeadError
 from specserve.engine.local_worker import resolve_model
 from specserve.engine.scheduler import QueueFullError
+from specserve.generation_config import load_generation_defaults
 from specserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -91,18 +92,12 @@ class RemoteEngine:
         self.max_model_len = self.config.scheduler.max_model_len
         self.scheduler = _Limits(ready["limits"])
         self._stats: dict[str, Any] = ready["stats"]
-        self.tokenizer = self._load_tokenizer()
+        self.tokenizer = engine_tokenizer(self.config, self.model_path)
+        self.generation_defaults = load_generation_defaults(self.config.generation_config,
+                                                            self.model_path)
         self.startup_seconds = self._stats.get("startup_seconds", 0.0)
         # what the rest of the server reads off an Engine
         self.runner = SimpleNamespace(num_pages=ready["limits"]["num_total_pages"])
-
-    def _load_tokenizer(self) -> Any:
-        from specserve.tokenizer import has_tokenizer, load_tokenizer
-
-        path = self.config.tokenizer or self.model_path
-        if self.config.load_format == "dummy" and (path is None or not has_tokenizer(path)):
-            return None
-        return load_tokenizer(path)
 
     @property
     def pid(self) -> int:
