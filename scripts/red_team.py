@@ -244,6 +244,9 @@ def main() -> int:
         "40",
         "--drain-timeout",
         "1",
+        # the fault hooks patch the Engine class in the server process: keep the engine there
+        # (the engine-core process's own faults: tests/test_engine_core_proc.py)
+        "--no-engine-process",
     ]
     t0 = time.monotonic()
     # A: small KV pool (preemption, the default max_tokens), key from a file

@@ -39,7 +39,9 @@ class LLM:
         LLM("/path/to/model", speculative_config={"method": "eagle3", "model": "/path/to/head",
             "num_speculative_tokens": 3}, tensor_parallel_size=1, dtype="bfloat16", seed=0)
 
-    Keywords are EngineConfig fields, nested config fields by name or flag spelling
+    The LLM owns its engine: `close()`, the end of a `with` block, or the LLM being garbage
+    collected releases the model, KV pool and graphs, so keep the LLM (not only `.engine`)
+    alive while you use the engine. Keywords are EngineConfig fields, nested config fields by name or flag spelling
     (`page_size=32`, `max_num_seqs=8`, `gpu_memory_utilization=0.8`), or nested configs
     (`cache=CacheConfig(...)` or a dict). `speculative_config` takes vLLM's keys (method,
     model, num_speculative_tokens) and the tree fields (topk, num_draft_tokens); see

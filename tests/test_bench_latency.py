@@ -35,8 +35,10 @@ def _tiny_args(tmp_path, *extra: str) -> list[str]:
 def engine():
     from specserve.llm import LLM
 
-    return LLM("tiny-llama", load_format="dummy", device="cpu",
-               speculative_config=dict(algorithm="eagle3", draft_model="dummy")).engine
+    llm = LLM("tiny-llama", load_format="dummy", device="cpu",
+              speculative_config=dict(algorithm="eagle3", draft_model="dummy"))
+    yield llm.engine  # the LLM owns the engine: keep it alive while the tests use it
+    llm.close()
 
 
 def _check_summary(s: dict, n: int) -> None:
@@ -191,7 +193,8 @@ def test_hf_peer_of_a_checkpoint_with_qkv_bias(tmp_path):
     from specserve.llm import LLM
 
     path = make_tiny_checkpoint(tmp_path / "qwen2", "qwen2", seed=4)
-    eng = LLM(path, device="cpu").engine
+    llm = LLM(path, device="cpu")
+    eng = llm.engine
     peer = floor.hf_peer_model(eng)
     prompt = [random.Random(6).randrange(eng.model_config.vocab_size) for _ in range(16)]
     hf = floor.measure_hf_generate(peer, prompt, 8, runs=1, warmup=0)

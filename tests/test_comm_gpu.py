@@ -188,7 +188,7 @@ def test_emulator_in_engine_graphs(tmp_path) -> None:
         path.write_text(json.dumps({"latency_us": {"8": [[256, us]]}}))
         return str(path)
 
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)  # greedy
     prompt = [[3, 1, 4, 1, 5, 9, 2, 6]]
     kw = dict(load_format="dummy", device="cuda", dtype="float32", cuda_graph_max_bs=4)
     try:

@@ -295,7 +295,8 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
         check_point(config, *planned, bs, ctx, args.output_len)
     copy = measure_copy_bandwidth(device).to_dict() if floor else None
     t0 = time.perf_counter()
-    engine = LLM(config).engine
+    llm = LLM(config)  # owns the engine: it is closed when the LLM goes
+    engine = llm.engine
     startup_s = time.perf_counter() - t0
     capacity = engine.stats()["kv_token_capacity"]
     for ctx, bs in grid:  # the engine's real sizes (a sliding window, a GPU's KV cache)
@@ -346,6 +347,7 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
         with open(args.json_out, "w", encoding="utf-8") as fh:
             json.dump(report, fh, indent=1, default=str)
+    llm.close()
     return 0
 
 
