@@ -45,7 +45,11 @@ class LlamaAttention(nn.Module):
         # Qwen2 puts a bias on q/k/v only; Llama-style attention_bias covers o_proj too
         o_bias = config.attention_bias and not config.architecture.startswith("Qwen2")
         self.o_proj = RowParallelLinear(
-            config.num_heads * hd, config.hidden_size, o_bias, quant, child(prefix, "o_proj"),
+            config.num_heads * hd,
+            config.hidden_size,
+            o_bias,
+            quant,
+            child(prefix, "o_proj"),
             reduce_output=False,
         )
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
