@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
 import time
 
 import pytest
@@ -113,6 +114,17 @@ def test_remote_engine_with_tp2_workers(target: str) -> None:
     remote = RemoteEngine(_config(target, parallel=ParallelConfig(tp_size=2)))
     try:
         assert _run(remote, _prompts()) == expected
+        # rank 1 dies while nothing runs: the core notices and reports it unasked
+        out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(remote.pid)],
+                             capture_output=True, text=True).stdout.split()
+        assert len(out) == 1
+        worker = int(out[0])
+        os.kill(worker, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError, match="rank 1"):
+            while time.monotonic() - t0 < 10:
+                remote.step()
+        assert time.monotonic() - t0 < 3.0
     finally:
         remote.close()
-    assert _gone(remote.pid)
+    assert _gone(remote.pid) and _gone(worker)

@@ -135,6 +135,10 @@ def _serve(engine: Any, commands: zmq.Socket, events: zmq.Socket, beat: _Beat) -
     from specserve.sampling_params import SamplingParams
 
     while True:
+        failure = engine.executor.failure  # a TP worker may die while nothing runs
+        if failure is not None:
+            events.send(pack({"ev": "dead", "message": failure[:2000]}))
+            return EXIT_DEAD
         busy = engine.has_unfinished()
         changed = False
         if commands.poll(0 if busy else IDLE_POLL_MS):

@@ -100,6 +100,11 @@ class Executor:
         return self.local.drafter
 
     @property
+    def failure(self) -> str | None:
+        """Why the TP group is dead (a worker died or hung), even between steps; else None."""
+        return self.group.failure if self.group is not None else None
+
+    @property
     def worker_pids(self) -> list[int]:
         return self.group.pids if self.group is not None else []
 
