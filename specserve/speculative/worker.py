@@ -128,11 +128,14 @@ class SpecWorker:
         self.cycles = self.cycle = self.proposer = None  # type: ignore[assignment]
 
     def _reachable(self, rid: str, start: int) -> bool:
-        """The proposer covers [0, start) or can be caught up to it."""
+        """The proposer covers [0, start) with its state row, or can be caught up to it (a
+        request admitted on a cached prefix covers it with no state row: its first chunk,
+        even a single token, runs as a plain row that feeds the proposer)."""
         if not self.proposer.keeps_state:
             return True
-        covered = self.covered.get(rid)
-        return covered is not None and covered + len(self.pending.get(rid, ())) == start
+        covered, pending = self.covered.get(rid), self.pending.get(rid, ())
+        return (covered is not None and covered + len(pending) == start
+                and (bool(pending) or rid in self.state))
 
     def _can_speculate(self, step: StepInput, i: int) -> bool:
         """A decode that may speculate, whose proposer covers [0, P) (or can be caught up)
