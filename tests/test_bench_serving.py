@@ -54,8 +54,11 @@ def make_app() -> FastAPI:
                     yield 'data: {"error": {"message": "engine died", "code": 500}}\n\n'
                     return
             if prompt != "NO_USAGE":
-                usage = {"prompt_tokens": 5, "completion_tokens": body["max_tokens"],
-                         "prompt_tokens_details": {"cached_tokens": 4 if chat else 0}}
+                usage = {
+                    "prompt_tokens": 5,
+                    "completion_tokens": body["max_tokens"],
+                    "prompt_tokens_details": {"cached_tokens": 4 if chat else 0},
+                }
                 yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
         finally:

@@ -174,8 +174,9 @@ def test_next_token_keying_separates_pages_with_different_successors() -> None:
 # -- the scheduler -----------------------------------------------------------------------------
 
 
-def _sched(pages: int, page_size: int, max_len: int, budget: int, seqs: int,
-           draft: bool) -> Scheduler:
+def _sched(
+    pages: int, page_size: int, max_len: int, budget: int, seqs: int, draft: bool
+) -> Scheduler:
     alloc = PageAllocator(pages)
     pc = PrefixCache(alloc, page_size, "sim", key_next_token=draft)
     cfg = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, max_waiting=1000)
@@ -226,7 +227,8 @@ class _Sim:
         page = r.page_ids[p // self.s.page_size]
         alloc = self.s.allocator
         assert alloc.refcount(page) == 1 and not alloc.is_cached(page), (
-            f"{r.request_id} writes position {p} into shared/cached page {page}")
+            f"{r.request_id} writes position {p} into shared/cached page {page}"
+        )
         table[self.slot(r, p)] = value
         self.writes += 1
 
@@ -277,9 +279,11 @@ def _run_sim(seed: int, draft: bool, totals: dict[str, int]) -> None:
     vocab = 12
     reqs: list[Request] = []
     for i, prompt in enumerate(_prompts(rng, rng.randint(3, 14), ps, max_len, vocab)):
-        params = SamplingParams(max_tokens=rng.randint(1, 12), ignore_eos=rng.random() < 0.5,
-                                stop_token_ids=[rng.randrange(1, vocab)] if rng.random() < 0.2
-                                else [])
+        params = SamplingParams(
+            max_tokens=rng.randint(1, 12),
+            ignore_eos=rng.random() < 0.5,
+            stop_token_ids=[rng.randrange(1, vocab)] if rng.random() < 0.2 else [],
+        )
         r = Request(f"r{i}", prompt[: max_len - 1], params)
         r._arrive = rng.randint(0, 40)  # type: ignore[attr-defined]
         reqs.append(r)

@@ -18,8 +18,8 @@ import random
 
 import pytest
 import torch
-from tiny_eagle import make_tiny_eagle3_head
 from test_spec_proposers import RepeatProposer
+from tiny_eagle import make_tiny_eagle3_head
 from tiny_models import make_tiny_checkpoint, record_preemptions
 
 from specserve.config import CacheConfig, SchedulerConfig
@@ -40,8 +40,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     root = tmp_path_factory.mktemp("apc")
-    target = make_tiny_checkpoint(root / "target", family="llama", tokenizer=True,
-                                  num_hidden_layers=3)
+    target = make_tiny_checkpoint(
+        root / "target", family="llama", tokenizer=True, num_hidden_layers=3
+    )
     head = make_tiny_eagle3_head(str(root / "head"), target, draft_vocab_size=128)
     return target, head
 
@@ -70,8 +71,7 @@ def _prompts() -> list[list[int]]:
 def _llm(target: str, spec: dict | None, head: str, caching: bool, **kw) -> LLM:
     if spec is not None:
         spec = {**spec, "algorithm": "eagle3", "draft_model": head}
-    kw.setdefault("cache", CacheConfig(page_size=PAGE, num_pages=36,
-                                       enable_prefix_caching=caching))
+    kw.setdefault("cache", CacheConfig(page_size=PAGE, num_pages=36, enable_prefix_caching=caching))
     kw.setdefault("scheduler", SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8))
     return LLM(target, device="cpu", dtype="float32", speculative=spec, **kw)
 
@@ -108,8 +108,13 @@ def _run(llm: LLM) -> tuple[list[list[list[int]]], list, list]:
 @pytest.fixture(scope="module")
 def reference(pair) -> list[list[int]]:
     """Plain greedy tokens, no caching, a pool that never preempts."""
-    llm = _llm(pair[0], None, pair[1], False, cache=CacheConfig(page_size=PAGE, num_pages=512,
-                                                                enable_prefix_caching=False))
+    llm = _llm(
+        pair[0],
+        None,
+        pair[1],
+        False,
+        cache=CacheConfig(page_size=PAGE, num_pages=512, enable_prefix_caching=False),
+    )
     assert llm.engine.prefix_cache is None
     return [o.token_ids for o in llm.generate(_prompts(), GREEDY)]
 
@@ -154,8 +159,9 @@ def _compare_states(on: dict, off: dict) -> tuple[int, list]:
 
 
 @pytest.mark.parametrize("name", list(SPECS))
-def test_speculative_greedy_and_draft_state_identical_with_caching(pair, reference,
-                                                                   name: str) -> None:
+def test_speculative_greedy_and_draft_state_identical_with_caching(
+    pair, reference, name: str
+) -> None:
     off, off_states, off_waves, off_outs = _spec_run(pair, name, False)
     overlap = "on" if name == "chain3" else "off"  # launches ahead over cached pages too
     on, on_states, on_waves, on_outs = _spec_run(pair, name, True, decode_overlap=overlap)
@@ -230,11 +236,15 @@ class _StatefulRepeat(RepeatProposer):
 
 
 def test_caching_is_off_with_a_drafter_naming_no_key_and_refused_when_asked(pair) -> None:
-    kw = dict(speculative=dict(num_steps=2), device="cpu", dtype="float32",
-              proposer=_StatefulRepeat)
+    kw = dict(
+        speculative=dict(num_steps=2), device="cpu", dtype="float32", proposer=_StatefulRepeat
+    )
     llm = LLM(pair[0], cache=CacheConfig(page_size=PAGE, num_pages=64), **kw)
     assert llm.engine.prefix_cache is None  # unset: on only where safe
     assert llm.generate(_prompts()[:1], GREEDY)[0].num_cached_tokens == 0
     with pytest.raises(ValueError, match="no-enable-prefix-caching"):
-        LLM(pair[0], cache=CacheConfig(page_size=PAGE, num_pages=64,
-                                       enable_prefix_caching=True), **kw)
+        LLM(
+            pair[0],
+            cache=CacheConfig(page_size=PAGE, num_pages=64, enable_prefix_caching=True),
+            **kw,
+        )

@@ -79,8 +79,20 @@ _CODE = (
     " -> list[str]:\n",
 )
 
-_AREAS = ("billing", "shipping", "returns", "accounts", "privacy", "warranty", "orders",
-          "gift cards", "subscriptions", "repairs", "escalations", "security")
+_AREAS = (
+    "billing",
+    "shipping",
+    "returns",
+    "accounts",
+    "privacy",
+    "warranty",
+    "orders",
+    "gift cards",
+    "subscriptions",
+    "repairs",
+    "escalations",
+    "security",
+)
 _RULES = (
     "answer questions about {a} in plain English and cite section {n} of the policy",
     "never promise a {a} exception that section {n} does not allow, and say who can grant one",

@@ -42,8 +42,9 @@ class PrefixCacheStats:
 
 
 class PrefixCache:
-    def __init__(self, allocator: PageAllocator, page_size: int, identity: str,
-                 key_next_token: bool = False) -> None:
+    def __init__(
+        self, allocator: PageAllocator, page_size: int, identity: str, key_next_token: bool = False
+    ) -> None:
         """identity: everything besides the tokens that changes a page's KV (model, dtype,
         draft head and its aux layers). key_next_token: the pages hold draft KV that depends
         on the token after the page."""
@@ -90,8 +91,14 @@ class PrefixCache:
         return self.allocator.lookup(keys[:n])
 
     # -- registration --------------------------------------------------------------------------
-    def cache_pages(self, tokens: Sequence[int], keys: list[bytes], pages: list[int],
-                    num_done: int, num_valid: int) -> int:
+    def cache_pages(
+        self,
+        tokens: Sequence[int],
+        keys: list[bytes],
+        pages: list[int],
+        num_done: int,
+        num_valid: int,
+    ) -> int:
         """Register the full pages of a sequence whose KV covers [0, num_valid) and whose key
         is known, past the first num_done (done before); returns the new num_done. A page
         whose key another page holds already stays private (and uncached)."""

@@ -134,8 +134,11 @@ class SpecWorker:
         if not self.proposer.keeps_state:
             return True
         covered, pending = self.covered.get(rid), self.pending.get(rid, ())
-        return (covered is not None and covered + len(pending) == start
-                and (bool(pending) or rid in self.state))
+        return (
+            covered is not None
+            and covered + len(pending) == start
+            and (bool(pending) or rid in self.state)
+        )
 
     def _can_speculate(self, step: StepInput, i: int) -> bool:
         """A decode that may speculate, whose proposer covers [0, P) (or can be caught up)
