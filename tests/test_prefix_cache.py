@@ -277,21 +277,19 @@ def _run_sim(seed: int, draft: bool, totals: dict[str, int]) -> None:
     s = _sched(pages, ps, max_len, budget, rng.randint(1, 5), draft)
     sim = _Sim(s, draft)
     vocab = 12
-    reqs: list[Request] = []
+    arrivals: dict[int, list[Request]] = {}  # step -> requests arriving then
     for i, prompt in enumerate(_prompts(rng, rng.randint(3, 14), ps, max_len, vocab)):
         params = SamplingParams(
             max_tokens=rng.randint(1, 12),
             ignore_eos=rng.random() < 0.5,
             stop_token_ids=[rng.randrange(1, vocab)] if rng.random() < 0.2 else [],
         )
-        r = Request(f"r{i}", prompt[: max_len - 1], params)
-        r._arrive = rng.randint(0, 40)  # type: ignore[attr-defined]
-        reqs.append(r)
-    pending = sorted(reqs, key=lambda r: r._arrive)  # type: ignore[attr-defined]
+        arrivals.setdefault(rng.randint(0, 40), []).append(
+            Request(f"r{i}", prompt[: max_len - 1], params)
+        )
     admitted: list[Request] = []
     for t in range(3000):
-        while pending and pending[0]._arrive <= t:  # type: ignore[attr-defined]
-            r = pending.pop(0)
+        for r in arrivals.pop(t, []):
             try:
                 s.add(r)
                 admitted.append(r)
@@ -342,7 +340,7 @@ def _run_sim(seed: int, draft: bool, totals: dict[str, int]) -> None:
             if r.is_finished:
                 sim.cov.pop(r.request_id, None)
         sim.check(s.running)
-        if not s.has_unfinished and not pending:
+        if not s.has_unfinished and not arrivals:
             break
     assert not s.has_unfinished, "no progress"
     alloc = s.allocator

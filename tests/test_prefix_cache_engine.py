@@ -22,7 +22,7 @@ from test_spec_proposers import RepeatProposer
 from tiny_eagle import make_tiny_eagle3_head
 from tiny_models import make_tiny_checkpoint, record_preemptions
 
-from specserve.config import CacheConfig, SchedulerConfig
+from specserve.config import CacheConfig, SchedulerConfig, SpecConfig
 from specserve.engine.engine import Engine
 from specserve.engine.spec_policy import ScriptedPolicy
 from specserve.llm import LLM
@@ -73,7 +73,7 @@ def _llm(target: str, spec: dict | None, head: str, caching: bool, **kw) -> LLM:
         spec = {**spec, "algorithm": "eagle3", "draft_model": head}
     kw.setdefault("cache", CacheConfig(page_size=PAGE, num_pages=36, enable_prefix_caching=caching))
     kw.setdefault("scheduler", SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8))
-    return LLM(target, device="cpu", dtype="float32", speculative=spec, **kw)
+    return LLM(target, device="cpu", dtype="float32", speculative_config=spec, **kw)
 
 
 def _spy_states(llm: LLM) -> dict[tuple, torch.Tensor]:
@@ -237,7 +237,10 @@ class _StatefulRepeat(RepeatProposer):
 
 def test_caching_is_off_with_a_drafter_naming_no_key_and_refused_when_asked(pair) -> None:
     kw = dict(
-        speculative=dict(num_steps=2), device="cpu", dtype="float32", proposer=_StatefulRepeat
+        speculative_config=SpecConfig(num_steps=2),
+        device="cpu",
+        dtype="float32",
+        proposer=_StatefulRepeat,
     )
     llm = LLM(pair[0], cache=CacheConfig(page_size=PAGE, num_pages=64), **kw)
     assert llm.engine.prefix_cache is None  # unset: on only where safe
