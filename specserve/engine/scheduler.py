@@ -13,11 +13,9 @@ last) is preempted: its pages are freed and it returns to the FRONT of the waiti
 its output tokens kept, to be re-prefilled later. The highest-priority running request always
 progresses, so every request that fits the pool alone eventually completes.
 
-Prefix caching (kv_cache/prefix_cache.py): after each update, the full pages of a request whose
-KV is complete (target KV computed and, with a drafter's own KV in the pages, the draft KV too,
-as the step reported) are registered under their keys; from then on they are read-only, and
-they outlive the request as evictable pages. A preempted or finished request's cached pages
-stay findable, so recompute after a preemption starts from its cached prefix.
+Prefix caching (kv_cache/prefix_cache.py): after each update a request's full pages whose KV is
+complete (the target's, and the draft's as far as the step reports it) are registered: read-only
+from then on, they outlive the request until evicted, so recompute restarts from them.
 """
 
 from __future__ import annotations
