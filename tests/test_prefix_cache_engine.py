@@ -20,7 +20,7 @@ import pytest
 import torch
 from test_spec_proposers import RepeatProposer
 from tiny_eagle import make_tiny_eagle3_head
-from tiny_models import make_tiny_checkpoint, record_preemptions
+from tiny_models import device_fixture, make_tiny_checkpoint, record_preemptions
 
 from specserve.config import CacheConfig, SchedulerConfig, SpecConfig
 from specserve.engine.engine import Engine
@@ -40,16 +40,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 DEVICE = "cpu"
 
 
-@pytest.fixture(
-    scope="module", autouse=True, params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-)
-def device(request: pytest.FixtureRequest) -> str:
-    """Every test runs on the CPU and (marked gpu) on CUDA: graphs, overlap on, fp32."""
-    global DEVICE
-    if request.param == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    DEVICE = request.param
-    return request.param
+# every test on the CPU and (marked gpu) on CUDA: graphs, overlap on, fp32
+device = device_fixture(globals())
 
 
 @pytest.fixture(scope="module")
