@@ -37,7 +37,7 @@ def decode_step(bs: int, context: int = 1024, page_size: int = 16) -> StepInput:
         request_ids=[f"cmpl-{i:016x}" for i in range(bs)],
         starts=np.full(bs, context), num_new_tokens=np.ones(bs), next_token_ids=-np.ones(bs),
         samples=np.ones(bs, bool), is_decode=np.ones(bs, bool), speculate=np.ones(bs, bool),
-        lookahead=np.full(bs, 15),
+        lookahead=np.full(bs, 15), from_cache=np.zeros(bs, bool),
         num_tokens=np.full(bs, context + 1), tokens_left=np.full(bs, 64),
         page_counts=np.full(bs, pages), temperature=np.zeros(bs), top_k=-np.ones(bs),
         top_p=np.ones(bs), min_p=np.zeros(bs), seed=np.arange(bs),

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks in one invocation (an H200 or any CUDA machine):
 #   bash scripts/gpu_suite.sh OUT_DIR [steps]
-# steps: any of tests,profile,plain,spec,moe,match,serve,mla,quant,comm (default: all but
-# profile, quant and comm). Results and logs go to OUT_DIR;
+# steps: any of tests,profile,plain,spec,moe,match,serve,mla,quant,comm,prefix (default: all
+# but profile, quant and comm). Results and logs go to OUT_DIR;
 # benchmark rows are appended to experiments/ (LOG.md, results.jsonl, PNGs).
 set -u
-out=${1:-out}; steps=${2:-tests,plain,spec,moe,match,serve,mla}
+out=${1:-out}; steps=${2:-tests,plain,spec,moe,match,serve,mla,prefix}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -164,4 +164,19 @@ if has mla; then  # MLA kernels and layer (bf16 at 512/64 dims; fp32 layer vs tr
   echo "mla tests rc=$?"; tail -4 "$out/mla_tests.log"
   timeout 400 python scripts/bench_mla.py --json-out "$out/mla_bench.json" > "$out/mla_bench.log" 2>&1
   echo "mla bench rc=$?"; grep -v "^ " "$out/mla_bench.log" | tail -26
+fi
+if has prefix && [ -d "$pair" ]; then  # prefix caching off vs on: ~1.9k-token shared system prompt
+  # 8B shape with dummy weights; the bundled tokenizer turns the prompts into ids (< its vocab)
+  for cfg in "plain|" "chain3|--spec-algorithm eagle3 --spec-draft-model dummy --spec-num-steps 3"; do
+    name=${cfg%%|*}; spec=${cfg#*|}
+    for mode in off on; do
+      flag=$([ "$mode" = off ] && echo --no-enable-prefix-caching)
+      base=(); [ "$mode" = on ] && base=(--baseline "llama-3.1-8b $name shared-prefix APC off")
+      timeout 300 "${ss[@]}" bench serve --start-server "--model llama-3.1-8b --load-format dummy \
+        --tokenizer $pair --max-model-len 4096 $spec $flag" --prompts shared --concurrency 1,16,64 \
+        --num-requests 64 --repeats 2 --max-tokens 64 --ignore-eos --log --exp-dir experiments \
+        --label "llama-3.1-8b $name shared-prefix APC $mode" "${base[@]}" > "$out/prefix-$name-$mode.log" 2>&1
+      echo "prefix $name $mode rc=$?"; grep -v INFO "$out/prefix-$name-$mode.log" | grep "=" | tail -3
+    done
+  done
 fi

@@ -437,6 +437,11 @@ class CacheConfig:
                                  min=1)
     num_pages: int = option(0, "fix the number of KV pages (0 = size from the memory budget)",
                             min=0)
+    enable_prefix_caching: bool | None = option(
+        None, "reuse the KV pages of prefixes computed before (automatic prefix caching; a "
+        "draft head's KV is cached with the target's)",
+        help_default="on, except with a drafter given as a Python object that names no "
+        "prefix_cache_key")
 
     def __post_init__(self) -> None:
         check_fields(self)

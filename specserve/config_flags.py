@@ -115,6 +115,8 @@ def check_fields(obj: Any) -> None:
         value, meta, tp = getattr(obj, f.name), f.metadata, unwrap_optional(hints[f.name])
         if dataclasses.is_dataclass(tp) or not meta:
             continue
+        if value is None and tp is not hints[f.name]:
+            continue  # an optional field left unset ("auto")
 
         def bad(detail: str, name: str = f.name) -> ConfigError:
             return ConfigError(cls, name, detail)

@@ -26,6 +26,7 @@ class GenerationOutput:
     spec_cycles: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     @property
     def accept_length(self) -> float:
@@ -124,7 +125,8 @@ class LLM:
                     results[out.request_id] = GenerationOutput(
                         out.request_id, req.prompt_token_ids, list(req.output_token_ids),
                         "".join(texts[out.request_id]), out.finish_reason, req.spec_cycles,
-                        req.spec_accepted_tokens, list(req.spec_accepted_per_pos))
+                        req.spec_accepted_tokens, list(req.spec_accepted_per_pos),
+                        req.num_cached_tokens)
                     bar.update(1)
         bar.close()
         return [results[i] for i in ids]

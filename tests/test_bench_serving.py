@@ -54,7 +54,11 @@ def make_app() -> FastAPI:
                     yield 'data: {"error": {"message": "engine died", "code": 500}}\n\n'
                     return
             if prompt != "NO_USAGE":
-                usage = {"prompt_tokens": 5, "completion_tokens": body["max_tokens"]}
+                usage = {
+                    "prompt_tokens": 5,
+                    "completion_tokens": body["max_tokens"],
+                    "prompt_tokens_details": {"cached_tokens": 4 if chat else 0},
+                }
                 yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
         finally:
@@ -120,6 +124,7 @@ def test_tpot_comes_from_usage_not_chunks(fake) -> None:
         r = asyncio.run(_one(_target(url, endpoint=endpoint, max_tokens=9), Prompt(text="hi")))
         assert r.ok and r.error is None
         assert (r.output_tokens, r.prompt_tokens, r.num_chunks, len(r.itl_s)) == (9, 5, 3, 2)
+        assert r.cached_tokens == (4 if endpoint == "chat" else 0)
         assert 0 < r.ttft_s < r.e2e_s
         assert r.tpot_s == pytest.approx((r.e2e_s - r.ttft_s) / 8)  # 9 tokens, not 3 chunks
 
@@ -248,6 +253,7 @@ def test_cli_logs_rows_records_and_plot(fake, tmp_path, capsys) -> None:
     rows = [ln for ln in (exp / "LOG.md").read_text().splitlines() if "serve/chat" in ln]
     assert len(rows) == 4
     assert all("AL 3.00" in r and "failed 0/6" in r for r in rows)
+    assert all("80% prompt tokens cached" in r for r in rows)  # 4 of 5 per chat request
     changes = [r.split("|")[7].strip() for r in rows]
     assert changes[:2] == ["-", "-"] and all(c.endswith("%") for c in changes[2:])
     recs = [json.loads(x) for x in (exp / "results.jsonl").read_text().splitlines()]
@@ -257,6 +263,7 @@ def test_cli_logs_rows_records_and_plot(fake, tmp_path, capsys) -> None:
     assert "api_key" not in first["config"] and KEY not in json.dumps(recs)
     assert "requests" not in first["point"] and first["point"]["output_tokens"] == 6 * 6
     assert first["point"]["acceptance"]["mean_acceptance_length"] == 3.0
+    assert first["point"]["cached_prompt_tokens"] == 4 * 6
     assert first["versions"]["python"] and first["git_sha"]
     pngs = sorted(exp.glob("serve_*.png"))
     assert len(pngs) == 2 and all(p.read_bytes()[:4] == b"\x89PNG" for p in pngs)

@@ -161,6 +161,11 @@ def test_builtin_prompt_sets() -> None:
     assert all(p.text and ("def " in p.text or "class " in p.text) for p in code)
     assert chat[0].as_text() == chat[0].messages[0]["content"]
     assert code[0].as_messages() == [{"role": "user", "content": code[0].text}]
+    shared = prompts.load_prompts("shared")  # one long system prompt, then the chat questions
+    system = shared[0].messages[0]
+    assert system["role"] == "system" and len(system["content"]) > 5000
+    assert all(p.messages == (system, c.messages[0]) for p, c in zip(shared, chat))
+    assert len({p.as_text() for p in shared}) == len(shared)
     with pytest.raises(ValueError, match="'chat', 'code'"):
         prompts.load_prompts("poems")
 

@@ -303,3 +303,31 @@ def test_spec_counter_deltas_reach_metrics(offline: Engine,
     per_pos = [value("specserve:spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
                for i in range(3)]
     assert per_pos == [4, 2, 1]
+
+
+def test_cached_prompt_tokens_in_usage_and_metrics(live: LiveServer,
+                                                   client: openai.OpenAI) -> None:
+    """A prompt sent again reuses its cached pages: usage.prompt_tokens_details.cached_tokens
+    says how many prompt tokens (whole pages of 8, the last token always run), and the
+    prefix-cache counters count queried and hit tokens."""
+    before = _samples(httpx.get(live.url + "/metrics").text)
+    prompt = "class PrefixCacheProbe:\n    def lookup(self, key: str) -> int:\n" * 3
+    model = live.async_engine.model_name
+    first = client.completions.create(model=model, prompt=prompt, max_tokens=3, temperature=0)
+    n = first.usage.prompt_tokens
+    assert n > 16 and first.usage.prompt_tokens_details.cached_tokens == 0
+    live.wait_idle()
+    chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=3,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    second = chunks[-1].usage
+    assert second.prompt_tokens_details.cached_tokens == (n - 1) // 8 * 8
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == first.choices[0].text
+    live.wait_idle()
+    after = _samples(httpx.get(live.url + "/metrics").text)
+
+    def delta(name: str) -> float:
+        return after[(name, ())] - before.get((name, ()), 0.0)
+
+    assert delta("specserve:prefix_cache_queries_total") == 2 * n
+    assert delta("specserve:prefix_cache_hits_total") == (n - 1) // 8 * 8

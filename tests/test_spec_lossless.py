@@ -9,9 +9,8 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 from tiny_eagle import make_tiny_eagle3_head, oracle_propose
-from tiny_models import make_tiny_checkpoint, record_preemptions
+from tiny_models import device_fixture, make_tiny_checkpoint, record_preemptions
 
 from specserve.config import CacheConfig, SchedulerConfig
 from specserve.llm import LLM
@@ -46,15 +45,8 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 DEVICE = "cpu"
 
 
-@pytest.fixture(scope="module", autouse=True,
-                params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def device(request: pytest.FixtureRequest) -> str:
-    """Every test runs on the CPU and (marked gpu) on CUDA, in fp32 on both."""
-    global DEVICE
-    if request.param == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    DEVICE = request.param
-    return request.param
+# every test on the CPU and (marked gpu) on CUDA, in fp32 on both
+device = device_fixture(globals())
 
 
 def _llm(target: str, spec: dict | None = None, **kw) -> LLM:

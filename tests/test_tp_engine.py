@@ -43,8 +43,13 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 
 
 def _prompts() -> list[list[int]]:
+    """Random prompts, most sharing a prefix (cut at and between page boundaries): the prefix
+    cache on rank 0's side shares pages the workers only know by id."""
     rng = random.Random(7)
-    return [[rng.randrange(3, 500) for _ in range(rng.randint(3, 30))] for _ in range(8)]
+    shared = [rng.randrange(3, 500) for _ in range(16)]
+    cuts = (0, 16, 8, 12, 5, 16, 0, 14)
+    return [shared[:c] + [rng.randrange(3, 500) for _ in range(rng.randint(3, 14))]
+            for c in cuts]
 
 
 def _llm(pair: tuple[str, str], tp: int, spec: dict | None, **kw) -> LLM:
@@ -71,6 +76,7 @@ def reference(pair) -> dict[str, list[list[int]]]:
         llm = _llm(pair, 1, spec)
         out[name], preempted = _generate(llm)
         assert preempted, "the small pool was meant to force a preemption"
+        assert llm.engine.stats()["prefix_cache_hits"] > 0
         llm.close()
     return out
 
@@ -92,6 +98,7 @@ def test_tp_equals_tp1(pair, reference, tp: int, name: str) -> None:
     tokens, preempted = _generate(llm)
     assert preempted
     assert tokens == reference[name], f"TP={tp} {name} differs from TP=1"
+    assert llm.engine.stats()["prefix_cache_hits"] > 0
     digests = llm.engine.executor.close()
     assert set(digests) == set(range(1, tp))
     for rank, digest in digests.items():

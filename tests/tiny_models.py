@@ -6,7 +6,27 @@ import copy
 import os
 import random
 
+import pytest
 import torch
+
+# params of a device fixture: every test on the CPU and, marked gpu, on CUDA
+DEVICES = ("cpu", pytest.param("cuda", marks=pytest.mark.gpu))
+
+
+def device_fixture(module_globals: dict):
+    """A module-scoped autouse `device` fixture over DEVICES that also sets the module's
+    DEVICE (read by its helpers); CUDA is skipped without a GPU. Use it as
+    `device = device_fixture(globals())`."""
+
+    @pytest.fixture(scope="module", autouse=True, params=DEVICES)
+    def device(request: pytest.FixtureRequest) -> str:
+        if request.param == "cuda" and not torch.cuda.is_available():
+            pytest.skip("no CUDA device")
+        module_globals["DEVICE"] = request.param
+        return request.param
+
+    return device
+
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "deepseek_v3", "deepseek_v2")
 

@@ -79,7 +79,40 @@ _CODE = (
     " -> list[str]:\n",
 )
 
-BUILTIN_SETS = ("chat", "code")
+_AREAS = (
+    "billing",
+    "shipping",
+    "returns",
+    "accounts",
+    "privacy",
+    "warranty",
+    "orders",
+    "gift cards",
+    "subscriptions",
+    "repairs",
+    "escalations",
+    "security",
+)
+_RULES = (
+    "answer questions about {a} in plain English and cite section {n} of the policy",
+    "never promise a {a} exception that section {n} does not allow, and say who can grant one",
+    "ask for the order number before discussing {a}, then repeat it back (rule {n})",
+    "escalate {a} complaints open for more than {n} days to a team lead with a short summary",
+    "keep notes on every {a} conversation and link them to ticket class {n}",
+)
+
+
+def _shared_system_prompt() -> str:
+    """A long, fixed system prompt (~6,200 characters: about 1,900 tokens with the bundled
+    tiny-code tokenizer) every request of the "shared" set starts with."""
+    lines = ["You are the support assistant of Example Outfitters. Follow every rule below."]
+    for i in range(64):
+        rule = _RULES[i % len(_RULES)].format(a=_AREAS[i % len(_AREAS)], n=i + 3)
+        lines.append(f"Rule {i + 1}: {rule}.")
+    return "\n".join(lines)
+
+
+BUILTIN_SETS = ("chat", "code", "shared")
 
 
 def _parse_line(obj: Any, where: str) -> Prompt:
@@ -122,12 +155,16 @@ def _load_jsonl(path: str) -> list[Prompt]:
 
 
 def load_prompts(name_or_path: str) -> list[Prompt]:
-    """A built-in set ("chat": user questions as messages, "code": Python prefixes as text) or
-    a .jsonl file."""
+    """A built-in set ("chat": user questions as messages, "code": Python prefixes as text,
+    "shared": the chat questions after one long system prompt, for prefix caching) or a .jsonl
+    file."""
     if name_or_path == "chat":
         return [Prompt(messages=({"role": "user", "content": q},)) for q in _CHAT]
     if name_or_path == "code":
         return [Prompt(text=c) for c in _CODE]
+    if name_or_path == "shared":
+        system = {"role": "system", "content": _shared_system_prompt()}
+        return [Prompt(messages=(system, {"role": "user", "content": q})) for q in _CHAT]
     if not os.path.isfile(name_or_path):
         raise ValueError(
             f"unknown prompt set {name_or_path!r}: use one of {BUILTIN_SETS} or a path to a "

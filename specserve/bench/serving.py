@@ -81,6 +81,7 @@ class RequestResult:
     error: str | None = None
     prompt_tokens: int = 0
     output_tokens: int = 0  # from usage.completion_tokens
+    cached_tokens: int = 0  # from usage.prompt_tokens_details.cached_tokens (prefix cache)
     num_chunks: int = 0  # stream chunks carrying text
     ttft_s: float = float("nan")
     e2e_s: float = float("nan")
@@ -143,6 +144,7 @@ async def send_request(
         return res
     res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
     res.output_tokens = int(usage.get("completion_tokens") or 0)
+    res.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
     res.ok = True
     return res
 
@@ -200,6 +202,7 @@ def summarize_point(
         "errors": sorted({r.error or "" for r in failed})[:5],
         "duration_s": [dur for _, dur in runs],
         "prompt_tokens": sum(r.prompt_tokens for r in ok),
+        "cached_prompt_tokens": sum(r.cached_tokens for r in ok),
         "output_tokens": sum(r.output_tokens for r in ok),
         "output_tok_s": summarize(tok_s).to_dict(),
         "request_throughput": summarize(req_s).to_dict(),
@@ -310,6 +313,8 @@ def log_points(
 def _describe(p: dict[str, Any]) -> str:
     """Latency and acceptance of one point in a line (stdout and the LOG.md notes)."""
     al = f"AL {p['acceptance']['mean_acceptance_length']:.2f}; " if p["acceptance"] else ""
+    if p.get("cached_prompt_tokens"):
+        al += f"{100 * p['cached_prompt_tokens'] / p['prompt_tokens']:.0f}% prompt tokens cached; "
     ttft, tpot, itl = p["ttft_ms"], p["tpot_ms"], p["itl_ms"]
     return (
         f"{al}TTFT p50/p99 {ttft['p50']:.1f}/{ttft['p99']:.1f} ms; TPOT p50/p99 "

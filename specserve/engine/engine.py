@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import itertools
+import json
 import logging
 import random
 import time
@@ -29,6 +30,7 @@ from specserve.engine.spec_policy import SpecPolicy, StaticPolicy
 from specserve.engine.step_builder import build_step_input
 from specserve.generation_config import load_generation_defaults
 from specserve.kv_cache.allocator import PageAllocator
+from specserve.kv_cache.prefix_cache import PrefixCache
 from specserve.sampling_params import SamplingParams
 from specserve.speculative.worker import SpecWorker
 from specserve.tokenizer import (
@@ -54,6 +56,7 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort"
     num_prompt_tokens: int
     num_output_tokens: int
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 class _TextState:
@@ -123,11 +126,12 @@ class Engine:
         self.spec_policy: SpecPolicy = StaticPolicy()
         self.startup_seconds = time.perf_counter() - t0
         self.allocator = PageAllocator(self.runner.num_pages)
+        self.prefix_cache = self._prefix_cache()
         eos = tuple(self.model_config.eos_token_ids)
         if not eos and self.tokenizer is not None:
             eos = tuple(self.tokenizer.eos_token_ids)
         self.scheduler = Scheduler(self.config.scheduler, self.allocator, config.cache.page_size,
-                                   self.max_model_len, eos)
+                                   self.max_model_len, eos, self.prefix_cache)
         if self.drafter is not None:
             self.scheduler.lookahead = self.drafter.lookahead
         self._set_keep_ahead()
@@ -144,6 +148,35 @@ class Engine:
         """SamplingParams from the generation config's defaults, under `overrides`."""
         return self.generation_defaults.sampling_params(**overrides)
 
+    def _cache_identity(self, drafter: SpecWorker | None) -> tuple[str, bool] | None:
+        """(identity, next-token keying) of the KV pages the active workers write; None when
+        a drafter's own KV is not known to be a function of the tokens (no cache key)."""
+        cfg = self.config
+        target = {"model": cfg.model, "load_format": cfg.load_format, "dtype": str(self.runner.dtype),
+                  "seed": cfg.seed if cfg.load_format == "dummy" else None}
+        if drafter is None or not drafter.proposer.keeps_state:
+            return json.dumps(target), False  # no draft KV in the pages
+        key = getattr(drafter.proposer, "prefix_cache_key", None)
+        if key is None:
+            return None
+        return json.dumps({**target, "draft": key}), True
+
+    def _prefix_cache(self) -> PrefixCache | None:
+        """The prefix cache, on unless switched off or unsafe (a drafter whose state the
+        pages may not hold)."""
+        wanted = self.config.cache.enable_prefix_caching
+        if wanted is False:
+            return None
+        identity = self._cache_identity(self._drafter)
+        if identity is None:
+            if wanted:
+                raise ValueError("prefix caching needs the drafter to name its KV content "
+                                 "(a `prefix_cache_key` attribute); pass "
+                                 "--no-enable-prefix-caching or give the proposer one")
+            log.info("prefix caching off: the drafter names no prefix_cache_key")
+            return None
+        return PrefixCache(self.allocator, self.config.cache.page_size, *identity)
+
     def set_speculation(self, enabled: bool) -> None:
         """Switch speculation off or on between runs (no request in flight): a plain step
         runs no draft forward, so the draft KV would go stale under running requests."""
@@ -153,6 +186,8 @@ class Engine:
             raise ValueError("this engine was built without a draft model")
         self.executor.control("set_speculation", enabled=enabled)
         self.drafter = self.executor.drafter
+        if self.prefix_cache is not None:  # the pages hold draft KV from now on, or not
+            self.prefix_cache.rekey(*self._cache_identity(self.drafter))
         self.scheduler.lookahead = self._drafter.lookahead if enabled else 0
         self._set_keep_ahead()
 
@@ -220,7 +255,8 @@ class Engine:
             return []
         result = self.executor.execute(build_step_input(out, speculate))
         self._record_spec(out, result)
-        self.scheduler.update(out, result.token_ids, result.num_computed)
+        self.scheduler.update(out, result.token_ids, result.num_computed,
+                              result.draft_computed)
         outputs = self._postprocess(out)
         if not self.scheduler.has_unfinished:  # idle: the workers drop the last requests' state
             self._release(self.scheduler.schedule())
@@ -255,7 +291,7 @@ class Engine:
             text = self._detokenize(req, state, new_ids)
             results.append(RequestOutput(
                 req.request_id, new_ids, text, req.is_finished, req.finish_reason,
-                req.num_prompt_tokens, req.num_output_tokens))
+                req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens))
             if req.is_finished:
                 del self._text[req.request_id]
                 del self._requests[req.request_id]
@@ -290,6 +326,10 @@ class Engine:
             "startup_seconds": self.startup_seconds,
             "cuda_graphs": getattr(self.runner, "num_graphs", 0),
         }
+        if self.prefix_cache is not None:
+            pcs = self.prefix_cache.stats
+            stats.update(prefix_cache_queries=pcs.queries, prefix_cache_hits=pcs.hits,
+                         kv_cached_pages=self.allocator.num_cached)
         if self.drafter is not None:
             stats.update(dataclasses.asdict(self.drafter.counters))
         return stats

@@ -4,6 +4,7 @@ Token layout of a request (P prompt tokens, O output tokens):
 
     all_token_ids  p0 p1 ... p[P-1] o0 o1 ... o[O-1]      num_tokens = P + O
     KV computed    [0, num_computed_tokens)                 page_ids hold these slots
+    read-only      page_ids[:num_cached_pages]              shared with the prefix cache
 
 While running, `num_computed_tokens <= num_tokens - 1`: the newest token's KV is produced by
 the next forward, which runs it and samples the token after it.
@@ -43,6 +44,12 @@ class Request:
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.page_ids: list[int] = []  # the block table
+        # prefix caching: the leading pages that are cached (shared, never written again),
+        # the keys of the sequence's full pages as far as computed (kv_cache/prefix_cache.py),
+        # and the prompt tokens the first admission found cached (usage reports them)
+        self.num_cached_pages = 0
+        self.page_keys: list[bytes] = []
+        self.num_cached_tokens = 0
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None  # "stop" | "length" | "abort"
         self.stop_reason: int | str | None = None  # stop token id or stop string that fired

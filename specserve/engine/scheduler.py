@@ -6,10 +6,16 @@ One step's plan, in priority order (a running request's priority is its admissio
      1 + lookahead tokens of the budget;
   2. running requests still mid-prefill, chunked to the remaining token budget and free pages;
   3. waiting requests, FIFO, while budget, seats and free pages allow (never by preempting).
+     With a prefix cache, an admitted request first takes the cached pages of its longest
+     cached prefix (shared, read-only) and runs only the rest: cached tokens cost no budget.
 When a running request cannot get its pages, the lowest-priority running request (admitted
 last) is preempted: its pages are freed and it returns to the FRONT of the waiting queue with
 its output tokens kept, to be re-prefilled later. The highest-priority running request always
 progresses, so every request that fits the pool alone eventually completes.
+
+Prefix caching (kv_cache/prefix_cache.py): after each update a request's full pages whose KV is
+complete (the target's, and the draft's as far as the step reports it) are registered: read-only
+from then on, they outlive the request until evicted, so recompute restarts from them.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from dataclasses import dataclass, field
 from specserve.config import SchedulerConfig
 from specserve.engine.request import Request, RequestStatus
 from specserve.kv_cache.allocator import PageAllocator, pages_for
+from specserve.kv_cache.prefix_cache import PrefixCache
 
 
 class QueueFullError(Exception):
@@ -34,6 +41,8 @@ class ScheduledRequest:
     start: int  # = request.num_computed_tokens when scheduled
     lookahead: int = 0  # KV slots owned past start + num_new_tokens (decode entries only)
     is_decode: bool = False
+    # the KV of [0, start) came from the prefix cache at this admission (target and draft)
+    from_cache: bool = False
     _num_tokens: int = field(init=False, repr=False)  # request.num_tokens when scheduled
 
     def __post_init__(self) -> None:
@@ -83,6 +92,7 @@ class Scheduler:
         page_size: int,
         max_model_len: int,
         eos_token_ids: tuple[int, ...] = (),
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         if page_size < 1 or max_model_len < 2:
             raise ValueError(
@@ -92,6 +102,8 @@ class Scheduler:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.config = config
         self.allocator = allocator
+        assert prefix_cache is None or prefix_cache.allocator is allocator
+        self.prefix_cache = prefix_cache
         self.page_size = page_size
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -257,20 +269,33 @@ class Scheduler:
         plan.preempted.append(victim)
 
     def _admit_waiting(self, plan: _StepPlan) -> None:
+        alloc = self.allocator
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             budget = self.config.max_num_batched_tokens - plan.used
             req = self.waiting[0]
-            n = min(req.num_tokens, budget)
-            # keep one free page per running request so their next decode rarely preempts
-            headroom = len(self.running)
-            if n == 0 or pages_for(n, self.page_size) + headroom > self.allocator.num_free:
+            pc = self.prefix_cache
+            hit = pc.match(req.all_token_ids, req.page_keys) if pc is not None else []
+            start = len(hit) * self.page_size
+            n = min(req.num_tokens - start, budget)
+            # keep one free page per running request so their next decode rarely preempts;
+            # cached pages nobody holds leave the free count when shared
+            new = pages_for(start + n, self.page_size) - len(hit)
+            if n == 0 or new + alloc.num_evictable(hit) + len(self.running) > alloc.num_free:
                 return
             self.waiting.popleft()
             assert req.num_computed_tokens == 0 and not req.page_ids
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            self._grow(req, n)
-            self._add_entry(plan, ScheduledRequest(req, n, 0))
+            if pc is not None:
+                pc.record(req.num_tokens, start)
+                alloc.share(hit)
+                req.page_ids = list(hit)
+                req.num_computed_tokens = start
+                req.num_cached_pages = len(hit)
+                if req.num_preemptions == 0:
+                    req.num_cached_tokens = start
+            self._grow(req, start + n)
+            self._add_entry(plan, ScheduledRequest(req, n, start, from_cache=start > 0))
 
     # -- results -------------------------------------------------------------------------------
 
@@ -279,12 +304,15 @@ class Scheduler:
         out: SchedulerOutput,
         token_ids: list[list[int]],
         num_computed: list[int] | None = None,
+        draft_computed: list[int] | None = None,
     ) -> list[Request]:
         """Apply one step's results; return the requests that finished in it.
 
         token_ids[i]: tokens emitted for out.scheduled[i] ([] for a mid-prefill chunk).
         num_computed[i]: KV entries that became valid (default num_new_tokens; a verify step
         keeps the root plus the accepted drafts).
+        draft_computed[i]: positions whose draft KV is valid after the step, when the pages
+        hold a drafter's own KV (the prefix cache registers no page past it).
         """
         assert len(token_ids) == len(out.scheduled)
         assert num_computed is None or len(num_computed) == len(out.scheduled)
@@ -300,7 +328,11 @@ class Scheduler:
             new = token_ids[i]
             assert entry.samples or not new, "a mid-prefill chunk emits no token"
             assert len(new) <= 1 + entry.lookahead, (len(new), entry)
-            if self._append(req, new):
+            stop = self._append(req, new)
+            if self.prefix_cache is not None:
+                self._cache_pages(req, None if draft_computed is None else draft_computed[i])
+            if stop is not None:
+                self.finish(req, *stop)
                 finished.append(req)
                 continue
             assert req.num_computed_tokens <= req.num_tokens - 1, req
@@ -309,21 +341,28 @@ class Scheduler:
             self._trim(req, req.num_computed_tokens + self.keep_ahead)
         return finished
 
-    def _append(self, req: Request, new: list[int]) -> bool:
-        """Append tokens one by one until a stop condition; True if the request finished."""
+    def _append(self, req: Request, new: list[int]) -> tuple[str, int | None] | None:
+        """Append tokens one by one until a stop condition; (finish reason, stop token) if
+        one fired (tokens after it are dropped), else None."""
         params = req.params
         for t in new:
             req.append_token(t)
             if t in req.stop_token_set:
-                self.finish(req, "stop", t)
-            elif t in self.eos_token_ids and not params.ignore_eos:
-                self.finish(req, "stop")
-            elif req.num_output_tokens >= req.max_tokens:
-                self.finish(req, "length")
-            else:
-                continue
-            return True  # tokens after the stop are dropped
-        return False
+                return "stop", t
+            if t in self.eos_token_ids and not params.ignore_eos:
+                return "stop", None
+            if req.num_output_tokens >= req.max_tokens:
+                return "length", None
+        return None
+
+    def _cache_pages(self, req: Request, draft_computed: int | None) -> None:
+        """Register the request's full pages whose KV is complete (the target's, and the
+        draft's when pages are keyed for it: no report means none is known valid)."""
+        valid = req.num_computed_tokens
+        if self.prefix_cache.key_next_token:
+            valid = min(valid, draft_computed or 0)
+        req.num_cached_pages = self.prefix_cache.cache_pages(
+            req.all_token_ids, req.page_keys, req.page_ids, req.num_cached_pages, valid)
 
     def finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
         """End a request (stop condition, stop string or abort) and free its pages."""
@@ -356,5 +395,6 @@ class Scheduler:
             del req.page_ids[keep:]
 
     def _release_pages(self, req: Request) -> None:
-        self.allocator.free(req.page_ids)
+        self.allocator.free(req.page_ids)  # cached pages stay findable until evicted
         req.page_ids = []
+        req.num_cached_pages = 0

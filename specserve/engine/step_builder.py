@@ -32,6 +32,7 @@ def build_step_input(out: SchedulerOutput, speculate: bool | np.ndarray = False)
         is_decode=np.fromiter((s.is_decode for s in rows), np.bool_, len(rows)),
         speculate=np.broadcast_to(np.asarray(speculate, dtype=np.bool_), (len(rows),)),
         lookahead=np.fromiter((s.lookahead for s in rows), np.int64, len(rows)),
+        from_cache=np.fromiter((s.from_cache for s in rows), np.bool_, len(rows)),
         num_tokens=np.fromiter((r.num_tokens for r in reqs), np.int64, len(rows)),
         tokens_left=np.fromiter(
             (r.max_tokens - r.num_output_tokens for r in reqs), np.int64, len(rows)

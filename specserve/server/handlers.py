@@ -229,7 +229,7 @@ class Handler:
             self.model_name,
             "".join(texts),
             last.finish_reason,
-            R.Usage.of(last.num_prompt_tokens, last.num_output_tokens),
+            R.Usage.of(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens),
         )
         return Response(body.model_dump_json(), media_type="application/json")
 
@@ -264,7 +264,10 @@ class Handler:
             if last is None:
                 return  # closed without output: the client left
             if include_usage:
-                yield chunk(None, usage=R.Usage.of(last.num_prompt_tokens, last.num_output_tokens))
+                usage = R.Usage.of(
+                    last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens
+                )
+                yield chunk(None, usage=usage)
             yield _sse("[DONE]")
         except _ENGINE_ERRORS as exc:
             yield _sse(engine_error(exc).body())

@@ -33,6 +33,10 @@ SPEC_NUM_DRAFTS = PREFIX + "spec_decode_num_drafts_total"  # draft-verify cycles
 SPEC_NUM_DRAFT_TOKENS = PREFIX + "spec_decode_num_draft_tokens_total"  # draft tokens proposed
 SPEC_NUM_ACCEPTED = PREFIX + "spec_decode_num_accepted_tokens_total"  # accepted, bonus excluded
 SPEC_ACCEPTED_PER_POS = PREFIX + "spec_decode_num_accepted_tokens_per_pos_total"  # label position
+# prefix caching, in tokens: each admission queries its request's length and hits its cached
+# prefix (hit rate = hits / queries)
+PREFIX_CACHE_QUERIES = PREFIX + "prefix_cache_queries_total"
+PREFIX_CACHE_HITS = PREFIX + "prefix_cache_hits_total"
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                  2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)  # fmt: skip
@@ -80,6 +84,12 @@ class EngineMetrics:
         self._seen: dict[str, Any] = {}  # the engine's cumulative counts already counted
         self.spec_accepted_per_pos = _counter(
             SPEC_ACCEPTED_PER_POS, "Draft tokens accepted at each draft position.", r, ("position",)
+        )
+        self.prefix_cache_queries = _counter(
+            PREFIX_CACHE_QUERIES, "Prefix cache queries, in tokens looked up.", r
+        )
+        self.prefix_cache_hits = _counter(
+            PREFIX_CACHE_HITS, "Prefix cache hits, in tokens found cached.", r
         )
 
     def record_request(
@@ -132,7 +142,8 @@ class EngineMetrics:
 
     def observe_engine_stats(self, stats: dict[str, Any]) -> None:
         """Engine.stats() after a step or command: the gauges, and the counters the engine
-        keeps cumulatively (speculation, preemptions) advanced by their deltas."""
+        keeps cumulatively (speculation, preemptions, prefix caching) advanced by their
+        deltas."""
         self.set_scheduler_state(
             stats.get("num_running", 0),
             stats.get("num_waiting", 0),
@@ -144,6 +155,8 @@ class EngineMetrics:
             ("num_draft_tokens", self.spec_num_draft_tokens),
             ("num_accepted_tokens", self.spec_num_accepted),
             ("num_preemptions", self.num_preemptions),
+            ("prefix_cache_queries", self.prefix_cache_queries),
+            ("prefix_cache_hits", self.prefix_cache_hits),
         ):
             if key in stats:
                 delta = stats[key] - seen.get(key, 0)

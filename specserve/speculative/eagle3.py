@@ -73,6 +73,9 @@ class Eagle3Proposer:
         self.d2t = self.head.d2t if self.head.config.draft_vocab_size else None
         self.state_dim = self.head.config.hidden_size
         self.state_dtype = runner.dtype
+        # the draft KV of a page is a function of its tokens (and the next one), given the
+        # head's weights and the target features it reads
+        self.prefix_cache_key = f"eagle3 head={spec.draft_model} aux={list(self.aux_layer_ids)}"
 
     @staticmethod
     def _load_head(spec: SpecConfig, runner) -> Eagle3Head:

@@ -21,6 +21,12 @@ prefills and any decode may speculate. One with `keeps_state` True covers a pref
 request's positions; the worker records the tokens a plain step runs past that prefix and,
 before the row speculates again, catches the proposer up over them (`extend` with the
 target's features recomputed by a forward that writes no KV).
+
+Prefix caching shares KV pages between requests, draft layers included. A proposer with state
+names what its layers hold in `prefix_cache_key` (equal keys: equal draft KV for equal
+tokens, e.g. the head's checkpoint and aux layers), and must keep all its per-request state in
+the pages plus the state row, so a request admitted on a cached prefix is restored by extending
+from the prefix's end. Without the attribute (or None) the engine turns prefix caching off.
 """
 
 from __future__ import annotations
@@ -70,6 +76,8 @@ class Proposer(Protocol):
     state_dim: int  # width of the per-request state row
     state_dtype: torch.dtype
     num_kv_layers: int  # layers of its own in the KV pool (bound after the target's)
+    # what its KV layers hold, for prefix-cache keys (optional; see the module docstring)
+    prefix_cache_key: str | None
 
     def scratch_slots(self, shape: DraftShape) -> int:
         """KV slots past the root that `propose` writes (its own layers only)."""

@@ -17,6 +17,12 @@ Each step, per row (StepInput.speculate says which rows may speculate this step)
     up over them: one target forward that writes no KV (its KV is already there) gives the
     features, then `Proposer.extend`. The catch-up costs a prefill of the tokens made while
     off, paid once, and nothing while off.
+Prefix caching: a row marked `from_cache` starts at the end of a cached prefix whose draft KV
+is in the pages already (cached with the target's, under keys that cover it): the proposer
+covers [0, start) at once and the row's chunk feeds it (or is caught up) like any other; its
+state row comes from that chunk, which always runs at least one token. Every step reports how
+far each row's draft KV is valid (`StepOutput.draft_computed`): the scheduler caches no page
+past it.
 The only device-to-host copy of a speculative step is the emitted tokens (plus the sampled
 tokens of prefill chunks, when a step has any).
 """
@@ -122,11 +128,17 @@ class SpecWorker:
         self.cycles = self.cycle = self.proposer = None  # type: ignore[assignment]
 
     def _reachable(self, rid: str, start: int) -> bool:
-        """The proposer covers [0, start) or can be caught up to it."""
+        """The proposer covers [0, start) with its state row, or can be caught up to it (a
+        request admitted on a cached prefix covers it with no state row: its first chunk,
+        even a single token, runs as a plain row that feeds the proposer)."""
         if not self.proposer.keeps_state:
             return True
-        covered = self.covered.get(rid)
-        return covered is not None and covered + len(self.pending.get(rid, ())) == start
+        covered, pending = self.covered.get(rid), self.pending.get(rid, ())
+        return (
+            covered is not None
+            and covered + len(pending) == start
+            and (bool(pending) or rid in self.state)
+        )
 
     def _can_speculate(self, step: StepInput, i: int) -> bool:
         """A decode that may speculate, whose proposer covers [0, P) (or can be caught up)
@@ -163,10 +175,13 @@ class SpecWorker:
     def execute(self, step: StepInput) -> StepOutput:
         for rid in step.finished_ids + step.preempted_ids:
             self.release(rid)  # preempted: their KV is gone; re-prefill rebuilds the state
+        self._restore_cached(step)
         if not step.speculate.any():  # off: the plain step, no draft forward
             self.cycles.discard_launched()
             self._record(step, range(step.bs))
-            return self.runner.execute(step)
+            out = self.runner.execute(step)
+            out.draft_computed = self._draft_computed(step)
+            return out
         self.runner.discard_launched()
         tokens: list[list[int]] = [[] for _ in range(step.bs)]
         computed = step.num_new_tokens.tolist()
@@ -191,7 +206,22 @@ class SpecWorker:
                 self._count(m - 1, self.n - 1)
         else:
             self.cycles.discard_launched()
-        return StepOutput(tokens, computed, drafted)
+        return StepOutput(tokens, computed, drafted, self._draft_computed(step))
+
+    def _restore_cached(self, step: StepInput) -> None:
+        """Rows admitted on a cached prefix: the draft KV of [0, start) is in their pages."""
+        if not self.proposer.keeps_state:
+            return
+        for r in np.flatnonzero(step.from_cache).tolist():
+            rid = step.request_ids[r]
+            self.release(rid)
+            self.covered[rid] = int(step.starts[r])
+
+    def _draft_computed(self, step: StepInput) -> list[int] | None:
+        """Per row: positions whose draft KV is valid now (None: no draft KV in the pages)."""
+        if not self.proposer.keeps_state:
+            return None
+        return [self.covered.get(rid, 0) for rid in step.request_ids]
 
     def _states(self, request_ids: list[str]) -> torch.Tensor:
         if self.proposer.state_dim == 0:

@@ -30,6 +30,9 @@ ROW_ARRAYS: dict[str, type] = {
     # the proposer); False: a plain row. Decided on the engine side, per step
     "speculate": np.bool_,
     "lookahead": np.int64,  # KV slots owned past the chunk for speculative drafts
+    # the KV of [0, starts) came from the prefix cache (target and draft layers) when the
+    # request was admitted for this chunk: a proposer with state covers those positions
+    "from_cache": np.bool_,
     "num_tokens": np.int64,  # the request's length when scheduled: the sampling counter base
     "tokens_left": np.int64,  # output tokens the request may still emit (max_tokens - done)
     "page_counts": np.int64,
@@ -41,7 +44,7 @@ ROW_ARRAYS: dict[str, type] = {
 }
 FLAT_ARRAYS: dict[str, type] = {"token_ids": np.int64, "page_ids": np.int32}
 ARRAYS = {**ROW_ARRAYS, **FLAT_ARRAYS}
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 @dataclass
@@ -54,6 +57,7 @@ class StepInput:
     is_decode: np.ndarray
     speculate: np.ndarray
     lookahead: np.ndarray
+    from_cache: np.ndarray
     num_tokens: np.ndarray
     tokens_left: np.ndarray
     page_counts: np.ndarray
@@ -184,6 +188,9 @@ class StepOutput:
     # draft tokens proposed per row (0: the row did not speculate); None: no row did. A
     # speculating row accepted len(token_ids[r]) - 1 of them.
     num_drafted: list[int] | None = None
+    # positions whose draft KV (the proposer's own layers) is valid per row after the step;
+    # None: the worker keeps no draft KV in the pages (plain, or a stateless proposer)
+    draft_computed: list[int] | None = None
 
 
 def _offsets(counts: np.ndarray) -> np.ndarray:
