@@ -176,8 +176,8 @@ def parse_temperatures(text: str) -> list[float]:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    model: str = option("", "target model directory (default: the bundled tiny-code model)")
-    draft: str = option("", "EAGLE-3 head directory (default: the bundled head)")
+    model: str = option("", "target model directory or GGUF file (default: the default model)")
+    draft: str = option("", "EAGLE-3 head directory (default: the default model's bundled head)")
     files: tuple[str, ...] = ()  # hold-out files (flag built by the CLI)
     num_prompts: int = option(32, "prompts taken from the files (one per file)", min=1)
     prompt_tokens: int = option(128, "prompt length in tokens (files shorter are skipped)", min=1)

