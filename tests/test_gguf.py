@@ -30,15 +30,19 @@ def _hf_from_gguf(path: str) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     folder, name = os.path.split(path)
-    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
-                                                dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
     family, qtypes, tied = CASES[request.param]
-    path = write_tiny_gguf(str(tmp_path_factory.mktemp(request.param) / "m.gguf"), family,
-                           qtypes, tied, seed=len(request.param))
+    path = write_tiny_gguf(
+        str(tmp_path_factory.mktemp(request.param) / "m.gguf"),
+        family,
+        qtypes,
+        tied,
+        seed=len(request.param),
+    )
     return {"name": request.param, "path": path, "hf": _hf_from_gguf(path)}
 
 
@@ -62,10 +66,16 @@ def test_config_matches_transformers(case: dict) -> None:
     ref = case["hf"].config
     assert ours.architecture == ref.architectures[0] if ref.architectures else True
     assert (ours.vocab_size, ours.hidden_size, ours.intermediate_size, ours.num_layers) == (
-        ref.vocab_size, ref.hidden_size, ref.intermediate_size, ref.num_hidden_layers)
+        ref.vocab_size,
+        ref.hidden_size,
+        ref.intermediate_size,
+        ref.num_hidden_layers,
+    )
     assert (ours.num_heads, ours.num_kv_heads, ours.head_dim) == (
-        ref.num_attention_heads, ref.num_key_value_heads,
-        getattr(ref, "head_dim", None) or ref.hidden_size // ref.num_attention_heads)
+        ref.num_attention_heads,
+        ref.num_key_value_heads,
+        getattr(ref, "head_dim", None) or ref.hidden_size // ref.num_attention_heads,
+    )
     assert ours.tie_word_embeddings == ref.tie_word_embeddings == CASES[case["name"]][2]
     assert ours.rms_norm_eps == pytest.approx(ref.rms_norm_eps)
     assert ours.max_position_embeddings == ref.max_position_embeddings
@@ -77,27 +87,34 @@ def test_config_matches_transformers(case: dict) -> None:
 def test_engine_greedy_matches_transformers_generate(case: dict) -> None:
     from specserve.llm import LLM
 
-    llm = LLM(case["path"], device="cpu", dtype="float32",
-              cache=dict(page_size=4, kv_cache_bytes=4 << 20))
+    llm = LLM(
+        case["path"], device="cpu", dtype="float32", cache=dict(page_size=4, kv_cache_bytes=4 << 20)
+    )
     prompt = [0, 17, 200, 33, 5, 90]
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     with torch.no_grad():
         ids = torch.tensor([prompt])
-        ref = case["hf"].generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10,
-                                  do_sample=False, eos_token_id=None)[0, len(prompt):]
+        ref = case["hf"].generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=10,
+            do_sample=False,
+            eos_token_id=None,
+        )[0, len(prompt) :]
     assert out[0].token_ids == ref.tolist()
 
 
-@pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-                                   "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize(
+    "qtype", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
+)
 def test_dequantize_matches_an_independent_decoder(qtype: str) -> None:
     """Our dequantization (gguf.quants) against transformers' torch decoder of the same bytes,
     and, for the types gguf can quantize, against the values that were quantized (within the
     type's step)."""
     from gguf import GGMLQuantizationType as Q
+    from tiny_gguf import _encode
     from transformers.integrations.gguf.dequant import GGML_BLOCK
     from transformers.integrations.gguf.dequant import dequantize as torch_dequantize
-    from tiny_gguf import _encode
 
     rng = np.random.default_rng(7)
     values = rng.standard_normal((8, 512)).astype(np.float32) * 0.1
@@ -160,7 +177,8 @@ def test_tokenizer_round_trip(llama_file: str, tmp_path: Path) -> None:
         assert ids == original.encode(text, add_special_tokens=False, split_special_tokens=True)
         assert ours.decode(ids) == text
     assert ours.encode("hi <|eos|>", add_special_tokens=False) != ref.encode(
-        "hi <|eos|>", add_special_tokens=False)  # user text never becomes the control token
+        "hi <|eos|>", add_special_tokens=False
+    )  # user text never becomes the control token
     messages = [{"role": "user", "content": "What is 2 + 2?"}]
     text = original.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert text.startswith("<|bos|><|user|>\nWhat is 2 + 2?")
@@ -201,3 +219,61 @@ def test_trainer_target_from_gguf_matches_transformers(llama_file: str) -> None:
     ids = torch.tensor([[0, 5, 99, 250, 7, 31]])
     with torch.no_grad():
         torch.testing.assert_close(ours(ids).logits, ref(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def _chat_jsonl(path: Path, n: int) -> str:
+    import json
+
+    with open(path, "w") as fh:
+        for i in range(n):
+            messages = [
+                {"role": "user", "content": CORPUS[i % len(CORPUS)][:60]},
+                {"role": "assistant", "content": CORPUS[(i + 3) % len(CORPUS)]},
+            ]
+            fh.write(json.dumps({"messages": messages}) + "\n")
+    return str(path)
+
+
+def test_eval_prompts_from_chat_jsonl(llama_file: str, tmp_path: Path) -> None:
+    from specserve.tokenizer import load_tokenizer
+    from specserve.train.evaluate import load_prompts
+
+    tok = load_tokenizer(llama_file)
+    data = _chat_jsonl(tmp_path / "held.jsonl", 5)
+    prompts = load_prompts([data], tok, prompt_tokens=10_000, num_prompts=3)
+    assert len(prompts) == 3
+    want = tok.apply_chat_template([{"role": "user", "content": CORPUS[1][:60]}])
+    assert prompts[1] == want  # the conversation up to its reply, with the generation prompt
+
+
+def test_train_a_head_for_a_gguf_target(llama_file: str, tmp_path: Path) -> None:
+    from specserve.llm import LLM
+    from specserve.train.eagle3 import TrainConfig, train_eagle3
+
+    data = _chat_jsonl(tmp_path / "train.jsonl", 8)
+    cfg = TrainConfig(
+        target=llama_file,
+        out=str(tmp_path / "head"),
+        data=(data,),
+        draft_vocab_size=128,
+        aux_layer_ids="0,1,1",
+        seq_len=64,
+        batch_size=2,
+        max_steps=3,
+        ttt_steps=2,
+        device="cpu",
+        progress=False,
+    )
+    result = train_eagle3(cfg)
+    assert result.steps == 3 and all(np.isfinite(result.losses))
+    prompts = [[0, 5, 9, 200], [0, 77, 31]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    kw = dict(device="cpu", dtype="float32", cache=dict(page_size=4, kv_cache_bytes=4 << 20))
+    plain = LLM(llama_file, **kw).generate(prompts, params)
+    spec = LLM(
+        llama_file,
+        speculative=dict(algorithm="eagle3", draft_model=result.out, num_steps=2),
+        **kw,
+    ).generate(prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert all(o.spec_cycles > 0 for o in spec)

@@ -21,17 +21,29 @@ QWEN3_HEAD_DIM = 128
 
 # one layout exercising every common type; names are GGUF names without ".weight"
 MIXED = {
-    "token_embd": "Q8_0", "output": "Q6_K",
-    "blk.0.attn_q": "Q4_0", "blk.0.attn_k": "Q4_1", "blk.0.attn_v": "Q5_0",
-    "blk.0.attn_output": "Q5_1", "blk.0.ffn_gate": "Q4_K", "blk.0.ffn_up": "Q5_K",
+    "token_embd": "Q8_0",
+    "output": "Q6_K",
+    "blk.0.attn_q": "Q4_0",
+    "blk.0.attn_k": "Q4_1",
+    "blk.0.attn_v": "Q5_0",
+    "blk.0.attn_output": "Q5_1",
+    "blk.0.ffn_gate": "Q4_K",
+    "blk.0.ffn_up": "Q5_K",
     "blk.0.ffn_down": "F16",
-    "blk.1.attn_q": "BF16", "blk.1.attn_k": "Q8_0", "blk.1.attn_v": "F32",
-    "blk.1.attn_output": "Q6_K", "blk.1.ffn_gate": "Q4_1", "blk.1.ffn_up": "Q4_0",
+    "blk.1.attn_q": "BF16",
+    "blk.1.attn_k": "Q8_0",
+    "blk.1.attn_v": "F32",
+    "blk.1.attn_output": "Q6_K",
+    "blk.1.ffn_gate": "Q4_1",
+    "blk.1.ffn_up": "Q4_0",
     "blk.1.ffn_down": "Q4_K",
 }
 # K-quant block layouts: (bytes per 256 values, [(byte offset of an fp16 scale, magnitude)])
-_K_BLOCKS = {"Q4_K": (144, [(0, 2e-4), (2, 2e-4)]), "Q5_K": (176, [(0, 1e-4), (2, 1e-4)]),
-             "Q6_K": (210, [(208, 1.5e-5)])}
+_K_BLOCKS = {
+    "Q4_K": (144, [(0, 2e-4), (2, 2e-4)]),
+    "Q5_K": (176, [(0, 1e-4), (2, 1e-4)]),
+    "Q6_K": (210, [(208, 1.5e-5)]),
+}
 
 
 def _tokenizer_fields() -> dict:
@@ -51,8 +63,14 @@ def _tokenizer_fields() -> dict:
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
     special = {a["content"] for a in spec["added_tokens"] if a["special"]}
     merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
-    return dict(tokens=tokens, types=[3 if t in special else 1 for t in tokens], merges=merges,
-                bos=tokens.index("<|bos|>"), eos=tokens.index("<|eos|>"), template=CHAT_TEMPLATE)
+    return dict(
+        tokens=tokens,
+        types=[3 if t in special else 1 for t in tokens],
+        merges=merges,
+        bos=tokens.index("<|bos|>"),
+        eos=tokens.index("<|eos|>"),
+        template=CHAT_TEMPLATE,
+    )
 
 
 def _shapes(family: str, vocab: int, tied: bool) -> dict[str, tuple[int, ...]]:
@@ -62,14 +80,27 @@ def _shapes(family: str, vocab: int, tied: bool) -> dict[str, tuple[int, ...]]:
         shapes["output"] = (vocab, HIDDEN)
     for i in range(LAYERS):
         b = f"blk.{i}."
-        shapes.update({b + "attn_norm": (HIDDEN,), b + "ffn_norm": (HIDDEN,),
-                       b + "attn_q": (HEADS * hd, HIDDEN), b + "attn_k": (KV_HEADS * hd, HIDDEN),
-                       b + "attn_v": (KV_HEADS * hd, HIDDEN),
-                       b + "attn_output": (HIDDEN, HEADS * hd), b + "ffn_gate": (INTER, HIDDEN),
-                       b + "ffn_up": (INTER, HIDDEN), b + "ffn_down": (HIDDEN, INTER)})
+        shapes.update(
+            {
+                b + "attn_norm": (HIDDEN,),
+                b + "ffn_norm": (HIDDEN,),
+                b + "attn_q": (HEADS * hd, HIDDEN),
+                b + "attn_k": (KV_HEADS * hd, HIDDEN),
+                b + "attn_v": (KV_HEADS * hd, HIDDEN),
+                b + "attn_output": (HIDDEN, HEADS * hd),
+                b + "ffn_gate": (INTER, HIDDEN),
+                b + "ffn_up": (INTER, HIDDEN),
+                b + "ffn_down": (HIDDEN, INTER),
+            }
+        )
         if family == "qwen2":
-            shapes.update({b + "attn_q.bias": (HEADS * hd,), b + "attn_k.bias": (KV_HEADS * hd,),
-                           b + "attn_v.bias": (KV_HEADS * hd,)})
+            shapes.update(
+                {
+                    b + "attn_q.bias": (HEADS * hd,),
+                    b + "attn_k.bias": (KV_HEADS * hd,),
+                    b + "attn_v.bias": (KV_HEADS * hd,),
+                }
+            )
         if family == "qwen3":
             shapes.update({b + "attn_q_norm": (hd,), b + "attn_k_norm": (hd,)})
     return shapes
@@ -77,8 +108,9 @@ def _shapes(family: str, vocab: int, tied: bool) -> dict[str, tuple[int, ...]]:
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's converter: each head's rows from half-split to interleaved pairs."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
-        w.shape)
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
 
 
 def _encode(w: np.ndarray, qtype: str, rng: np.random.Generator) -> tuple[np.ndarray, object]:
@@ -97,12 +129,17 @@ def _encode(w: np.ndarray, qtype: str, rng: np.random.Generator) -> tuple[np.nda
     blocks = rng.integers(0, 256, (rows, cols // 256, block_bytes), dtype=np.uint8)
     for offset, mag in scales:
         d = rng.uniform(0.5 * mag, mag, (rows, cols // 256)).astype(np.float16)
-        blocks[..., offset:offset + 2] = d[..., None].view(np.uint8)
+        blocks[..., offset : offset + 2] = d[..., None].view(np.uint8)
     return blocks.reshape(rows, -1), q
 
 
-def write_tiny_gguf(path: str, family: str = "llama", qtypes: dict[str, str] | None = None,
-                    tied: bool = False, seed: int = 0) -> str:
+def write_tiny_gguf(
+    path: str,
+    family: str = "llama",
+    qtypes: dict[str, str] | None = None,
+    tied: bool = False,
+    seed: int = 0,
+) -> str:
     """Write the file; return its path. qtypes maps a tensor name (no ".weight") to a ggml
     type name; matrices not named are F32, as are norms and biases."""
     import gguf
@@ -137,8 +174,11 @@ def write_tiny_gguf(path: str, family: str = "llama", qtypes: dict[str, str] | N
     for name, shape in _shapes(family, vocab, tied).items():
         if len(shape) == 1:
             scale = 0.2 if name.endswith(".bias") else None
-            values = (scale * rng.standard_normal(shape) if scale
-                      else 1.0 + 0.2 * rng.standard_normal(shape)).astype(np.float32)
+            values = (
+                scale * rng.standard_normal(shape)
+                if scale
+                else 1.0 + 0.2 * rng.standard_normal(shape)
+            ).astype(np.float32)
             w.add_tensor(name if name.endswith(".bias") else name + ".weight", values)
             continue
         values = rng.standard_normal(shape) / np.sqrt(shape[1])

@@ -89,8 +89,10 @@ def architecture(reader: Any) -> tuple[str, str, bool]:
     """(GGUF architecture, our architecture name, q/k rows permuted)."""
     arch = _field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: "
-                         f"{', '.join(sorted(ARCHITECTURES))}")
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported; supported: "
+            f"{', '.join(sorted(ARCHITECTURES))}"
+        )
     return (arch, *ARCHITECTURES[arch])
 
 
@@ -104,15 +106,19 @@ def hf_config(path: str) -> dict[str, Any]:
 
     tensors = {t.name: t for t in reader.tensors}
     if "rope_freqs.weight" in tensors:
-        raise ValueError(f"{path} carries per-dimension RoPE frequency factors (rope_freqs, as "
-                         "Llama 3.1+ files do), which this loader does not apply yet")
+        raise ValueError(
+            f"{path} carries per-dimension RoPE frequency factors (rope_freqs, as "
+            "Llama 3.1+ files do), which this loader does not apply yet"
+        )
     hidden = int(meta("embedding_length"))
     heads = int(meta("attention.head_count"))
     head_dim = int(meta("attention.key_length", hidden // heads))
     rope_dim = meta("rope.dimension_count")
     if rope_dim is not None and int(rope_dim) != head_dim:
-        raise ValueError(f"{path}: RoPE over {rope_dim} of {head_dim} head dims (partial "
-                         "rotary) is not supported")
+        raise ValueError(
+            f"{path}: RoPE over {rope_dim} of {head_dim} head dims (partial "
+            "rotary) is not supported"
+        )
     embed = tensors["token_embd.weight"]
     vocab = meta("vocab_size") or int(embed.shape[1])
     cfg: dict[str, Any] = {
@@ -197,8 +203,10 @@ def dequantize(tensor: Any) -> torch.Tensor:
         try:
             values = gguf_dequantize(data, tensor.tensor_type)
         except NotImplementedError as e:
-            raise ValueError(f"GGUF tensor {tensor.name!r}: type {tensor.tensor_type.name} "
-                             "cannot be dequantized by the gguf package") from e
+            raise ValueError(
+                f"GGUF tensor {tensor.name!r}: type {tensor.tensor_type.name} "
+                "cannot be dequantized by the gguf package"
+            ) from e
         out = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
     return out.reshape(shape)
 

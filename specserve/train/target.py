@@ -9,8 +9,12 @@ import torch
 from specserve.models import gguf
 
 # our architecture name -> transformers model_type
-_MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                "Qwen3ForCausalLM": "qwen3", "MistralForCausalLM": "mistral"}
+_MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MistralForCausalLM": "mistral",
+}
 
 
 def load_hf_target(path: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -27,7 +31,9 @@ def load_hf_target(path: str, dtype: torch.dtype) -> torch.nn.Module:
     missing, unexpected = model.load_state_dict(state, strict=False)
     allowed = {"lm_head.weight"} if cfg["tie_word_embeddings"] else set()
     if unexpected or set(missing) - allowed:
-        raise ValueError(f"{path}: tensors the transformers model lacks {unexpected}, "
-                         f"and missing {sorted(set(missing) - allowed)}")
+        raise ValueError(
+            f"{path}: tensors the transformers model lacks {unexpected}, "
+            f"and missing {sorted(set(missing) - allowed)}"
+        )
     model.tie_weights()
     return model.eval()
