@@ -432,7 +432,7 @@ def main() -> int:
             str(head),
             *args.train_args.split(),
         ]
-        log = subprocess.run(cmd, check=True, capture_output=True, text=True)
+        log = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
         done("head", t0, command=" ".join(cmd[2:]), summary=log.stdout.strip().splitlines()[-1])
     if "eval" in stages:
         t0 = time.perf_counter()
@@ -449,7 +449,7 @@ def main() -> int:
             str(out / "eval.json"),
             *args.eval_args.split(),
         ]
-        log = subprocess.run(cmd, check=True, capture_output=True, text=True)
+        log = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
         done("eval", t0, command=" ".join(cmd[2:]), table=log.stdout.strip())
     if "demo" in stages:
         t0 = time.perf_counter()
