@@ -250,12 +250,16 @@ def load_hf_tokenizer(path: str) -> Any:
     try:
         if _is_gguf(path):
             folder, name = os.path.split(os.path.abspath(path))
-            return PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name,
-                                                           local_files_only=True)
+            return PreTrainedTokenizerFast.from_pretrained(
+                folder, gguf_file=name, local_files_only=True
+            )
         return AutoTokenizer.from_pretrained(path, use_fast=True, local_files_only=True)
     except (OSError, KeyError, ValueError) as e:
-        what = "a GGUF file with tokenizer metadata" if _is_gguf(path) else (
-            "a directory holding tokenizer.json and tokenizer_config.json")
+        what = (
+            "a GGUF file with tokenizer metadata"
+            if _is_gguf(path)
+            else ("a directory holding tokenizer.json and tokenizer_config.json")
+        )
         raise ValueError(f"cannot load a tokenizer from {path!r}: pass {what} ({e})") from e
 
 
