@@ -62,7 +62,7 @@ def test_bundled_head_is_lossless_and_predicts(llm) -> None:
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     cycles = sum(o.spec_cycles for o in spec)
     accepted = sum(o.spec_accepted_tokens for o in spec)
-    assert (accepted + cycles) / cycles > 1.3  # the head predicts its target
+    assert (accepted + cycles) / cycles > 1.2  # the head predicts its target (1.39 here)
 
 
 @pytest.mark.slow
