@@ -85,8 +85,10 @@ class TrainConfig:
         """What the paths name: ValueError naming the flag."""
         gguf = self.target.lower().endswith(".gguf")
         if not os.path.isfile(self.target if gguf else os.path.join(self.target, "config.json")):
-            raise ValueError(f"--target {self.target!r} is neither a model directory with "
-                             "config.json nor a GGUF file")
+            raise ValueError(
+                f"--target {self.target!r} is neither a model directory with "
+                "config.json nor a GGUF file"
+            )
         if not self.out:
             raise ValueError("--out DIR is required")
         if not self.data:

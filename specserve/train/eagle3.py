@@ -26,7 +26,6 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from specserve.config import ModelConfig
 from specserve.models.loader import load_model_config
 from specserve.tokenizer import load_hf_tokenizer
 from specserve.train import data as D
