@@ -326,7 +326,7 @@ def demo(model: str, draft: str, max_tokens: int, steps: int) -> list[dict]:
         ("plain", None),
         ("eagle3", dict(algorithm="eagle3", draft_model=draft, num_steps=steps, topk=1)),
     ):
-        llm = LLM(model, device="cpu", dtype="float32", speculative=spec)
+        llm = LLM(model, device="cpu", dtype="float32", speculative_config=spec)
         params = SamplingParams(temperature=0, max_tokens=max_tokens)
         llm.generate(
             [llm.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])], params

@@ -40,7 +40,7 @@ def llm():
         defaults.default_model_path(),
         device="cpu",
         dtype="float32",
-        speculative=dict(
+        speculative_config=dict(
             algorithm="eagle3", draft_model=defaults.default_draft_path(), num_steps=3, topk=1
         ),
     )

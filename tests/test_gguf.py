@@ -272,7 +272,7 @@ def test_train_a_head_for_a_gguf_target(llama_file: str, tmp_path: Path) -> None
     plain = LLM(llama_file, **kw).generate(prompts, params)
     spec = LLM(
         llama_file,
-        speculative=dict(algorithm="eagle3", draft_model=result.out, num_steps=2),
+        speculative_config=dict(algorithm="eagle3", draft_model=result.out, num_steps=2),
         **kw,
     ).generate(prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
