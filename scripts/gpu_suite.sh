@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks in one invocation (an H200 or any CUDA machine):
 #   bash scripts/gpu_suite.sh OUT_DIR [steps]
-# steps: any of tests,profile,plain,spec,moe,match,serve,mla,quant,comm,default
-# (default: all but
-# profile, quant and comm). Results and logs go to OUT_DIR;
+# steps: any of tests,profile,plain,spec,moe,match,serve,mla,quant,comm,default (default: all
+# but profile, quant and comm). Results and logs go to OUT_DIR;
 # benchmark rows are appended to experiments/ (LOG.md, results.jsonl, PNGs).
 set -u
 out=${1:-out}; steps=${2:-tests,plain,spec,moe,match,serve,mla,default}
