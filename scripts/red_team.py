@@ -236,6 +236,11 @@ def main() -> int:
     key_file = log_dir / "api-key"
     key_file.write_text(KEY + "\n")
     common = [
+        # the bundled tiny code model and its head (fast on a CPU), speculation on
+        "--model",
+        str(ROOT / "specserve" / "assets" / "tiny-code"),
+        "--spec-draft-model",
+        str(ROOT / "specserve" / "assets" / "tiny-code-eagle3"),
         "--timeout-header",
         "1",
         "--timeout-body",

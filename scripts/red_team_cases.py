@@ -268,7 +268,7 @@ def engines_in_a_row(ctx: Ctx) -> Result:
     code = (
         "import weakref\nfrom specserve.llm import LLM\nfrom specserve import defaults\n"
         "freed = []\nfor i in range(5):\n"
-        "    with LLM(defaults.default_model_path(), device='cpu') as llm:\n"
+        "    with LLM(defaults.tiny_code_path(), device='cpu') as llm:\n"
         "        runner = llm.engine.runner\n"
         "        refs = [weakref.ref(t) for g in runner.kv_pool.groups for t in g.tensors.values()]\n"
         "        refs.append(weakref.ref(next(runner.model.parameters())))\n"

@@ -230,30 +230,51 @@ def read_chat_template(value: str) -> str:
 
 
 def has_tokenizer(path: str) -> bool:
-    """Whether a model directory carries tokenizer files."""
+    """Whether a model directory (or a GGUF file, which always does) carries a tokenizer."""
+    if _is_gguf(path):
+        return os.path.isfile(path)
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
     return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, n)) for n in names)
 
 
+def _is_gguf(path: str) -> bool:
+    return path.lower().endswith(".gguf")
+
+
+def load_hf_tokenizer(path: str) -> Any:
+    """The transformers fast tokenizer of a model directory, a cached repo id, or a GGUF file
+    (built by transformers from the file's vocabulary, merges, special ids and chat
+    template)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        if _is_gguf(path):
+            folder, name = os.path.split(os.path.abspath(path))
+            return PreTrainedTokenizerFast.from_pretrained(
+                folder, gguf_file=name, local_files_only=True
+            )
+        return AutoTokenizer.from_pretrained(path, use_fast=True, local_files_only=True)
+    except (OSError, KeyError, ValueError) as e:
+        what = (
+            "a GGUF file with tokenizer metadata"
+            if _is_gguf(path)
+            else ("a directory holding tokenizer.json and tokenizer_config.json")
+        )
+        raise ValueError(f"cannot load a tokenizer from {path!r}: pass {what} ({e})") from e
+
+
 def load_tokenizer(path: str) -> Tokenizer:
-    """Load the fast tokenizer of a model directory (or a repo id in the local HF cache).
+    """Load the fast tokenizer of a model directory, a cached repo id or a GGUF file.
 
     EOS ids: the tokenizer's eos token plus generation_config.json's eos_token_id entries
     (instruction-tuned models often end turns with a token other than the tokenizer's eos).
     """
-    from transformers import AutoTokenizer
-
-    try:
-        hf = AutoTokenizer.from_pretrained(path, use_fast=True, local_files_only=True)
-    except OSError as e:
-        raise ValueError(
-            f"cannot load a tokenizer from {path!r}: pass a directory holding "
-            f"tokenizer.json and tokenizer_config.json ({e})"
-        ) from e
-    return Tokenizer(hf, eos_token_ids=_generation_eos_ids(path))
+    return Tokenizer(load_hf_tokenizer(path), eos_token_ids=_generation_eos_ids(path))
 
 
 def _generation_eos_ids(path: str) -> tuple[int, ...]:
+    if _is_gguf(path):  # a GGUF file's end ids come with its config (models/gguf.py)
+        return ()
     file = os.path.join(path, "generation_config.json")
     if not os.path.isfile(file):
         return ()

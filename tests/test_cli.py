@@ -23,8 +23,8 @@ from specserve.config import EngineConfig, engine_config
 from specserve.config_flags import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = defaults.default_model_path()
-HEAD = defaults.default_draft_path()
+TINY = defaults.tiny_code_path()
+HEAD = defaults.tiny_code_draft_path()
 
 
 def _config(*argv: str, command: str = "serve") -> EngineConfig:
@@ -84,7 +84,8 @@ def test_help_shows_the_real_defaults(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert f"the bundled {defaults.DEFAULT_MODEL_NAME} with its EAGLE-3 head" in text
+    name = f"{defaults.DEFAULT_MODEL_NAME} ({defaults.DEFAULT_MODEL_PACKAGE})"
+    assert f"the default model, {name} with its EAGLE-3 head" in text
     assert "eagle3 with the bundled head when --model is omitted" in text
     assert "(default: '')" not in text  # no placeholder shown as a default
     assert "-tp N, --tensor-parallel-size N, --tp-size N" in text
@@ -184,9 +185,10 @@ def test_dtype_aliases() -> None:
 
 def test_default_is_the_bundled_pair_with_eagle3() -> None:
     config = _config()
-    assert config.model == TINY
-    if HEAD:
-        assert (config.spec.algorithm, config.spec.draft_model) == ("eagle3", HEAD)
+    assert config.model == defaults.default_model_path()
+    draft = defaults.default_draft_path()
+    if draft:
+        assert (config.spec.algorithm, config.spec.draft_model) == ("eagle3", draft)
     assert not _config("--spec-algorithm", "none").spec.enabled
     assert not _config("--model", TINY).spec.enabled  # a model of your own: plain
     tuned = _config("--spec-num-steps", "5", "--spec-topk", "2", "--spec-num-draft-tokens", "8")

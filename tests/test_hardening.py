@@ -114,10 +114,10 @@ SHAPES = {
 @pytest.fixture(scope="module")
 def trained_pair() -> tuple[str, str]:
     """The bundled code model and its EAGLE-3 head: a head that is accepted often."""
-    draft = defaults.default_draft_path()
+    draft = defaults.tiny_code_draft_path()
     if draft is None:
         pytest.skip("the bundled EAGLE-3 head is missing")
-    return defaults.default_model_path(), draft
+    return defaults.tiny_code_path(), draft
 
 
 def _spec(head: str, shape: str) -> dict | None:

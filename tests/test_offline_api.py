@@ -20,8 +20,8 @@ from specserve.config import ModelConfig
 from specserve.generation_config import load_generation_defaults
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = defaults.default_model_path()
-HEAD = defaults.default_draft_path()
+TINY = defaults.tiny_code_path()
+HEAD = defaults.tiny_code_draft_path()
 GREEDY_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
 
 

@@ -317,10 +317,10 @@ def test_trained_head_decodes_losslessly(trained: tuple[str, dict], target: str,
 def test_bundled_pair_decodes_losslessly() -> None:
     from specserve import defaults
 
-    draft = defaults.default_draft_path()
+    draft = defaults.tiny_code_draft_path()
     if draft is None:
         pytest.skip("no bundled EAGLE-3 head")
-    model = defaults.default_model_path()
+    model = defaults.tiny_code_path()
     prompts = ["def fibonacci(n):\n", "import os\n\nclass Config:\n    def __init__(self"]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     plain = LLM(model, device="cpu", dtype="float32").generate(prompts, params)

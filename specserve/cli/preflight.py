@@ -42,7 +42,7 @@ def check_engine_config(config: EngineConfig, dummy_ok: bool = False) -> None:
     """What an EngineConfig points at exists and parses (see the module docstring)."""
     preset = config.model in PRESETS and (config.load_format == "dummy" or dummy_ok)
     if not preset:
-        check_path("--model", config.model, "a model directory")
+        check_path("--model", config.model, "a model directory or GGUF file")
     if config.tokenizer:
         check_path("--tokenizer", config.tokenizer, "a tokenizer directory")
     draft = config.spec.draft_model

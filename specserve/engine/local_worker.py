@@ -16,7 +16,7 @@ from specserve.config import EngineConfig, ModelConfig
 from specserve.distributed import comm
 from specserve.distributed.comm import configure_shard_emulation
 from specserve.layers.quantization import resolve_quantization
-from specserve.models.loader import resolve_model_path
+from specserve.models.loader import load_model_config, resolve_model_path
 from specserve.models.presets import PRESET_FORMATS, PRESETS
 from specserve.speculative.proposer import Proposer
 from specserve.speculative.worker import SpecWorker
@@ -27,7 +27,8 @@ ProposerFactory = Callable[[ModelRunner], Proposer]
 
 
 def resolve_model(config: EngineConfig) -> tuple[str | None, ModelConfig]:
-    """(checkpoint directory or None for a dummy preset, its normalised config)."""
+    """(checkpoint directory or GGUF file, or None for a dummy preset; its normalised
+    config)."""
     if config.load_format == "dummy" and config.model in PRESETS:
         return None, model_config_of(config, None)
     path = resolve_model_path(config.model)
@@ -37,8 +38,8 @@ def resolve_model(config: EngineConfig) -> tuple[str | None, ModelConfig]:
 def model_config_of(config: EngineConfig, model_path: str | None) -> ModelConfig:
     """The model's normalised config with the quantization --quantization resolves to (the
     checkpoint's, or random weights' format): one answer for every rank."""
-    model_config = ModelConfig.from_hf(PRESETS[config.model] if model_path is None
-                                       else model_path)
+    model_config = (ModelConfig.from_hf(PRESETS[config.model]) if model_path is None
+                    else load_model_config(model_path))
     quant = resolve_quantization(model_config.quantization, config.quantization,
                                  dummy=config.load_format == "dummy",
                                  model_formats=PRESET_FORMATS.get(config.model))  # fmt: skip

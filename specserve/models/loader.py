@@ -1,7 +1,7 @@
 """Find a checkpoint on disk, stream its tensors, and build a model from it.
 
-Weights are read from the local disk only: a directory, or a Hugging Face repo id already in
-the local HF cache. Nothing here touches the network.
+Weights are read from the local disk only: a directory, a GGUF file, or a Hugging Face repo id
+already in the local HF cache. Nothing here touches the network.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from tqdm import tqdm
 from specserve.config import ModelConfig
 from specserve.distributed.parallel_state import get_tp_rank
 from specserve.layers.quantization import process_weights_after_loading
+from specserve.models import gguf
 from specserve.models.registry import get_model_class
 
 SAFETENSORS = "model.safetensors"
@@ -38,8 +39,13 @@ def _hf_cache_dir() -> str:
 
 
 def resolve_model_path(model: str) -> str:
-    """A local directory as is, or the cached snapshot of HF repo id `model` (no network)."""
+    """A local directory or GGUF file as is, or the cached snapshot of HF repo id `model` (no
+    network)."""
     if os.path.isdir(model):
+        return model
+    if gguf.is_gguf(model):
+        if not os.path.isfile(model):
+            raise ValueError(f"model file {model} does not exist")
         return model
     from huggingface_hub import snapshot_download
 
@@ -52,6 +58,13 @@ def resolve_model_path(model: str) -> str:
             f"cache ({cache}): pass a directory, or download it first "
             f"(`huggingface-cli download {model}`)"
         ) from err
+
+
+def load_model_config(path: str) -> ModelConfig:
+    """The normalised config of the checkpoint at `path` (a directory or a GGUF file)."""
+    if gguf.is_gguf(path):
+        return ModelConfig.from_hf(gguf.hf_config(path))
+    return ModelConfig.from_hf(path)
 
 
 def weight_files(path: str) -> list[str]:
@@ -76,8 +89,12 @@ def weight_files(path: str) -> list[str]:
 
 
 def iter_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, CPU tensor) for every tensor of the checkpoint at `path`."""
+    """(name, CPU tensor) for every tensor of the checkpoint at `path` (HF names)."""
     from safetensors import safe_open
+
+    if gguf.is_gguf(path):
+        yield from gguf.iter_gguf_weights(path)
+        return
 
     files = weight_files(path)
     bar = tqdm(

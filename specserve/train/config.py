@@ -19,7 +19,9 @@ DEFAULT_SPECS = "3/1/4,5/1/6,5/4/16"  # chain 3, chain 5, tree topk 4 / 16 token
 
 @dataclass(frozen=True)
 class TrainConfig:
-    target: str = option("", "target model directory (transformers checkpoint + tokenizer)")
+    target: str = option(
+        "", "target model: a transformers checkpoint directory (with its tokenizer) or a GGUF file"
+    )
     out: str = option("", "output directory: the head in the public EAGLE-3 format + state")
     data: tuple[str, ...] = ()  # files, directories or @LIST (flag built by the CLI)
     draft_vocab_size: int = option(32000, "draft vocabulary size (capped at the target's)", min=1)
@@ -81,8 +83,12 @@ class TrainConfig:
 
     def validate(self) -> None:
         """What the paths name: ValueError naming the flag."""
-        if not os.path.isfile(os.path.join(self.target, "config.json")):
-            raise ValueError(f"--target {self.target!r} is not a model directory with config.json")
+        gguf = self.target.lower().endswith(".gguf")
+        if not os.path.isfile(self.target if gguf else os.path.join(self.target, "config.json")):
+            raise ValueError(
+                f"--target {self.target!r} is neither a model directory with "
+                "config.json nor a GGUF file"
+            )
         if not self.out:
             raise ValueError("--out DIR is required")
         if not self.data:
@@ -172,8 +178,8 @@ def parse_temperatures(text: str) -> list[float]:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    model: str = option("", "target model directory (default: the bundled tiny-code model)")
-    draft: str = option("", "EAGLE-3 head directory (default: the bundled head)")
+    model: str = option("", "target model directory or GGUF file (default: the default model)")
+    draft: str = option("", "EAGLE-3 head directory (default: the default model's bundled head)")
     files: tuple[str, ...] = ()  # hold-out files (flag built by the CLI)
     num_prompts: int = option(32, "prompts taken from the files (one per file)", min=1)
     prompt_tokens: int = option(128, "prompt length in tokens (files shorter are skipped)", min=1)

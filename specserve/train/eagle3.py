@@ -26,10 +26,12 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from specserve.config import ModelConfig
+from specserve.models.loader import load_model_config
+from specserve.tokenizer import load_hf_tokenizer
 from specserve.train import data as D
 from specserve.train.config import TrainConfig
 from specserve.train.head import Eagle3TrainHead, draft_vocab_from_counts, export_head
+from specserve.train.target import load_hf_target
 from specserve.worker.device import resolve_device
 
 log = logging.getLogger(__name__)
@@ -78,17 +80,14 @@ def _shift(x: torch.Tensor, i: int) -> torch.Tensor:
 
 class Eagle3Trainer:
     def __init__(self, cfg: TrainConfig) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         on_gpu = self.device.type == "cuda"
         self.amp_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                           "auto": torch.bfloat16 if on_gpu else torch.float32}[cfg.dtype]
-        self.target_cfg = ModelConfig.from_hf(cfg.target)
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.target, local_files_only=True)
-        self.target = AutoModelForCausalLM.from_pretrained(
-            cfg.target, dtype=self.amp_dtype, local_files_only=True).to(self.device)
+        self.target_cfg = load_model_config(cfg.target)
+        self.tokenizer = load_hf_tokenizer(cfg.target)
+        self.target = load_hf_target(cfg.target, self.amp_dtype).to(self.device)
         self.target.eval().requires_grad_(False)
         self.aux_ids = cfg.aux_ids(self.target_cfg.num_layers)
         self.head_cfg = cfg.head_config(self.target_cfg, self.aux_ids)

@@ -1,6 +1,7 @@
 """`eval-accept`: how well a draft head predicts its target, measured by the engine itself.
 
-Prompts are the first `prompt_tokens` tokens of each held-out file. For every speculation
+Prompts are the first `prompt_tokens` tokens of each held-out file, or the chat prompts of
+held-out .jsonl conversations. For every speculation
 config (steps/topk/tokens) and temperature the engine generates `max_tokens` per prompt and we
 report the accept length (tokens emitted per draft-verify cycle, bonus included, pooled over
 all cycles) and the acceptance rate per draft position (cycles that accepted >= d+1 drafts /
@@ -23,18 +24,42 @@ from specserve.train.config import EvalConfig, parse_specs, parse_temperatures
 
 def load_prompts(files: list[str], tokenizer, prompt_tokens: int, num_prompts: int
                  ) -> list[list[int]]:
-    """The first prompt_tokens tokens of each file long enough, in the order given."""
+    """The first prompt_tokens tokens of each file long enough, in the order given. A .jsonl
+    file of {"messages": [...]} lines gives one chat prompt a line instead: the conversation
+    before its first assistant turn, through the chat template (whatever its length)."""
     prompts = []
     for file in files:
-        with open(file, encoding="utf-8", errors="replace") as fh:
-            ids = tokenizer.encode(fh.read())
-        if len(ids) >= prompt_tokens:
-            prompts.append(ids[:prompt_tokens])
+        if file.endswith(".jsonl"):
+            prompts += _chat_prompts(file, tokenizer)[:num_prompts - len(prompts)]
+        else:
+            with open(file, encoding="utf-8", errors="replace") as fh:
+                ids = tokenizer.encode(fh.read())
+            if len(ids) >= prompt_tokens:
+                prompts.append(ids[:prompt_tokens])
         if len(prompts) == num_prompts:
             break
     if not prompts:
         raise ValueError(f"no file among {len(files)} has {prompt_tokens} tokens: lower "
                          "--prompt-tokens or pass longer files")
+    return prompts
+
+
+def _chat_prompts(file: str, tokenizer) -> list[list[int]]:
+    prompts = []
+    with open(file, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            messages = json.loads(line).get("messages")
+            if not isinstance(messages, list):
+                raise ValueError(f"{file}:{lineno}: eval-accept reads {{\"messages\": [...]}} "
+                                 "lines from .jsonl files")
+            first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"),
+                         len(messages))
+            if first == 0:
+                raise ValueError(f"{file}:{lineno}: the conversation opens with an assistant "
+                                 "turn: there is no prompt before it")
+            prompts.append(tokenizer.apply_chat_template(messages[:first]))
     return prompts
 
 
