@@ -195,6 +195,9 @@ class ModelConfig:
     target_hidden_size: int | None = None
     # capture convention: residual stream ENTERING these target decoder layers (0-based)
     aux_layer_ids: tuple[int, ...] | None = None
+    # what a head's aux_layer_ids mean as written in its config: "input" (as above) or
+    # "output" (leaving layer i; SpecForge-style exports)
+    aux_layer_convention: str = "input"
     norm_before_residual: bool = False
     # local attention window (Mistral v0.1); None = full attention
     sliding_window: int | None = None
@@ -274,6 +277,7 @@ class ModelConfig:
             draft_vocab_size=hf.get("draft_vocab_size"),
             target_hidden_size=hf.get("target_hidden_size"),
             aux_layer_ids=tuple(aux) if aux else None,
+            aux_layer_convention=str(eagle.get("aux_layer_convention", "input")),
             norm_before_residual=bool(hf.get("norm_before_residual", False)),
             sliding_window=hf.get("sliding_window") if hf.get("use_sliding_window", True)
             else None,

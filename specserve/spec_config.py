@@ -67,6 +67,14 @@ class SpecConfig:
     synthetic_accept_len: int = option(
         0, "COST-ONLY benchmarking: force this accept length (0 = real verification)", min=0
     )
+    aux_layer_convention: str = option(
+        "auto",
+        "what the head's eagle_aux_hidden_state_layer_ids mean (engines disagree by one): input "
+        "= the residual stream entering decoder layer i (transformers' hidden_states[i]); "
+        "output = leaving layer i (SpecForge-style exports: +1 here); auto = the head config's "
+        "eagle_config.aux_layer_convention, else input",
+        choices=("auto", "input", "output"),
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)

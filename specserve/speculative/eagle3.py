@@ -56,6 +56,28 @@ def load_draft_config(spec: SpecConfig, target_cfg: ModelConfig) -> ModelConfig:
     return dataclasses.replace(cfg, num_layers=1, quantization=None)
 
 
+def resolve_aux_layer_ids(head_cfg: ModelConfig, convention: str,
+                          num_target_layers: int) -> tuple[int, ...]:
+    """The decoder layers whose INPUT residual streams the head reads (capture's convention).
+    convention (SpecConfig.aux_layer_convention): "auto" takes the head config's own; with
+    "output" an id i means the stream leaving layer i, i.e. entering layer i + 1."""
+    ids = head_cfg.aux_layer_ids
+    if not ids:
+        return default_aux_layer_ids(num_target_layers)
+    meaning = head_cfg.aux_layer_convention if convention == "auto" else convention
+    if meaning not in ("input", "output"):
+        raise ValueError(f"eagle_config.aux_layer_convention must be 'input' or 'output', got "
+                         f"{meaning!r}")
+    if meaning == "output":
+        ids = tuple(i + 1 for i in ids)
+    if max(ids) >= num_target_layers or min(ids) < 0:
+        raise ValueError(
+            f"the head reads target layers {tuple(head_cfg.aux_layer_ids)} ({meaning} "
+            f"convention) but the target has {num_target_layers} decoder layers; check "
+            "--spec-aux-layer-convention")
+    return tuple(ids)
+
+
 class Eagle3Proposer:
     needs_target_features = True
     keeps_state = True
@@ -68,8 +90,8 @@ class Eagle3Proposer:
         ensure_rope_capacity(self.head, runner.max_positions)
         runner.kv_pool.bind([self.head.midlayer.attn], first_layer=len(runner.attn_layers))
         tlayers = runner.model_config.num_layers
-        self.aux_layer_ids = tuple(self.head.config.aux_layer_ids
-                                   or default_aux_layer_ids(tlayers))
+        self.aux_layer_ids = resolve_aux_layer_ids(self.head.config, spec.aux_layer_convention,
+                                                   tlayers)
         self.d2t = self.head.d2t if self.head.config.draft_vocab_size else None
         self.state_dim = self.head.config.hidden_size
         self.state_dtype = runner.dtype
