@@ -485,6 +485,10 @@ class EngineConfig:
     device: str = option("auto", "auto | cpu | cuda | cuda:N")
     seed: int = option(0, "engine seed for requests without their own", min=0)
     enforce_eager: bool = option(False, "disable CUDA graphs")
+    exact: bool = option(
+        False, "batch-invariant kernels: a row's logits do not depend on how many rows or "
+        "which requests share its forward, so greedy speculative output equals plain greedy "
+        "output token for token (and a request alone equals it batched); costs speed")
     cuda_graph_max_bs: int = option(128, "largest decode batch captured in a CUDA graph", min=1)
     decode_overlap: str = option(
         "auto", "launch the next decode step (or speculative cycle) before the host reads "

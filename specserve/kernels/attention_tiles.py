@@ -25,10 +25,13 @@ def _kv_range(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     HAS_MASK: tl.constexpr,
+    SPLIT_TOKENS: tl.constexpr,
 ):
     """(lo, hi, mask_start): the KV positions [lo, hi) of this program's split, and the first
     position the mask governs (the causal diagonal's origin without a custom mask). Causal
-    ranges stop at the query block's last query; a block past q_len reads nothing."""
+    ranges stop at the query block's last query; a block past q_len reads nothing. SPLIT_TOKENS
+    > 0 (exact mode) fixes each split's length, so a KV position falls in the same split and
+    the same BLOCK_N block whatever the batch, the query length and the query block."""
     if HAS_MASK:
         kv_end = seq_len
         mask_start = seq_len - mask_width
@@ -36,7 +39,10 @@ def _kv_range(
         kv_end = tl.minimum(seq_len, seq_len - q_len + (m_block + 1) * BLOCK_M)
         mask_start = seq_len - q_len
     kv_end = tl.where(m_block * BLOCK_M < q_len, kv_end, 0)
-    split_len = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    if SPLIT_TOKENS > 0:
+        split_len = SPLIT_TOKENS
+    else:
+        split_len = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = split * split_len
     hi = tl.minimum(lo + split_len, kv_end)
     return lo, hi, mask_start

@@ -36,3 +36,35 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     if not (tensors[0].is_cuda and triton_usable()):
         return False
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
+# Exact mode (EngineConfig.exact): every kernel whose result for one row could depend on how
+# many rows are computed with it picks a launch that does not (fixed tiles, no M-dependent
+# split-K, a fixed KV split size). Set once per process by the model runner before any launch.
+EXACT_KV_SPLIT_TOKENS = 256  # KV positions per attention split in exact mode
+
+
+class _ExactMode:
+    on: bool = False
+    kv_split_tokens: int = EXACT_KV_SPLIT_TOKENS
+    kv_splits: int = 16
+
+
+EXACT = _ExactMode()
+
+
+def set_exact(on: bool, max_positions: int = 4096, max_splits: int = 16) -> None:
+    """Turn exact (batch-invariant) mode on or off for this process. Attention then cuts the
+    KV into splits of a fixed length (EXACT_KV_SPLIT_TOKENS, doubled until at most max_splits
+    of them cover max_positions) and launches that many splits whatever the batch: the
+    split count never depends on sequence lengths (CUDA graphs stay valid)."""
+    tokens = EXACT_KV_SPLIT_TOKENS
+    while -(-max_positions // tokens) > max_splits:
+        tokens *= 2
+    EXACT.on = bool(on)
+    EXACT.kv_split_tokens = tokens
+    EXACT.kv_splits = -(-max_positions // tokens)
+
+
+def exact_mode() -> bool:
+    return EXACT.on

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specserve.kernels.dispatch import jit, next_power_of_2, tl, triton
+from specserve.kernels.dispatch import EXACT, jit, next_power_of_2, tl, triton
 from specserve.kernels.fp8_gemm import (
     AMAX_EPS,
     FP8_MAX,
@@ -133,9 +133,12 @@ def moe_launch_config(num_tokens: int, n: int, k: int, num_experts: int, top_k: 
     smallest MMA tile; the GEMM is a weight stream, so narrow BLOCK_N gives more programs),
     prefill fills whole tiles (BLOCK_M up to 128, BLOCK_N 128, GROUP_M 8 for L2 reuse).
     FP8 block weights step K by their block (the activations are quantized per step).
+    Exact mode (kernels/dispatch.py) takes one config whatever num_tokens is.
     """
     rows = num_tokens * top_k / max(num_experts, 1)
-    if rows <= 16:
+    if EXACT.on:  # exact mode: one tile config for every M (a row's K order never changes)
+        bm, bn, bk, group, warps, stages = 32, 64, 64, 8, 4, 3
+    elif rows <= 16:
         bm, bn, bk, group, warps, stages = 16, 64, 128, 1, 4, 4
     elif rows <= 48:
         bm, bn, bk, group, warps, stages = 32, 64, 128, 8, 4, 4

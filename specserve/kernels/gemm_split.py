@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.kernels.dispatch import jit, tl, triton
+from specserve.kernels.dispatch import EXACT, jit, tl, triton
 from specserve.kernels.split_kv import split_counters
 
 PARTIALS_PER_SM = 2  # aim for this many programs per SM at decode sizes
@@ -54,7 +54,10 @@ def as_plan(plan: GemmPlan | tuple | None) -> GemmPlan | None:
 
 
 def launch_plan(m: int, n: int, k: int, device: torch.device, max_block_k: int = 128) -> GemmPlan:
-    """The default plan for an [m, k] x [k, n] product."""
+    """The default plan for an [m, k] x [k, n] product. In exact mode one plan for every m
+    (64 x 64 tiles, no split-K): a row's K reduction is the same whatever the batch."""
+    if EXACT.on:
+        return GemmPlan(64, 64, min(max_block_k, 64), 1, num_warps=4)
     if m <= 16:
         bm, bn = 16, 64
     elif m <= 64:

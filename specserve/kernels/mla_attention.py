@@ -81,7 +81,7 @@ def _mla_attention_kernel(
 
     # KV positions this query block can see (kernels/attention_tiles.py)
     lo, hi, mask_start = _kv_range(seq_len, q_len, m_block, split, mask_width, BLOCK_M, BLOCK_N,
-                                   NUM_SPLITS, HAS_MASK)  # fmt: skip
+                                   NUM_SPLITS, HAS_MASK, 0)  # fmt: skip
 
     m_i = tl.full([BLOCK_M * BLOCK_H], float("-inf"), tl.float32)  # running max (log2 units)
     l_i = tl.zeros([BLOCK_M * BLOCK_H], tl.float32)

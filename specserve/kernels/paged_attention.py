@@ -30,7 +30,7 @@ import math
 import torch
 
 from specserve.kernels.attention_tiles import _kv_range, _mask_scores, _normalize, _softmax_step
-from specserve.kernels.dispatch import jit, next_power_of_2, tl, triton  # noqa: F401
+from specserve.kernels.dispatch import EXACT, jit, next_power_of_2, tl, triton  # noqa: F401
 from specserve.kernels.split_kv import (  # noqa: F401  (MAX_SPLITS, _split_counters: API/tests)
     MAX_SPLITS,
     _combine_splits_kernel,
@@ -43,6 +43,7 @@ TARGET_ROWS = 64  # tile rows (queries x grouped heads) per extend program
 MIN_DOT = 16  # smallest tl.dot dimension on GPUs
 SMALL_GRID = 16  # masked launches of at most this many (request, query block, kv head) tiles
 LOG2E = 1.4426950408889634
+EXACT_BLOCK_N = 64  # KV block of every exact-mode launch (divides EXACT.kv_split_tokens)
 
 
 # --------------------------------------------------------------------------------------------
@@ -63,6 +64,7 @@ def _paged_attention_kernel(
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr, FUSED_COMBINE: tl.constexpr,
     IS_DECODE: tl.constexpr, HAS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT_TOKENS: tl.constexpr,
 ):  # fmt: skip
     req = tl.program_id(0) // num_m_blocks
     m_block = tl.program_id(0) % num_m_blocks
@@ -92,7 +94,7 @@ def _paged_attention_kernel(
 
     # KV positions this query block can see (kernels/attention_tiles.py)
     lo, hi, mask_start = _kv_range(seq_len, q_len, m_block, split, mask_width, BLOCK_M, BLOCK_N,
-                                   NUM_SPLITS, HAS_MASK)
+                                   NUM_SPLITS, HAS_MASK, SPLIT_TOKENS)
 
     m_i = tl.full([BLOCK_M * BLOCK_G], float("-inf"), tl.float32)  # running max (log2 units)
     l_i = tl.zeros([BLOCK_M * BLOCK_G], tl.float32)  # running softmax denominator
@@ -179,6 +181,8 @@ def launch_plan(bs: int, max_query_len: int, group: int, num_kv_heads: int, mask
     H200 (q_len 16 tree at batch 1: 23.3 -> 13.8 us, batch 16: 94 -> 56 us; q_len 4: 12.0 ->
     9.0 us; scripts/bench_attention.py, experiments/2026-11-30-attention-sweep.json)."""
     block_g = next_power_of_2(group)
+    if EXACT.on:
+        return exact_launch_plan(bs, max_query_len, group, num_kv_heads)
     block_m = min(next_power_of_2(max_query_len), max(1, TARGET_ROWS // block_g))
     block_m = max(block_m, MIN_DOT // block_g, 1)
     num_m_blocks = math.ceil(max_query_len / block_m)
@@ -192,6 +196,17 @@ def launch_plan(bs: int, max_query_len: int, group: int, num_kv_heads: int, mask
     if num_warps is None and masked and tiles <= SMALL_GRID:
         num_warps = 8
     return block_m, num_m_blocks, num_splits, block_n, num_warps, num_stages
+
+
+def exact_launch_plan(bs: int, max_query_len: int, group: int, num_kv_heads: int) -> tuple:
+    """The exact-mode plan: one tile shape (MIN_DOT rows, KV blocks of EXACT_BLOCK_N, 4 warps,
+    2 stages) for decode, extend and verify alike, and a split count fixed by the engine (each
+    split EXACT.kv_split_tokens long, enough of them for the longest context): a query row's
+    KV blocks, their reduction order and the combine's are those of the same row in any
+    other launch."""
+    block_m = max(MIN_DOT // next_power_of_2(group), 1)
+    num_m_blocks = math.ceil(max_query_len / block_m)
+    return block_m, num_m_blocks, EXACT.kv_splits, EXACT_BLOCK_N, 4, 2
 
 
 def paged_attention(
@@ -270,6 +285,7 @@ def paged_attention(
         BLOCK_S=next_power_of_2(num_splits), FUSED_COMBINE=fused,
         IS_DECODE=is_decode, HAS_MASK=custom_mask is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,  # keep fp32 exact
+        SPLIT_TOKENS=EXACT.kv_split_tokens if EXACT.on else 0,
         **launch,
     )  # fmt: skip
     if num_splits > 1 and not fused:

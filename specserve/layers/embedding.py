@@ -13,6 +13,8 @@ from torch import nn
 
 from specserve.distributed.comm import all_gather, all_reduce
 from specserve.distributed.parallel_state import get_tp_rank, get_tp_size
+from specserve.kernels.dispatch import EXACT
+from specserve.kernels.exact_gemm import exact_linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -61,7 +63,10 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden [n, H] -> local [n, shard] -> gathered [n, tp * shard] -> [n, vocab]
-        logits = F.linear(hidden, self.weight)
+        if EXACT.on:  # M-invariant (kernels/exact_gemm.py)
+            logits = exact_linear(hidden, self.weight)
+        else:
+            logits = F.linear(hidden, self.weight)
         if self.tp_size > 1:
             logits = all_gather(logits, dim=-1)
         return logits[..., : self.num_embeddings]

@@ -19,6 +19,7 @@ from torch import nn
 from specserve.config import EngineConfig, ModelConfig
 from specserve.distributed.comm import init_comm
 from specserve.distributed.parallel_state import min_over_ranks
+from specserve.kernels.dispatch import set_exact
 from specserve.kv_cache.pool import KVPool, plan_num_pages
 from specserve.kv_cache.spec import KVCacheSpec
 from specserve.layers.attention import attention_modules
@@ -76,6 +77,8 @@ class ModelRunner:
             if threads:
                 torch.set_num_threads(threads)
         self.page_size = config.cache.page_size
+        # before any launch: exact mode fixes kernel plans (kernels/dispatch.py)
+        set_exact(config.exact, max_positions=config.scheduler.max_model_len + 256)
         init_comm(config.comm, hidden=model_config.hidden_size, dtype=self.dtype,
                   device=self.device, rows=comm_message_rows(config))
         if config.load_format == "dummy" or model_path is None:

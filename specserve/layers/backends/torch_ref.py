@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from specserve.kernels import mla_attention as mla_ref
+from specserve.kernels.dispatch import EXACT
 from specserve.kernels.kv_store import store_kv_ref
 from specserve.kernels.mla_store import mla_store_ref
 from specserve.layers.attention_metadata import AttentionMetadata
@@ -49,6 +50,8 @@ def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
     # q [q_len, num_heads, d]; k, v [seq_len, num_kv_heads, d]; mask [q_len, seq_len]
+    if EXACT.on:
+        return attend_rowwise(q, k, v, mask, scale)
     group = q.shape[1] // k.shape[1]
     k = k.float().repeat_interleave(group, dim=1)  # [seq_len, num_heads, d]
     v = v.float().repeat_interleave(group, dim=1)
@@ -56,6 +59,24 @@ def attend(
     scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)  # [q_len, num_heads, d]
+
+
+def attend_rowwise(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Exact mode: each query attends over exactly the KV it sees, gathered in position order,
+    alone. A token's output then depends on its query and the keys/values it sees only, not on
+    how many queries share the call nor how long the rest of the KV is (decode, chunked
+    prefill and chain or tree verify of the same token at the same position agree bitwise)."""
+    group = q.shape[1] // k.shape[1]
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    for i in range(q.shape[0]):
+        seen = mask[i].nonzero().squeeze(1)
+        k_i = k[seen].float().repeat_interleave(group, dim=1)  # [n, num_heads, d]
+        v_i = v[seen].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,khd->hk", q[i].float(), k_i) * scale
+        out[i] = torch.einsum("hk,khd->hd", torch.softmax(scores, dim=-1), v_i).to(q.dtype)
+    return out
 
 
 class TorchMLA:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specserve.kernels.dispatch import EXACT
+from specserve.kernels.exact_gemm import exact_linear
 from specserve.layers.quantization.base import LinearMethod, ParamSpec, add_param
 
 
@@ -16,6 +18,8 @@ class UnquantizedLinearMethod(LinearMethod):
         add_param(layer, "weight", weight, ParamSpec())
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if EXACT.on:  # M-invariant (kernels/exact_gemm.py)
+            return exact_linear(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
 
     def random_init(self, layer, gen: torch.Generator, std: float) -> None:

@@ -1,0 +1,280 @@
+"""Exact mode: a row's result does not depend on the rows computed with it.
+
+Per kernel (torch paths on the CPU, Triton under the interpreter, both on CUDA): the same row
+alone and inside a batch of random others, bitwise. Per engine: with exact on, greedy
+speculative output == plain greedy == the same request alone, under batching, chunked prefill
+and preemption, in bf16.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from interpreted import report, run_interpreted  # noqa: E402
+
+from specserve.kernels import exact_gemm as eg  # noqa: E402
+from specserve.kernels import paged_attention as pa  # noqa: E402
+from specserve.kernels.dispatch import EXACT, set_exact  # noqa: E402
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+HAS_CUDA = torch.cuda.is_available() and HAS_TRITON
+
+
+@pytest.fixture
+def exact_on():
+    set_exact(True, max_positions=1024)
+    yield
+    set_exact(False)
+
+
+def _row_alone_vs_batched(fn, x: torch.Tensor, row: int) -> None:
+    """fn(x)[row] == fn(x[row:row+1])[0] bitwise, for batches of several sizes."""
+    alone = fn(x[row : row + 1].clone())[0]
+    batched = fn(x)[row]
+    assert torch.equal(alone, batched), (alone - batched).abs().max()
+
+
+# --------------------------------------------------------------------------------------------
+# torch paths (CPU)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [2, 7, 64])
+def test_rowwise_linear_is_row_invariant(dtype: torch.dtype, m: int) -> None:
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 96, generator=g).to(dtype)
+    w = torch.randn(80, 96, generator=g).to(dtype)
+    b = torch.randn(80, generator=g).to(dtype)
+    _row_alone_vs_batched(lambda t: eg.rowwise_linear(t, w, b), x, m // 2)
+    # and it computes x W^T + b
+    torch.testing.assert_close(eg.rowwise_linear(x, w, b).float(),
+                               (x.float() @ w.float().T + b.float()), atol=0.1, rtol=0.02)
+
+
+def test_exact_gemm_ref_is_row_invariant() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(33, 200, generator=g)
+    w = torch.randn(48, 200, generator=g)
+    torch.testing.assert_close(eg.exact_gemm_ref(x, w), x @ w.T, atol=1e-4, rtol=1e-4)
+
+
+def test_linear_layer_uses_the_exact_path(exact_on) -> None:
+    from specserve.layers.linear import ReplicatedLinear
+
+    layer = ReplicatedLinear(64, 40, bias=True)
+    g = torch.Generator().manual_seed(1)
+    layer.weight.data.normal_(generator=g)
+    layer.bias.data.normal_(generator=g)
+    x = torch.randn(9, 64, generator=g)
+    with torch.no_grad():
+        _row_alone_vs_batched(layer, x, 4)
+        assert torch.equal(layer(x), eg.rowwise_linear(x, layer.weight, layer.bias))
+
+
+def _attend_case(dtype: torch.dtype, seed: int):
+    from specserve.layers.backends.torch_ref import attention_mask
+
+    g = torch.Generator().manual_seed(seed)
+    seq_len, heads, kv_heads, d = 37, 4, 2, 16
+    k = torch.randn(seq_len, kv_heads, d, generator=g).to(dtype)
+    v = torch.randn(seq_len, kv_heads, d, generator=g).to(dtype)
+    q = torch.randn(6, heads, d, generator=g).to(dtype)
+    return q, k, v, attention_mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_attention_decode_equals_extend_and_verify(exact_on, dtype: torch.dtype) -> None:
+    from specserve.layers.backends.torch_ref import attend
+
+    q, k, v, attention_mask = _attend_case(dtype, 3)
+    seq_len, scale = k.shape[0], 0.25
+    # extend: the 6 queries are the last 6 positions; query 2 sits at position seq_len - 4
+    pos = seq_len - 4
+    extend = attend(q, k, v, attention_mask(6, seq_len, None, q.device), scale)[2]
+    # decode of the same query at the same position, its context only
+    decode = attend(q[2:3], k[: pos + 1], v[: pos + 1],
+                    attention_mask(1, pos + 1, None, q.device), scale)[0]
+    assert torch.equal(extend, decode)
+    # tree verify: query 2's ancestors are queries 0 and 1 (a chain), its siblings 3..5 are not
+    tree = torch.zeros(6, 6, dtype=torch.bool)
+    tree[torch.arange(6), torch.arange(6)] = True
+    tree[1, 0] = tree[2, :2] = True
+    tree[3, 0] = tree[4, 3] = tree[5, 0] = True
+    verify = attend(q, k, v, attention_mask(6, seq_len, tree, q.device), scale)[2]
+    assert torch.equal(verify, decode)
+
+
+def test_sampler_argmax_is_per_row() -> None:
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(12, 300, generator=g).to(torch.bfloat16)
+    _row_alone_vs_batched(lambda t: t.float().argmax(-1), logits, 7)
+
+
+def test_rms_norm_is_row_invariant() -> None:
+    from specserve.layers.norm import RMSNorm
+
+    norm = RMSNorm(96)
+    g = torch.Generator().manual_seed(6)
+    norm.weight.data.normal_(generator=g)
+    x = torch.randn(17, 96, generator=g).to(torch.bfloat16)
+    norm = norm.to(torch.bfloat16)
+    with torch.no_grad():
+        _row_alone_vs_batched(lambda t: norm(t), x, 11)
+
+
+def test_exact_attention_plan_is_fixed(exact_on) -> None:
+    plans = {pa.launch_plan(bs, q, 4, 2, masked, torch.device("cpu"))[2:]
+             for bs in (1, 16, 64) for q in (1, 4, 300) for masked in (False, True)}
+    assert plans == {(EXACT.kv_splits, pa.EXACT_BLOCK_N, 4, 2)}
+    assert EXACT.kv_splits * EXACT.kv_split_tokens >= 1024
+    block_ms = {pa.launch_plan(bs, q, 4, 2, False, torch.device("cpu"))[0]
+                for bs in (1, 64) for q in (1, 4, 300)}
+    assert len(block_ms) == 1
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels under the interpreter
+
+
+def check_exact_gemm() -> None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(80, 150, generator=g)
+    b = torch.randn(80, generator=g)
+    x = torch.randn(70, 150, generator=g)
+    torch.testing.assert_close(eg.exact_gemm(x, w, b), eg.exact_gemm_ref(x, w, b),
+                               atol=1e-4, rtol=1e-4)
+    for m in (1, 5, 70):
+        _row_alone_vs_batched(lambda t: eg.exact_gemm(t, w, b), x[:m], m - 1)
+
+
+def check_exact_attention() -> None:
+    """Exact mode: a token decoded alone == the same token inside a chain verify / extend."""
+    set_exact(True, max_positions=512)
+    try:
+        g = torch.Generator().manual_seed(1)
+        page_size, pages, kv_heads, heads, d = 4, 64, 2, 4, 16
+        kc = torch.randn(pages, page_size, kv_heads, d, generator=g)
+        vc = torch.randn(pages, page_size, kv_heads, d, generator=g)
+        table = torch.randperm(pages, generator=g).to(torch.int32)[None, :]
+        seq_len, n_new = 150, 5
+        q = torch.randn(n_new, heads, d, generator=g)
+        qsl = torch.tensor([0, n_new], dtype=torch.int32)
+        extend = pa.paged_attention(q, kc, vc, qsl, torch.tensor([seq_len], dtype=torch.int32),
+                                    table, n_new, 0.25)
+        mask = torch.tril(torch.ones(1, n_new, n_new, dtype=torch.bool))
+        verify = pa.paged_attention(q, kc, vc, qsl, torch.tensor([seq_len], dtype=torch.int32),
+                                    table, n_new, 0.25, custom_mask=mask)
+        for i in range(n_new):
+            pos_len = seq_len - n_new + i + 1
+            decode = pa.paged_decode_attention(q[i : i + 1], kc, vc,
+                                               torch.tensor([pos_len], dtype=torch.int32),
+                                               table, 0.25)
+            assert torch.equal(decode[0], extend[i]), i
+            assert torch.equal(decode[0], verify[i]), i
+    finally:
+        set_exact(False)
+
+
+INTERPRETER_CHECKS = {"exact_gemm": check_exact_gemm, "exact_attention": check_exact_attention}
+
+
+@pytest.fixture(scope="module")
+def interpreter_results() -> dict[str, str]:
+    return run_interpreted(__file__)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("name", sorted(INTERPRETER_CHECKS))
+def test_interpreter(name: str, interpreter_results: dict[str, str]) -> None:
+    assert interpreter_results[name] == "ok", interpreter_results[name]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and triton")
+def test_exact_gemm_cuda_bf16() -> None:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(4096, 4096, generator=g, device="cuda").to(torch.bfloat16)
+    x = torch.randn(64, 4096, generator=g, device="cuda").to(torch.bfloat16)
+    torch.testing.assert_close(eg.exact_gemm(x, w).float(), eg.exact_gemm_ref(x, w).float(),
+                               atol=0.5, rtol=0.02)
+    for m in (1, 4, 16, 64):
+        _row_alone_vs_batched(lambda t: eg.exact_gemm(t, w), x[:m], m - 1)
+
+
+# --------------------------------------------------------------------------------------------
+# engine
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(rng.randint(2, 30))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    from tiny_eagle import make_tiny_eagle3_head
+    from tiny_models import make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("exact")
+    target = make_tiny_checkpoint(root / "target", family="llama", tokenizer=True,
+                                  num_hidden_layers=4)
+    return target, make_tiny_eagle3_head(str(root / "head"), target, draft_vocab_size=128)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_exact_engine_greedy_identical(pair, device: str) -> None:
+    from tiny_models import record_preemptions
+
+    from specserve.config import CacheConfig, SchedulerConfig
+    from specserve.llm import LLM
+    from specserve.sampling_params import SamplingParams
+
+    if device == "cuda" and not HAS_CUDA:
+        pytest.skip("needs CUDA and triton")
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = _prompts(6, seed=2)
+
+    def run(spec: dict | None, batched: bool, **kw) -> list[list[int]]:
+        kw.setdefault("cache", CacheConfig(page_size=4, num_pages=512))
+        llm = LLM(pair[0], device=device, dtype="bfloat16", exact=True,
+                  speculative_config=spec, **kw)
+        try:
+            if batched:
+                return [o.token_ids for o in llm.generate(prompts, params)]
+            return [llm.generate([p], params)[0].token_ids for p in prompts]
+        finally:
+            llm.close()
+
+    alone = run(None, batched=False)
+    assert run(None, batched=True, scheduler=SchedulerConfig(max_num_batched_tokens=16)) == alone
+    chain = dict(algorithm="eagle3", draft_model=pair[1], num_steps=3, topk=1)
+    assert run(chain, batched=True) == alone
+    tree = dict(algorithm="eagle3", draft_model=pair[1], num_steps=3, topk=2,
+                num_draft_tokens=6)
+    # a pool far smaller than the batch: preemption and recompute
+    small = dict(cache=CacheConfig(page_size=4, num_pages=24),
+                 scheduler=SchedulerConfig(max_num_batched_tokens=16))
+    llm_check = LLM(pair[0], device=device, dtype="bfloat16", exact=True,
+                    speculative_config=tree, **small)
+    try:
+        preempted = record_preemptions(llm_check.engine.scheduler)
+        out = [o.token_ids for o in llm_check.generate(prompts, params)]
+        assert preempted, "the small pool was meant to force a preemption"
+    finally:
+        llm_check.close()
+    assert out == alone
+
+
+if __name__ == "__main__":
+    report(INTERPRETER_CHECKS)
