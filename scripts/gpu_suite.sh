@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks in one invocation (an H200 or any CUDA machine):
 #   bash scripts/gpu_suite.sh OUT_DIR [steps]
-# steps: any of tests,profile,plain,spec,moe,match,serve,mla,quant,comm,prefix,default (default: all
-# but profile, quant and comm). Results and logs go to OUT_DIR;
+# steps: any of tests,profile,plain,spec,moe,match,serve,mla,quant,comm,prefix,default,exact
+# (default: all but profile, quant, comm and exact). Results and logs go to OUT_DIR;
 # benchmark rows are appended to experiments/ (LOG.md, results.jsonl, PNGs).
 set -u
 out=${1:-out}; steps=${2:-tests,plain,spec,moe,match,serve,mla,prefix,default}
@@ -157,6 +157,28 @@ if has serve && [ -d "$pair" ]; then
     --num-requests 64 --repeats 1 --max-tokens 128 --log --exp-dir experiments \
     --label "tiny-code eagle3 chain5" > "$out/serve.log" 2>&1
   echo "serve rc=$?"; grep -v INFO "$out/serve.log" | tail -6
+fi
+if has exact; then
+  # exact mode (EngineConfig.exact): bf16, 16 prompts x 256 tokens, plain vs EAGLE-3 chain 3 and
+  # tree 4x16 and batch 16 vs batch 1, exact and default; then its cost at bs 1/16/64
+  timeout 240 python -m pytest -q -m gpu -rfE --tb=short -p no:cacheprovider tests/test_exact.py \
+    > "$out/exact_tests.log" 2>&1
+  echo "exact tests rc=$?"; tail -4 "$out/exact_tests.log"
+  for mode in exact default; do
+    flag=(); [ "$mode" = exact ] && flag=(--exact)
+    timeout 300 python scripts/spec_match_rate.py --model "$pair" --draft "$head" --num 16 \
+      --max-tokens 256 --configs 3x1x0,3x4x16 "${flag[@]}" --json-out "$out/exact-pair-$mode.json" \
+      > "$out/exact-pair-$mode.log" 2>&1
+    echo "exact pair $mode rc=$?"; grep -E "identical" "$out/exact-pair-$mode.log"
+    timeout 400 python scripts/spec_match_rate.py --model llama-3.1-8b --load-format dummy \
+      --draft dummy --num 16 --max-tokens 256 --configs 3x1x0,3x4x16 "${flag[@]}" \
+      --json-out "$out/exact-8b-$mode.json" > "$out/exact-8b-$mode.log" 2>&1
+    echo "exact 8b $mode rc=$?"; grep -E "identical" "$out/exact-8b-$mode.log"
+  done
+  timeout 300 "${ss[@]}" bench latency "${common[@]}" --batch-sizes 1,16,64 --max-num-seqs 64 \
+    --exact --label "llama-3.1-8b exact vs default" --json-out "$out/exact-cost.json" \
+    > "$out/exact-cost.log" 2>&1
+  echo "exact cost rc=$?"; tail -12 "$out/exact-cost.log"
 fi
 if has mla; then  # MLA kernels and layer (bf16 at 512/64 dims; fp32 layer vs transformers)
   timeout 300 python -m pytest -q -m gpu -rfE --tb=short -p no:cacheprovider tests/test_mla.py \

@@ -7,6 +7,11 @@ top-1/top-2 logit margin there (recomputed by a prefill of the common prefix), s
 check that each divergence is a near-tie and not a bug.
 
     python scripts/spec_match_rate.py --model DIR --draft DIR [--dtype bfloat16] [--num 32]
+        [--exact] [--load-format dummy --draft dummy]   (random weights, e.g. llama-3.1-8b)
+
+It also compares the plain batched run with each prompt run alone (batch 1): "bs1" in the
+report. With --exact every engine runs in exact mode (EngineConfig.exact), where all of these
+are meant to be identical.
 """
 
 from __future__ import annotations
@@ -31,20 +36,26 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--configs", default="3x1x0,3x4x16", help="steps x topk x tokens, comma list")
     ap.add_argument("--json-out", default="")
+    ap.add_argument("--exact", action="store_true", help="every engine in exact mode")
     args = ap.parse_args()
+    mode = dict(dtype=args.dtype, load_format=args.load_format, exact=args.exact)
 
     rng = random.Random(0)
-    llm = LLM(args.model, dtype=args.dtype, load_format=args.load_format)
+    llm = LLM(args.model, **mode)
     vocab = llm.engine.model_config.vocab_size
     prompts = [[rng.randrange(10, vocab) for _ in range(rng.randint(8, 128))]
                for _ in range(args.num)]
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     plain = [o.token_ids for o in llm.generate(prompts, sp)]
     runner = llm.engine.runner
-    report = {"dtype": args.dtype, "prompts": args.num, "configs": {}}
+    alone = [llm.generate([p], sp)[0].token_ids for p in prompts]
+    bs1 = sum(a == b for a, b in zip(plain, alone))
+    report = {"dtype": args.dtype, "exact": args.exact, "prompts": args.num, "configs": {},
+              "bs1": {"match_rate": bs1 / args.num}}
+    print(f"exact={args.exact} plain batch {args.num} vs batch 1: {bs1}/{args.num} identical")
     for cfg in args.configs.split(","):
         steps, topk, tokens = (int(x) for x in cfg.split("x"))
-        spec = LLM(args.model, dtype=args.dtype, load_format=args.load_format,
+        spec = LLM(args.model, **mode,
                    speculative_config=dict(algorithm="eagle3", draft_model=args.draft,
                                     num_steps=steps, topk=topk, num_draft_tokens=tokens))
         outs = spec.generate(prompts, sp)
@@ -65,6 +76,7 @@ def main() -> None:
                                   "divergences": divergences}
         print(f"{cfg}: {matched}/{args.num} identical, AL {al:.2f}; divergence margins "
               f"{[round(d['top1_minus_top2'], 4) for d in divergences]}")
+        spec.close()
         del spec
         torch.cuda.empty_cache()
     if args.json_out:

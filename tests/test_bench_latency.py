@@ -125,6 +125,20 @@ def test_bench_latency_baseline_only_skips_floor_and_hf_with_reason(tmp_path, ca
     assert not (tmp_path / "exp").exists()  # no --log: nothing written
 
 
+def test_bench_latency_exact_reports_cost_against_default(tmp_path, capsys):
+    args = _parse(_tiny_args(tmp_path, "--runs", "1", "--batch-sizes", "1,2", "--exact",
+                             "--json-out", str(tmp_path / "r.json")))
+    assert args.func(args) == 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["config"]["exact"] is True
+    rows = report["exact_cost"]
+    assert [(r["batch_size"], r["mode"]) for r in rows] == [(1, "baseline"), (2, "baseline")]
+    for r in rows:
+        assert r["exact_tok_s"] > 0 and r["default_tok_s"] > 0
+        assert r["cost"] == pytest.approx(r["default_tok_s"] / r["exact_tok_s"] - 1)
+    assert "exact mode vs default" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--batch-sizes", "0"], "--batch-sizes"),
     (["--context-len", "a,b"], "--context-len"),

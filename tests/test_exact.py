@@ -255,6 +255,7 @@ def test_exact_engine_greedy_identical(pair, device: str) -> None:
             return [llm.generate([p], params)[0].token_ids for p in prompts]
         finally:
             llm.close()
+            set_exact(False)  # the mode is per process: leave it off for other tests
 
     alone = run(None, batched=False)
     assert run(None, batched=True, scheduler=SchedulerConfig(max_num_batched_tokens=16)) == alone
@@ -273,6 +274,7 @@ def test_exact_engine_greedy_identical(pair, device: str) -> None:
         assert preempted, "the small pool was meant to force a preemption"
     finally:
         llm_check.close()
+        set_exact(False)
     assert out == alone
 
 

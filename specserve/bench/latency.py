@@ -32,6 +32,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from specserve.bench.exact_cost import cost_rows, format_cost, measure_default
 from specserve.bench.floor import describe_references, sync, touched_experts
 from specserve.bench.log import append_result, environment_info
 from specserve.bench.stats import (
@@ -340,7 +341,12 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
         "points": [{**_point_dict(p, refs, _roofline(engine, refs, copy, p, args.output_len)),
                     "comm_table": t and t.name} for t, p in points],
     }
+    if config.exact:  # the same grid with exact off: the mode's cost (bench/exact_cost.py)
+        llm.close()  # its KV cache and graphs go before the default engine sizes its own
+        report["exact_cost"] = cost_rows(points, measure_default(config, grid, modes, args))
     print(format_report(report))
+    if config.exact:
+        print(format_cost(report["exact_cost"]))
     if args.log:
         write_log(report, args.exp_dir)
     if args.json_out:
