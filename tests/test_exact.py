@@ -81,6 +81,30 @@ def test_linear_layer_uses_the_exact_path(exact_on) -> None:
         assert torch.equal(layer(x), eg.rowwise_linear(x, layer.weight, layer.bias))
 
 
+def test_quantized_and_moe_torch_paths_are_row_invariant(exact_on) -> None:
+    from specserve.kernels.fp8_gemm import fp8_mm_torch, quant_fp8_torch
+    from specserve.kernels.fused_moe import fused_moe_ref
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(11, 256, generator=g).to(torch.bfloat16)
+    w = torch.randn(128, 256, generator=g).to(torch.float8_e4m3fn)
+    ws = torch.rand(1, 2, generator=g) + 0.5
+
+    def fp8(t: torch.Tensor) -> torch.Tensor:
+        xq, xs = quant_fp8_torch(t, 128)
+        return fp8_mm_torch(xq, xs, 128, w, ws, 128, 128, torch.bfloat16)
+
+    _row_alone_vs_batched(fp8, x, 6)
+    experts, top_k, inter = 4, 2, 32
+    w13 = torch.randn(experts, 2 * inter, 256, generator=g).to(torch.bfloat16)
+    w2 = torch.randn(experts, 256, inter, generator=g).to(torch.bfloat16)
+    ids = torch.randint(0, experts, (11, top_k), generator=g)
+    weights = torch.rand(11, top_k, generator=g)
+    r = 6
+    alone = fused_moe_ref(x[r : r + 1].clone(), w13, w2, weights[r : r + 1], ids[r : r + 1])
+    assert torch.equal(alone[0], fused_moe_ref(x, w13, w2, weights, ids)[r])
+
+
 def _attend_case(dtype: torch.dtype, seed: int):
     from specserve.layers.backends.torch_ref import attention_mask
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from specserve.kernels.dispatch import jit, next_power_of_2, tl, triton
+from specserve.kernels.dispatch import EXACT, jit, next_power_of_2, tl, triton
+from specserve.kernels.exact_gemm import rowwise_linear
 from specserve.kernels.gemm_split import GemmPlan, as_plan, launch_plan, split_buffers, store_tile
 
 FP8 = torch.float8_e4m3fn
@@ -140,6 +141,8 @@ def fp8_mm_torch(
     m, k = xq.shape
     x = xq.float() * expand_scale(xs, m, k, 1, act_group)
     wf = w.float() * expand_scale(ws, w.shape[0], k, block_n, block_k)
+    if EXACT.on:  # one row at a time: torch's fp32 CPU GEMM is not M-invariant
+        return rowwise_linear(x, wf).to(out_dtype)
     return (x @ wf.t()).to(out_dtype)
 
 

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.kernels.dispatch import EXACT, jit, next_power_of_2, tl, triton
+from specserve.kernels.exact_gemm import rowwise_linear
 from specserve.kernels.fp8_gemm import (
     AMAX_EPS,
     FP8_MAX,
@@ -98,13 +99,14 @@ class ExpertWeights:
         """x [T, K] @ W_e^T in x's dtype: dense in x's dtype; quantized in fp32 on the
         dequantized weight (W8A8: x fake-quantized per row and group first)."""
         w = self.dequantize(expert)
-        if self.format == DENSE:
-            return F.linear(x, w)
+        linear = rowwise_linear if EXACT.on else F.linear  # exact: a row's result never
+        if self.format == DENSE:  # depends on how many rows the expert got
+            return linear(x, w)
         xf = x.float()
         if self.format == FP8_BLOCK:
             xq, xs = quant_fp8_torch(xf, self.group_k)
             xf = xq.float() * expand_scale(xs, *xf.shape, 1, self.group_k)
-        return F.linear(xf, w).to(x.dtype)
+        return linear(xf, w).to(x.dtype)
 
 
 def expert_weights(w: torch.Tensor | ExpertWeights, parts: int) -> ExpertWeights:

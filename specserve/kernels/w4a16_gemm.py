@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from specserve.kernels.dispatch import jit, tl, triton
+from specserve.kernels.dispatch import EXACT, jit, tl, triton
+from specserve.kernels.exact_gemm import rowwise_linear
 from specserve.kernels.gemm_split import GemmPlan, as_plan, launch_plan, split_buffers, store_tile
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -68,6 +69,8 @@ def w4a16_mm_torch(
 ) -> torch.Tensor:
     """The CPU path: dequantize to fp32, one fp32 matmul, rounded to x's dtype."""
     w = dequantize_w4(packed, scales, group, x.shape[-1], fp4, row_scale)
+    if EXACT.on:  # one row at a time: torch's fp32 CPU GEMM is not M-invariant
+        return rowwise_linear(x.float(), w).to(x.dtype)
     return (x.float() @ w.t()).to(x.dtype)
 
 
