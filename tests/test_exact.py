@@ -57,8 +57,12 @@ def test_rowwise_linear_is_row_invariant(dtype: torch.dtype, m: int) -> None:
     b = torch.randn(80, generator=g).to(dtype)
     _row_alone_vs_batched(lambda t: eg.rowwise_linear(t, w, b), x, m // 2)
     # and it computes x W^T + b
-    torch.testing.assert_close(eg.rowwise_linear(x, w, b).float(),
-                               (x.float() @ w.float().T + b.float()), atol=0.1, rtol=0.02)
+    torch.testing.assert_close(
+        eg.rowwise_linear(x, w, b).float(),
+        (x.float() @ w.float().T + b.float()),
+        atol=0.1,
+        rtol=0.02,
+    )
 
 
 def test_exact_gemm_ref_is_row_invariant() -> None:
@@ -126,8 +130,9 @@ def test_torch_attention_decode_equals_extend_and_verify(exact_on, dtype: torch.
     pos = seq_len - 4
     extend = attend(q, k, v, attention_mask(6, seq_len, None, q.device), scale)[2]
     # decode of the same query at the same position, its context only
-    decode = attend(q[2:3], k[: pos + 1], v[: pos + 1],
-                    attention_mask(1, pos + 1, None, q.device), scale)[0]
+    decode = attend(
+        q[2:3], k[: pos + 1], v[: pos + 1], attention_mask(1, pos + 1, None, q.device), scale
+    )[0]
     assert torch.equal(extend, decode)
     # tree verify: query 2's ancestors are queries 0 and 1 (a chain), its siblings 3..5 are not
     tree = torch.zeros(6, 6, dtype=torch.bool)
@@ -157,12 +162,19 @@ def test_rms_norm_is_row_invariant() -> None:
 
 
 def test_exact_attention_plan_is_fixed(exact_on) -> None:
-    plans = {pa.launch_plan(bs, q, 4, 2, masked, torch.device("cpu"))[2:]
-             for bs in (1, 16, 64) for q in (1, 4, 300) for masked in (False, True)}
+    plans = {
+        pa.launch_plan(bs, q, 4, 2, masked, torch.device("cpu"))[2:]
+        for bs in (1, 16, 64)
+        for q in (1, 4, 300)
+        for masked in (False, True)
+    }
     assert plans == {(EXACT.kv_splits, pa.EXACT_BLOCK_N, 4, 2)}
     assert EXACT.kv_splits * EXACT.kv_split_tokens >= 1024
-    block_ms = {pa.launch_plan(bs, q, 4, 2, False, torch.device("cpu"))[0]
-                for bs in (1, 64) for q in (1, 4, 300)}
+    block_ms = {
+        pa.launch_plan(bs, q, 4, 2, False, torch.device("cpu"))[0]
+        for bs in (1, 64)
+        for q in (1, 4, 300)
+    }
     assert len(block_ms) == 1
 
 
@@ -175,8 +187,9 @@ def check_exact_gemm() -> None:
     w = torch.randn(80, 150, generator=g)
     b = torch.randn(80, generator=g)
     x = torch.randn(70, 150, generator=g)
-    torch.testing.assert_close(eg.exact_gemm(x, w, b), eg.exact_gemm_ref(x, w, b),
-                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        eg.exact_gemm(x, w, b), eg.exact_gemm_ref(x, w, b), atol=1e-4, rtol=1e-4
+    )
     for m in (1, 5, 70):
         _row_alone_vs_batched(lambda t: eg.exact_gemm(t, w, b), x[:m], m - 1)
 
@@ -193,16 +206,26 @@ def check_exact_attention() -> None:
         seq_len, n_new = 150, 5
         q = torch.randn(n_new, heads, d, generator=g)
         qsl = torch.tensor([0, n_new], dtype=torch.int32)
-        extend = pa.paged_attention(q, kc, vc, qsl, torch.tensor([seq_len], dtype=torch.int32),
-                                    table, n_new, 0.25)
+        extend = pa.paged_attention(
+            q, kc, vc, qsl, torch.tensor([seq_len], dtype=torch.int32), table, n_new, 0.25
+        )
         mask = torch.tril(torch.ones(1, n_new, n_new, dtype=torch.bool))
-        verify = pa.paged_attention(q, kc, vc, qsl, torch.tensor([seq_len], dtype=torch.int32),
-                                    table, n_new, 0.25, custom_mask=mask)
+        verify = pa.paged_attention(
+            q,
+            kc,
+            vc,
+            qsl,
+            torch.tensor([seq_len], dtype=torch.int32),
+            table,
+            n_new,
+            0.25,
+            custom_mask=mask,
+        )
         for i in range(n_new):
             pos_len = seq_len - n_new + i + 1
-            decode = pa.paged_decode_attention(q[i : i + 1], kc, vc,
-                                               torch.tensor([pos_len], dtype=torch.int32),
-                                               table, 0.25)
+            decode = pa.paged_decode_attention(
+                q[i : i + 1], kc, vc, torch.tensor([pos_len], dtype=torch.int32), table, 0.25
+            )
             assert torch.equal(decode[0], extend[i]), i
             assert torch.equal(decode[0], verify[i]), i
     finally:
@@ -229,8 +252,9 @@ def test_exact_gemm_cuda_bf16() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(4096, 4096, generator=g, device="cuda").to(torch.bfloat16)
     x = torch.randn(64, 4096, generator=g, device="cuda").to(torch.bfloat16)
-    torch.testing.assert_close(eg.exact_gemm(x, w).float(), eg.exact_gemm_ref(x, w).float(),
-                               atol=0.5, rtol=0.02)
+    torch.testing.assert_close(
+        eg.exact_gemm(x, w).float(), eg.exact_gemm_ref(x, w).float(), atol=0.5, rtol=0.02
+    )
     for m in (1, 4, 16, 64):
         _row_alone_vs_batched(lambda t: eg.exact_gemm(t, w), x[:m], m - 1)
 
@@ -250,8 +274,9 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     from tiny_models import make_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("exact")
-    target = make_tiny_checkpoint(root / "target", family="llama", tokenizer=True,
-                                  num_hidden_layers=4)
+    target = make_tiny_checkpoint(
+        root / "target", family="llama", tokenizer=True, num_hidden_layers=4
+    )
     return target, make_tiny_eagle3_head(str(root / "head"), target, draft_vocab_size=128)
 
 
@@ -271,8 +296,9 @@ def test_exact_engine_greedy_identical(pair, device: str) -> None:
 
     def run(spec: dict | None, batched: bool, **kw) -> list[list[int]]:
         kw.setdefault("cache", CacheConfig(page_size=4, num_pages=512))
-        llm = LLM(pair[0], device=device, dtype="bfloat16", exact=True,
-                  speculative_config=spec, **kw)
+        llm = LLM(
+            pair[0], device=device, dtype="bfloat16", exact=True, speculative_config=spec, **kw
+        )
         try:
             if batched:
                 return [o.token_ids for o in llm.generate(prompts, params)]
@@ -285,13 +311,15 @@ def test_exact_engine_greedy_identical(pair, device: str) -> None:
     assert run(None, batched=True, scheduler=SchedulerConfig(max_num_batched_tokens=16)) == alone
     chain = dict(algorithm="eagle3", draft_model=pair[1], num_steps=3, topk=1)
     assert run(chain, batched=True) == alone
-    tree = dict(algorithm="eagle3", draft_model=pair[1], num_steps=3, topk=2,
-                num_draft_tokens=6)
+    tree = dict(algorithm="eagle3", draft_model=pair[1], num_steps=3, topk=2, num_draft_tokens=6)
     # a pool far smaller than the batch: preemption and recompute
-    small = dict(cache=CacheConfig(page_size=4, num_pages=24),
-                 scheduler=SchedulerConfig(max_num_batched_tokens=16))
-    llm_check = LLM(pair[0], device=device, dtype="bfloat16", exact=True,
-                    speculative_config=tree, **small)
+    small = dict(
+        cache=CacheConfig(page_size=4, num_pages=24),
+        scheduler=SchedulerConfig(max_num_batched_tokens=16),
+    )
+    llm_check = LLM(
+        pair[0], device=device, dtype="bfloat16", exact=True, speculative_config=tree, **small
+    )
     try:
         preempted = record_preemptions(llm_check.engine.scheduler)
         out = [o.token_ids for o in llm_check.generate(prompts, params)]
