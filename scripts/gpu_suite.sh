@@ -175,8 +175,9 @@ if has exact; then
       --json-out "$out/exact-8b-$mode.json" > "$out/exact-8b-$mode.log" 2>&1
     echo "exact 8b $mode rc=$?"; grep -E "identical" "$out/exact-8b-$mode.log"
   done
+  # --max-model-len 2048: exact mode's fixed KV split length grows with the context limit
   timeout 300 "${ss[@]}" bench latency "${common[@]}" --batch-sizes 1,16,64 --max-num-seqs 64 \
-    --exact --label "llama-3.1-8b exact vs default" --json-out "$out/exact-cost.json" \
+    --max-model-len 2048 --exact --label "llama-3.1-8b exact vs default" --json-out "$out/exact-cost.json" \
     > "$out/exact-cost.log" 2>&1
   echo "exact cost rc=$?"; tail -12 "$out/exact-cost.log"
 fi

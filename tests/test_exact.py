@@ -194,28 +194,35 @@ def check_exact_gemm() -> None:
         _row_alone_vs_batched(lambda t: eg.exact_gemm(t, w, b), x[:m], m - 1)
 
 
-def check_exact_attention() -> None:
+def check_exact_attention(device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
     """Exact mode: a token decoded alone == the same token inside a chain verify / extend."""
     set_exact(True, max_positions=512)
     try:
         g = torch.Generator().manual_seed(1)
-        page_size, pages, kv_heads, heads, d = 4, 64, 2, 4, 16
-        kc = torch.randn(pages, page_size, kv_heads, d, generator=g)
-        vc = torch.randn(pages, page_size, kv_heads, d, generator=g)
-        table = torch.randperm(pages, generator=g).to(torch.int32)[None, :]
-        seq_len, n_new = 150, 5
-        q = torch.randn(n_new, heads, d, generator=g)
-        qsl = torch.tensor([0, n_new], dtype=torch.int32)
+        page_size, pages, kv_heads, heads, d = 4, 128, 2, 4, 16
+        kc = torch.randn(pages, page_size, kv_heads, d, generator=g).to(device, dtype)
+        vc = torch.randn(pages, page_size, kv_heads, d, generator=g).to(device, dtype)
+        table = torch.randperm(pages, generator=g).to(device, torch.int32)[None, :]
+        seq_len, n_new = 300, 5  # past the first 256-token split
+        q = torch.randn(n_new, heads, d, generator=g).to(device, dtype)
+        qsl = torch.tensor([0, n_new], dtype=torch.int32, device=device)
         extend = pa.paged_attention(
-            q, kc, vc, qsl, torch.tensor([seq_len], dtype=torch.int32), table, n_new, 0.25
+            q,
+            kc,
+            vc,
+            qsl,
+            torch.tensor([seq_len], dtype=torch.int32, device=device),
+            table,
+            n_new,
+            0.25,
         )
-        mask = torch.tril(torch.ones(1, n_new, n_new, dtype=torch.bool))
+        mask = torch.tril(torch.ones(1, n_new, n_new, dtype=torch.bool, device=device))
         verify = pa.paged_attention(
             q,
             kc,
             vc,
             qsl,
-            torch.tensor([seq_len], dtype=torch.int32),
+            torch.tensor([seq_len], dtype=torch.int32, device=device),
             table,
             n_new,
             0.25,
@@ -224,10 +231,25 @@ def check_exact_attention() -> None:
         for i in range(n_new):
             pos_len = seq_len - n_new + i + 1
             decode = pa.paged_decode_attention(
-                q[i : i + 1], kc, vc, torch.tensor([pos_len], dtype=torch.int32), table, 0.25
+                q[i : i + 1],
+                kc,
+                vc,
+                torch.tensor([pos_len], dtype=torch.int32, device=device),
+                table,
+                0.25,
             )
             assert torch.equal(decode[0], extend[i]), i
             assert torch.equal(decode[0], verify[i]), i
+        # the same decode row inside a batch of other requests (other lengths and pages)
+        others = torch.randn(3, heads, d, generator=g).to(device, dtype)
+        batch_q = torch.cat([others[:1], q[2:3], others[1:]])
+        tables = torch.stack([torch.randperm(pages, generator=g) for _ in range(4)])
+        tables[1] = table[0].cpu()
+        lens = torch.tensor([37, seq_len - n_new + 3, 500, 1], dtype=torch.int32)
+        batched = pa.paged_decode_attention(
+            batch_q, kc, vc, lens.to(device), tables.to(device, torch.int32), 0.25
+        )
+        assert torch.equal(batched[1], extend[2])
     finally:
         set_exact(False)
 
@@ -257,6 +279,12 @@ def test_exact_gemm_cuda_bf16() -> None:
     )
     for m in (1, 4, 16, 64):
         _row_alone_vs_batched(lambda t: eg.exact_gemm(t, w), x[:m], m - 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and triton")
+def test_exact_attention_cuda_bf16() -> None:
+    check_exact_attention("cuda", torch.bfloat16)
 
 
 # --------------------------------------------------------------------------------------------
