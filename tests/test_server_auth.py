@@ -86,7 +86,7 @@ def test_serve_refuses_an_empty_key_before_loading(capsys: pytest.CaptureFixture
 
 
 def test_serve_warns_on_a_public_address_without_a_key(monkeypatch: pytest.MonkeyPatch) -> None:
-    from specserve.server.api import check_serve_limits
+    from specserve.server.guard import check_serve_limits
 
     monkeypatch.delenv("SPECSERVE_API_KEY", raising=False)
     ok = {"timeout-header": 10.0, "timeout-body": 30.0}

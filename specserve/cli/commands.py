@@ -147,18 +147,17 @@ def serve_command(args: argparse.Namespace) -> int:
         raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     if args.served_model_name is not None and not all(args.served_model_name):
         raise ValueError("--served-model-name names must be non-empty")
-    from specserve.server.guard import resolve_api_key  # torch-free
+    from specserve.server.guard import check_serve_limits, resolve_api_key  # torch-free
 
     key = resolve_api_key(args.api_key, args.api_key_file)
     timeouts = {"timeout-header": args.timeout_header, "timeout-body": args.timeout_body,
                 "request-timeout": args.request_timeout, "drain-timeout": args.drain_timeout}
+    check_serve_limits(args.host, key, timeouts, args.max_connections,
+                       args.max_body_bytes or 1)
     config = checked_engine_config(args)
     check_port(args.host, args.port)
     from specserve import defaults
-    from specserve.server.api import check_serve_limits, serve
-
-    check_serve_limits(args.host, key, timeouts, args.max_connections,
-                       args.max_body_bytes or 1)
+    from specserve.server.api import serve
     given = args.model_tag or args.model
     names = args.served_model_name or [given or defaults.DEFAULT_MODEL_NAME]
     return serve(

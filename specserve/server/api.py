@@ -38,7 +38,6 @@ from specserve.server.guard import (
     RETRY_AFTER_S,
     GuardMiddleware,
     guarded_protocol,
-    is_loopback,
 )
 from specserve.server.handlers import INTERNAL_ERROR, Handler
 
@@ -230,24 +229,6 @@ def build_server(
 
 # ---------------------------------------------------------------------------------------------
 # `specserve serve` (flags: specserve/cli/commands.py)
-
-
-def check_serve_limits(host: str, api_key: str | None, timeouts: dict[str, float],
-                       max_connections: int, max_body_bytes: int) -> None:
-    """ValueError (one line, before the model loads) for a bad server limit."""
-    for flag, value in timeouts.items():
-        if not value >= 0:
-            raise ValueError(f"--{flag} must be >= 0 seconds, got {value}")
-    if max_connections < 0:
-        raise ValueError(f"--max-connections must be >= 0 (0 = no cap), got {max_connections}")
-    if max_body_bytes < 1:
-        raise ValueError(f"--max-body-bytes must be >= 1, got {max_body_bytes}")
-    if api_key is None and not is_loopback(host):
-        server_log.warning(
-            "serving on %s without an API key: anyone who reaches this address "
-            "can use the server; set --api-key-file or $SPECSERVE_API_KEY",
-            host,
-        )
 
 
 def serve(

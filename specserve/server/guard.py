@@ -278,3 +278,21 @@ def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[H11P
             self.transport.close()
 
     return GuardedH11Protocol
+
+
+def check_serve_limits(host: str, api_key: str | None, timeouts: dict[str, float],
+                       max_connections: int, max_body_bytes: int) -> None:
+    """ValueError (one line, before the model loads) for a bad server limit."""
+    for flag, value in timeouts.items():
+        if not value >= 0:
+            raise ValueError(f"--{flag} must be >= 0 seconds, got {value}")
+    if max_connections < 0:
+        raise ValueError(f"--max-connections must be >= 0 (0 = no cap), got {max_connections}")
+    if max_body_bytes < 1:
+        raise ValueError(f"--max-body-bytes must be >= 1, got {max_body_bytes}")
+    if api_key is None and not is_loopback(host):
+        logging.getLogger("uvicorn.error").warning(  # the server log, beside uvicorn's
+            "serving on %s without an API key: anyone who reaches this address "
+            "can use the server; set --api-key-file or $SPECSERVE_API_KEY",
+            host,
+        )
