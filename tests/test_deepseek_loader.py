@@ -106,9 +106,9 @@ def test_mtp_layers_skipped(ckpt: str, tmp_path: Path, caplog: pytest.LogCapture
 
     path = _rewrite(ckpt, tmp_path / "mtp", _with_mtp_layer, declare)
     assert ModelConfig.from_hf(path).num_mtp_layers == 1
-    with caplog.at_level(logging.INFO, logger="specserve.models.deepseek_v3"):
+    with caplog.at_level(logging.INFO, logger="specserve.models.decoder"):
         model = _load(path)
-    assert sum("MTP/NextN layer 3" in r.message for r in caplog.records) == 1
+    assert sum("MTP/NextN layer 0 (model.layers.3" in r.message for r in caplog.records) == 1
     assert len(model.model.layers) == 3
     assert torch.equal(_logits(model), _logits(_load(ckpt)))
     undeclared = _rewrite(ckpt, tmp_path / "undeclared", _with_mtp_layer)
