@@ -109,23 +109,24 @@ def _index_scores_kernel(
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     req = tl.load(req_ptr + t)
-    valid = req < bs
+    live = tl.where(req < bs, 1, 0)  # 0: a padding token past the last request
     req = tl.minimum(req, bs - 1)
     q_start = tl.load(qsl_ptr + req)
     q_len = tl.load(qsl_ptr + req + 1) - q_start
     qi = t - q_start
-    seq_len = tl.load(seq_lens_ptr + req)
+    seq_len = tl.load(seq_lens_ptr + req) * live  # a padding token sees nothing
+    in_kv = n < seq_len
     if HAS_MASK:
         j = n - (seq_len - mask_width)
         tree = tl.load(
             mask_ptr + req * stride_mr + qi * stride_mi + j * stride_mj,
-            mask=valid & (j >= 0) & (j < mask_width) & (n < seq_len),
+            mask=in_kv & (j >= 0) & (j < mask_width),
             other=0,
         )
         seen = (j < 0) | (tree != 0)
     else:
         seen = n <= seq_len - q_len + qi
-    seen = seen & (n < seq_len) & valid
+    seen = seen & in_kv
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     q = tl.load(
