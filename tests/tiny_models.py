@@ -168,12 +168,12 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
-            if "norm" in name:
+            if name.endswith("bias"):  # linear biases and LayerNorm shifts (GLM-5's k_norm)
+                p.copy_(0.2 * noise)
+            elif "norm" in name:
                 p.copy_(1.0 + 0.2 * noise)
             elif "embed" in name:
                 p.copy_(0.5 * noise)
-            elif name.endswith("bias"):
-                p.copy_(0.2 * noise)
             else:
                 p.copy_(noise / p.shape[-1] ** 0.5)
         for name, b in model.named_buffers():
