@@ -361,7 +361,8 @@ class ModelConfig:
 
     def num_parameters(self) -> int:
         """Parameters of a decoder-only model of this shape: embeddings, decoder layers
-        (attention with its optional biases / q-k norms, or MLA's latent projections; a gated
+        (attention with its optional biases / q-k norms, or MLA's latent projections and a DSA
+        indexer; a gated
         MLP, or a MoE block's router, routed and shared experts; two norms), final norm and LM
         head (unless tied)."""
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -376,6 +377,11 @@ class ModelConfig:
                      + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
                      + heads * m.v_head_dim * h)
         layers = self.num_layers * (attn + 2 * h)
+        if self.dsa is not None and self.mla is not None:  # the indexers of the full layers
+            d, q_lora = self.dsa, self.mla.q_lora_rank or 0
+            per = q_lora * d.index_n_heads * d.index_head_dim + h * (d.index_head_dim
+                                                                     + d.index_n_heads)
+            layers += self.dsa_index_layers * (per + 2 * d.index_head_dim)  # + k_norm
         moe = self.moe
         for i in range(self.num_layers):
             if moe is None or not moe.is_moe_layer(i):
@@ -387,11 +393,20 @@ class ModelConfig:
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.vocab_size * h + layers + h + head
 
+    @property
+    def dsa_index_layers(self) -> int:
+        """Layers that run a DSA indexer (and cache its keys)."""
+        if self.dsa is None:
+            return 0
+        return sum(self.dsa.runs_indexer(i) for i in range(self.num_layers))
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V of every decoder layer for one token (MLA: the latent and rope key)."""
+        """K and V of every decoder layer for one token (MLA: the latent and rope key; DSA:
+        plus the indexer's key)."""
         if self.mla is not None:
-            return self.num_layers * (self.mla.kv_lora_rank + self.mla.qk_rope_head_dim) * (
-                dtype_bytes)
+            latent = self.num_layers * (self.mla.kv_lora_rank + self.mla.qk_rope_head_dim)
+            index = self.dsa_index_layers * (self.dsa.index_head_dim if self.dsa else 0)
+            return (latent + index) * dtype_bytes
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import PagedSession, make_kimi_k25_checkpoint, make_tiny_checkpoint
+from tiny_models import PagedSession, hub_spelling, make_kimi_k25_checkpoint, make_tiny_checkpoint
 
 from specserve.config import ModelConfig
 from specserve.models.capture import find_embedding_and_head
@@ -53,9 +53,7 @@ def _rewrite(src: str, dst: Path, edit_tensors=None, edit_config=None) -> str:  
 def _hub_spelling(config: dict) -> None:
     """transformers 5 saves rope_parameters; hub configs carry rope_theta + rope_scaling with
     "type" (and sometimes the experts as num_local_experts)."""
-    rope = dict(config.pop("rope_parameters"))
-    config["rope_theta"] = rope.pop("rope_theta")
-    config["rope_scaling"] = {"type": rope.pop("rope_type"), **rope}
+    hub_spelling(config)
     config["num_local_experts"] = config.pop("n_routed_experts")
     config.pop("num_nextn_predict_layers")
     config.pop("head_dim")
