@@ -4,11 +4,12 @@ a shared indexer layer). Greedy continuations under continuous batching with chu
 and a forced preemption equal single-request runs and transformers' greedy decoding; EAGLE-3
 chain and tree speculation equal plain greedy decoding; an oracle drafter whose true path
 hides behind decoys is accepted only if the accepted nodes' KV (GLM-5: latent and index keys)
-is moved into place."""
+is moved into place. On a GPU: CUDA graphs (plain and speculative) equal the eager engine."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from test_deepseek_engine import GREEDY, SPEC, _hf_greedy, _prompts
 from tiny_eagle import make_tiny_eagle3_head, oracle_propose
 from tiny_models import make_tiny_checkpoint, record_preemptions
@@ -97,3 +98,29 @@ def test_oracle_tree_compacts_kv(targets, heads, single, name: str) -> None:
     for p, o in zip(prompts, outs):
         assert o.token_ids == single[name][tuple(p)], f"{name} diverged on prompt {p}"
         assert o.accept_length > 2.0  # the oracle path is (mostly) accepted
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("spec", [None, "chain3", "tree2x8"])
+@pytest.mark.parametrize("name", list(TARGETS))
+def test_cuda_graphs_equal_eager(targets, heads, name: str, spec: str | None) -> None:
+    """fp32 on the GPU (Triton backend): decode and speculative-cycle CUDA graphs (GLM-5's
+    holding the sparse path: the graphs' position bound exceeds index_topk) give the eager
+    engine's tokens, and speculation gives plain decoding's."""
+    prompts = _prompts(8, 0)[:6]
+    spec_config = spec and dict(algorithm="eagle3", draft_model=heads[name], **SPEC[spec])
+    outs = {}
+    for eager in (True, False):
+        llm = LLM(targets[name], device="cuda", dtype="float32", enforce_eager=eager,
+                  cache=CacheConfig(page_size=16, num_pages=256),
+                  speculative_config=spec_config)  # fmt: skip
+        assert (llm.engine.runner.decode_graphs is None) == eager
+        outs[eager] = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+        llm.close()
+    assert outs[True] == outs[False]
+    if spec is not None:
+        plain = LLM(targets[name], device="cuda", dtype="float32",
+                    cache=CacheConfig(page_size=16, num_pages=256))  # fmt: skip
+        assert [o.token_ids for o in plain.generate(prompts, GREEDY)] == outs[False]
+        plain.close()
