@@ -100,6 +100,26 @@ def test_oracle_tree_compacts_kv(targets, heads, single, name: str) -> None:
         assert o.accept_length > 2.0  # the oracle path is (mostly) accepted
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["glm4_moe", "glm5_dsa"])
+def test_tp2_engine_equals_single_requests(targets, heads, single, name: str) -> None:
+    """The multi-process TP runtime (gloo), with EAGLE-3 chain 3: GQA heads with their biases
+    and partial rotary (GLM-4.5), MLA heads with the replicated indexer (GLM-5), routed and
+    shared experts split over 2 ranks give the tokens of TP 1."""
+    from specserve.config import ParallelConfig
+
+    prompts = _prompts(8, 0)[:4]
+    llm = LLM(targets[name], device="cpu", dtype="float32", parallel=ParallelConfig(tp_size=2),
+              speculative_config=dict(algorithm="eagle3", draft_model=heads[name],
+                                      **SPEC["chain3"]))  # fmt: skip
+    try:
+        outs = llm.generate(prompts, GREEDY)
+    finally:
+        llm.close()
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == single[name][tuple(p)], f"{name} TP 2 diverged on {p}"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("spec", [None, "chain3", "tree2x8"])
