@@ -147,12 +147,15 @@ def test_sparse_over_every_visible_slot_is_dense(case: int) -> None:
     assert (got - want).abs().max().item() < 1e-5
 
 
-def test_forced_sparse_layers_equal_dense_model(tmp_path: Path) -> None:
+def test_forced_sparse_layers_equal_dense_model(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """The tiny GLM-5 with index_topk above every length: its layers forced onto the sparse
-    path (indexer, top-k, sparse attention) give the dense path's logits, prefill and decode."""
+    path (indexer, top-k, sparse attention) give the dense path's logits, prefill and decode;
+    scoring the prefill one token at a time changes nothing."""
     from tiny_models import PagedSession, make_tiny_checkpoint
 
     from specserve.config import ModelConfig
+    from specserve.layers import dsa
     from specserve.layers.dsa import DSAAttention
     from specserve.models.loader import load_model
 
@@ -162,7 +165,9 @@ def test_forced_sparse_layers_equal_dense_model(tmp_path: Path) -> None:
     assert len(layers) == 3
     prompts = {0: [5, 17, 300, 2, 41, 7, 99, 12, 8], 1: [3, 4, 5]}
     runs = []
-    for sparse in (False, True):
+    for sparse, chunk in ((False, dsa.SCORE_CHUNK_VALUES), (True, dsa.SCORE_CHUNK_VALUES),
+                          (True, 3)):  # 3 scores at a time: one token per chunk
+        monkeypatch.setattr(dsa, "SCORE_CHUNK_VALUES", chunk)
         for m in layers:
             m.force_sparse = sparse
         session = PagedSession(model, num_pages=16, page_size=4)
@@ -170,6 +175,7 @@ def test_forced_sparse_layers_equal_dense_model(tmp_path: Path) -> None:
         out += session.step({0: [11], 1: [77]})
         runs.append(torch.cat(out))
     assert (runs[0] - runs[1]).abs().max().item() < 1e-5
+    assert torch.equal(runs[1], runs[2])
 
 
 # -- kernels vs references (interpreter on the CPU, bf16 at GLM-5 dims on a GPU) -------------
@@ -192,6 +198,12 @@ def check_index_scores(seq_lens: list[int], q_lens: list[int], page_size: int, t
     assert torch.equal(got == float("-inf"), inf) and inf[-1].all()
     scale = want[~inf].abs().max().item()
     assert (got[~inf] - want[~inf]).abs().max().item() <= tol * scale
+    # scored in two chunks of tokens (a long prefill): the same rows
+    a = t // 2
+    parts = [di.index_scores(q[lo:hi], w[lo:hi], cache, md.query_start_loc, md.seq_lens,
+                             md.page_table, md.custom_mask, first_token=lo, block_n=16)
+             for lo, hi in ((0, a), (a, t))]  # fmt: skip
+    assert torch.equal(torch.cat(parts), got)
 
 
 def check_sparse_attention(num_tokens: int, heads: int, rank: int, rope: int, k: int,

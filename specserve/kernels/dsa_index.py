@@ -17,7 +17,8 @@ custom mask of width W over the last W positions; positions >= seq_len are never
 
 Shapes never depend on sequence lengths: scores are [T, width] with width = the page table's
 columns * page_size (a captured graph's fixed table), so every function here is CUDA-graph
-safe (no host sync, no data-dependent shape). The batch layout comes as attention metadata's
+safe (no host sync, no data-dependent shape). A long prefill is scored in chunks of its tokens
+(`first_token`), keeping [chunk, width] bounded. The batch layout comes as attention metadata's
 tensors: query_start_loc [bs + 1], seq_lens [bs], page_table [bs, pages], custom_mask
 [bs, max_q, W] bool or None.
 """
@@ -34,9 +35,12 @@ MIN_DOT = 16
 REF_CHUNK_VALUES = 1 << 24
 
 
-def token_requests(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """[T] int64: the request of each token (bs for tokens past the last request: padding)."""
-    t = torch.arange(num_tokens, device=query_start_loc.device)
+def token_requests(
+    query_start_loc: torch.Tensor, num_tokens: int, first_token: int = 0
+) -> torch.Tensor:
+    """[T] int64: the request of tokens first_token .. first_token + T - 1 of the batch (bs
+    for tokens past the last request: padding)."""
+    t = torch.arange(first_token, first_token + num_tokens, device=query_start_loc.device)
     return torch.searchsorted(query_start_loc[1:].long(), t, right=True)
 
 
@@ -46,14 +50,16 @@ def visible(
     custom_mask: torch.Tensor | None,
     token_req: torch.Tensor,
     width: int,
+    first_token: int = 0,
 ) -> torch.Tensor:
-    """[T, width] bool: True where token t may attend position s (the attention mask rules;
-    padding tokens see nothing)."""
+    """[T, width] bool: True where token first_token + t may attend position s (the attention
+    mask rules; padding tokens see nothing)."""
     bs, dev = seq_lens.shape[0], token_req.device
     ok = token_req < bs
     r = token_req.clamp(max=bs - 1)
     qsl = query_start_loc.long()
-    i = torch.arange(token_req.shape[0], device=dev) - qsl[r]  # query index in its request
+    t = torch.arange(first_token, first_token + token_req.shape[0], device=dev)
+    i = t - qsl[r]  # query index in its request
     q_len, seq = qsl[r + 1] - qsl[r], seq_lens.long()[r]
     s = torch.arange(width, device=dev)[None, :]
     if custom_mask is None:
@@ -80,10 +86,11 @@ def gather_rows(cache: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
 def index_scores_ref(
     q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor, query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor, page_table: torch.Tensor, custom_mask: torch.Tensor | None = None,
+    first_token: int = 0,
 ) -> torch.Tensor:  # fmt: skip
     """Torch form of `index_scores`: q [T, nI, dI], w [T, nI] fp32 -> [T, width] fp32."""
     width = page_table.shape[1] * index_cache.shape[1]
-    token_req = token_requests(query_start_loc, q.shape[0])
+    token_req = token_requests(query_start_loc, q.shape[0], first_token)
     keys = gather_rows(index_cache, page_table).float()  # [bs, width, dI]
     r = token_req.clamp(max=keys.shape[0] - 1)
     out = torch.empty(q.shape[0], width, dtype=torch.float32, device=q.device)
@@ -91,14 +98,14 @@ def index_scores_ref(
     for a in range(0, q.shape[0], chunk):  # host ints only: the same launches every replay
         logits = torch.einsum("thd,tsd->ths", q[a : a + chunk].float(), keys[r[a : a + chunk]])
         out[a : a + chunk] = torch.einsum("ths,th->ts", logits.relu(), w[a : a + chunk].float())
-    seen = visible(query_start_loc, seq_lens, custom_mask, token_req, width)
+    seen = visible(query_start_loc, seq_lens, custom_mask, token_req, width, first_token)
     return out.masked_fill(~seen, float("-inf"))
 
 
 @jit
 def _index_scores_kernel(
     q_ptr, w_ptr, cache_ptr, out_ptr, req_ptr, qsl_ptr, seq_lens_ptr, page_table_ptr, mask_ptr,
-    num_heads, head_dim, width, bs, mask_width,
+    num_heads, head_dim, width, bs, mask_width, first_token,
     stride_qt, stride_qh, stride_wt, stride_cp, stride_cs, stride_ot, stride_tab,
     stride_mr, stride_mi, stride_mj,
     PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -113,7 +120,7 @@ def _index_scores_kernel(
     req = tl.minimum(req, bs - 1)
     q_start = tl.load(qsl_ptr + req)
     q_len = tl.load(qsl_ptr + req + 1) - q_start
-    qi = t - q_start
+    qi = first_token + t - q_start
     seq_len = tl.load(seq_lens_ptr + req) * live  # a padding token sees nothing
     in_kv = n < seq_len
     if HAS_MASK:
@@ -151,11 +158,12 @@ def _index_scores_kernel(
 def index_scores(
     q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor, query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor, page_table: torch.Tensor, custom_mask: torch.Tensor | None = None,
-    block_n: int = 64,
+    first_token: int = 0, block_n: int = 64,
 ) -> torch.Tensor:  # fmt: skip
     """score[t, s] (module docstring) for every position s < width of each token's request:
     q [T, nI, dI] (the cache's dim order), w [T, nI] fp32, index_cache [pages, page_size, dI]
-    -> [T, width] fp32, -inf where not visible. One launch."""
+    -> [T, width] fp32, -inf where not visible. Row t is the batch's token first_token + t (a
+    chunk of the tokens). One launch."""
     num_tokens, num_heads, head_dim = q.shape
     assert q.stride(-1) == 1 and index_cache.stride(-1) == 1 and index_cache.shape[-1] == head_dim
     page_size = index_cache.shape[1]
@@ -163,7 +171,7 @@ def index_scores(
     out = torch.empty(num_tokens, width, dtype=torch.float32, device=q.device)
     if num_tokens == 0:
         return out
-    token_req = token_requests(query_start_loc, num_tokens)
+    token_req = token_requests(query_start_loc, num_tokens, first_token)
     mask = custom_mask
     mask_arg = mask.view(torch.uint8) if mask is not None else page_table
     mask_strides = mask.stride() if mask is not None else (0, 0, 0)
@@ -171,7 +179,7 @@ def index_scores(
     _index_scores_kernel[grid](
         q, w, index_cache, out, token_req, query_start_loc, seq_lens, page_table,
         mask_arg, num_heads, head_dim, width, seq_lens.shape[0],
-        mask.shape[-1] if mask is not None else 0,
+        mask.shape[-1] if mask is not None else 0, first_token,
         q.stride(0), q.stride(1), w.stride(0), index_cache.stride(0), index_cache.stride(1),
         out.stride(0), page_table.stride(0), *mask_strides,
         PAGE_SIZE=page_size, BLOCK_H=max(next_power_of_2(num_heads), MIN_DOT),
@@ -188,14 +196,16 @@ def select_slots(
     query_start_loc: torch.Tensor,
     page_table: torch.Tensor,
     page_size: int,
+    first_token: int = 0,
 ) -> torch.Tensor:
     """The cache slots of each token's top-k visible positions: scores [T, width] (-inf: not
-    visible) -> [T, k] int64, -1 where fewer than k positions are visible. Needs
-    k <= width (the caller attends densely while every visible set fits in k)."""
+    visible; row t: the batch's token first_token + t) -> [T, k] int64, -1 where fewer than k
+    positions are visible. Needs k <= width (the caller attends densely while every visible
+    set fits in k)."""
     assert k <= scores.shape[1], (k, scores.shape)
     values, pos = scores.topk(k, dim=-1)  # [T, k]
     bs = page_table.shape[0]
-    r = token_requests(query_start_loc, scores.shape[0]).clamp(max=bs - 1)
+    r = token_requests(query_start_loc, scores.shape[0], first_token).clamp(max=bs - 1)
     pages = page_table[r[:, None], pos // page_size].long()
     slots = pages * page_size + pos % page_size
     return torch.where(values > float("-inf"), slots, -1)

@@ -49,6 +49,8 @@ from specserve.layers.quantization.base import QuantConfig, child
 from specserve.layers.rotary import RotaryEmbedding
 
 INDEX_NORM_EPS = 1e-6  # the indexer's k_norm (a LayerNorm), whatever rms_norm_eps says
+# a long prefill is scored in chunks of tokens: at most this many fp32 scores at once
+SCORE_CHUNK_VALUES = 1 << 26
 FORMS = ("auto", "compute", "absorbed", "sparse")
 
 
@@ -56,10 +58,12 @@ class DSABackend(Protocol):
     """What an attention backend offers DSA layers, as its `dsa` attribute."""
 
     def index_scores(
-        self, q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor, md: AttentionMetadata
-    ) -> torch.Tensor:
-        """q [T, nI, dI] (cache dim order), w [T, nI] fp32 -> scores [T, width] fp32, -inf
-        where not visible (width = page_table columns * page_size)."""
+        self, q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor, md: AttentionMetadata,
+        first_token: int = 0,
+    ) -> torch.Tensor:  # fmt: skip
+        """q [T, nI, dI] (cache dim order), w [T, nI] fp32 of the batch's tokens first_token
+        .. first_token + T - 1 -> scores [T, width] fp32, -inf where not visible (width =
+        page_table columns * page_size)."""
         ...
 
     def sparse_absorbed(
@@ -199,9 +203,17 @@ class DSAAttention(MLAAttention):
         if not sparse:
             return None
         q_idx = torch.cat([q_idx[..., rope:], q_idx[..., :rope]], dim=-1)  # the cache's order
-        scores = _dsa_ops().index_scores(q_idx, self.indexer.head_weights(hidden), cache, md)
-        k = min(self.dsa.index_topk, scores.shape[1])  # a narrower table: every position fits
-        return select_slots(scores, k, md.query_start_loc, md.page_table, cache.shape[1])
+        w = self.indexer.head_weights(hidden)
+        width = md.page_table.shape[1] * cache.shape[1]
+        k = min(self.dsa.index_topk, width)  # a narrower table: every position fits
+        ops = _dsa_ops()
+        chunk = max(1, SCORE_CHUNK_VALUES // width)  # host ints: one chunk in decode graphs
+        slots = []
+        for a in range(0, t, chunk):
+            scores = ops.index_scores(q_idx[a : a + chunk], w[a : a + chunk], cache, md, a)
+            slots.append(select_slots(scores, k, md.query_start_loc, md.page_table,
+                                      cache.shape[1], a))  # fmt: skip
+        return slots[0] if len(slots) == 1 else torch.cat(slots)
 
 
 def _dsa_ops() -> DSABackend:

@@ -124,9 +124,9 @@ class TorchDSA:
     """DSA ops of the reference backend (the DSABackend protocol of layers/dsa.py)."""
 
     def index_scores(self, q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor,
-                     md: AttentionMetadata) -> torch.Tensor:
+                     md: AttentionMetadata, first_token: int = 0) -> torch.Tensor:
         return index_scores_ref(q, w, index_cache, md.query_start_loc, md.seq_lens,
-                                md.page_table, md.custom_mask)
+                                md.page_table, md.custom_mask, first_token)
 
     def sparse_absorbed(self, q_lat: torch.Tensor, q_pe: torch.Tensor,
                         latent_cache: torch.Tensor, slots: torch.Tensor,

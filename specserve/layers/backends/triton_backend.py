@@ -91,9 +91,9 @@ class TritonDSA:
         self._sparse = sparse_mla
 
     def index_scores(self, q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor,
-                     md: AttentionMetadata) -> torch.Tensor:
+                     md: AttentionMetadata, first_token: int = 0) -> torch.Tensor:
         return self._index.index_scores(q, w, index_cache, md.query_start_loc, md.seq_lens,
-                                        md.page_table, md.custom_mask)
+                                        md.page_table, md.custom_mask, first_token)
 
     def sparse_absorbed(self, q_lat: torch.Tensor, q_pe: torch.Tensor,
                         latent_cache: torch.Tensor, slots: torch.Tensor,
