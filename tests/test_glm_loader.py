@@ -119,3 +119,35 @@ def test_bad_model_configs(ckpts: dict[str, str], tmp_path: Path) -> None:
     edit_config(no_qlora, lambda c: c.__setitem__("q_lora_rank", None))
     with pytest.raises(ValueError, match="indexer reads the q latent.*q_lora_rank"):
         _load(no_qlora)
+
+
+# GLM-4.5 / 4.6 / 4.7 (355B) per-layer dims, 4 layers (3 dense, 1 MoE), as GLM-4.5-FP8 ships
+# them: 128 x 128 block-scaled FP8 (config.json's quantization_config)
+GLM45_FP8 = {
+    **PRESETS["glm-4.5-air-4l"], "hidden_size": 5120, "intermediate_size": 12288,
+    "moe_intermediate_size": 1536, "n_routed_experts": 160, "first_k_dense_replace": 3,
+    "routed_scaling_factor": 2.5, "use_qk_norm": True, "max_position_embeddings": 202752,
+    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                            "weight_block_size": [128, 128]},
+}  # fmt: skip
+
+
+def test_fp8_block_experts_name_the_tp_sizes_that_work() -> None:
+    """moe_intermediate_size 1536 over TP 8 gives each rank 192 rows, which cuts a 128-row
+    block: building rank 0's shard refuses with the tensor and the TP sizes that work (1536 =
+    12 blocks: 1, 2, 3, 4, 6, 12); TP 4 (3 blocks a rank) builds."""
+    from specserve.distributed import parallel_state
+
+    cfg = ModelConfig.from_hf(GLM45_FP8)
+    try:
+        parallel_state.init_emulated(8)
+        with pytest.raises(ValueError, match=(
+            r"model\.layers\.3\.mlp\.experts\.0\.gate_proj\.weight_scale_inv.*\(1536\).*"
+            r"blocks of 128; tp_size 8 gives each rank 192.*"
+            r"tp sizes that work for this tensor: 1, 2, 3, 4, 6, 12$")):  # fmt: skip
+            build_model(cfg, torch.bfloat16, "meta")
+        parallel_state.init_emulated(4)
+        model = build_model(cfg, torch.bfloat16, "meta")
+        assert model.model.layers[3].mlp.experts.w13_weight.shape == (160, 2 * 384, 5120)
+    finally:
+        parallel_state.destroy()
