@@ -37,8 +37,14 @@ from specserve.worker.forward_batch import build_attention_metadata  # noqa: E40
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
-def make_batch(seq_lens: list[int], q_lens: list[int], page_size: int, tree: bool,
-               gen: torch.Generator, device: str = "cpu"):  # noqa: ANN201
+def make_batch(
+    seq_lens: list[int],
+    q_lens: list[int],
+    page_size: int,
+    tree: bool,
+    gen: torch.Generator,
+    device: str = "cpu",
+):  # noqa: ANN201
     """Attention metadata over shuffled pages (some pages nobody's), with a random tree mask
     of width max(q_lens) + 2 when `tree`; returns (md, page lists, num_pages)."""
     pages = [math.ceil(s / page_size) for s in seq_lens]
@@ -147,8 +153,9 @@ def test_sparse_over_every_visible_slot_is_dense(case: int) -> None:
     assert (got - want).abs().max().item() < 1e-5
 
 
-def test_forced_sparse_layers_equal_dense_model(tmp_path: Path,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_forced_sparse_layers_equal_dense_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The tiny GLM-5 with index_topk above every length: its layers forced onto the sparse
     path (indexer, top-k, sparse attention) give the dense path's logits, prefill and decode;
     scoring the prefill one token at a time changes nothing."""
@@ -165,8 +172,11 @@ def test_forced_sparse_layers_equal_dense_model(tmp_path: Path,
     assert len(layers) == 3
     prompts = {0: [5, 17, 300, 2, 41, 7, 99, 12, 8], 1: [3, 4, 5]}
     runs = []
-    for sparse, chunk in ((False, dsa.SCORE_CHUNK_VALUES), (True, dsa.SCORE_CHUNK_VALUES),
-                          (True, 3)):  # 3 scores at a time: one token per chunk
+    for sparse, chunk in (
+        (False, dsa.SCORE_CHUNK_VALUES),
+        (True, dsa.SCORE_CHUNK_VALUES),
+        (True, 3),
+    ):  # 3 scores at a time: one token per chunk
         monkeypatch.setattr(dsa, "SCORE_CHUNK_VALUES", chunk)
         for m in layers:
             m.force_sparse = sparse
@@ -230,10 +240,12 @@ INTERPRETER_CHECKS = {
     "scores_decode": lambda: check_index_scores(*CASES[0], 3, 16, torch.float32, "cpu", 1e-5),
     "scores_extend": lambda: check_index_scores(*CASES[1], 2, 24, torch.float32, "cpu", 1e-5),
     "scores_tree": lambda: check_index_scores(*CASES[2], 4, 16, torch.float32, "cpu", 1e-5),
-    "sparse_one_split": lambda: check_sparse_attention(5, 3, 16, 8, 40, 4, 1, torch.float32,
-                                                       "cpu", 1e-5),
-    "sparse_splits": lambda: check_sparse_attention(4, 20, 24, 8, 70, 16, 3, torch.float32,
-                                                    "cpu", 1e-5),
+    "sparse_one_split": lambda: check_sparse_attention(
+        5, 3, 16, 8, 40, 4, 1, torch.float32, "cpu", 1e-5
+    ),
+    "sparse_splits": lambda: check_sparse_attention(
+        4, 20, 24, 8, 70, 16, 3, torch.float32, "cpu", 1e-5
+    ),
 }
 
 
@@ -286,8 +298,9 @@ def test_selection_and_attention_capture_in_a_graph(backend: str) -> None:
         "q_lat": torch.zeros(bs, 16, 512, device=dev, dtype=dt),
         "q_pe": torch.zeros(bs, 16, 64, device=dev, dtype=dt),
         "seq_lens": torch.ones(bs, dtype=torch.int32, device=dev),
-        "page_table": torch.arange(bs * pages_per_req, dtype=torch.int32,
-                                   device=dev).view(bs, -1),  # fmt: skip
+        "page_table": torch.arange(bs * pages_per_req, dtype=torch.int32, device=dev).view(
+            bs, -1
+        ),  # fmt: skip
     }
     qsl = torch.arange(bs + 1, dtype=torch.int32, device=dev)
 

@@ -123,8 +123,12 @@ class CausalLM(nn.Module):
         if layer is not None:
             if layer not in self._mtp_skipped:
                 self._mtp_skipped.add(layer)
-                log.info("skipping the weights of MTP/NextN layer %d (model.layers.%d; not "
-                         "used for drafting yet)", layer, self.config.num_layers + layer)
+                log.info(
+                    "skipping the weights of MTP/NextN layer %d (model.layers.%d; not "
+                    "used for drafting yet)",
+                    layer,
+                    self.config.num_layers + layer,
+                )
             return True
         if self.quant_config is not None and self.quant_config.skips_tensor(name):
             return True
