@@ -10,11 +10,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_deepseek_engine import GREEDY, SPEC, _hf_greedy, _prompts
-from tiny_eagle import make_tiny_eagle3_head, oracle_propose
-from tiny_models import make_tiny_checkpoint, record_preemptions
+from test_deepseek_engine import (
+    GREEDY,
+    SPEC,
+    _prompts,
+    check_batched_greedy,
+    check_eagle3_greedy,
+    check_oracle_tree,
+    single_runs,
+)
+from tiny_eagle import make_tiny_eagle3_head
+from tiny_models import make_tiny_checkpoint
 
-from specserve.config import CacheConfig, SchedulerConfig
+from specserve.config import CacheConfig
 from specserve.llm import LLM
 
 TARGETS = {
@@ -40,64 +48,23 @@ def heads(targets: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> 
 
 @pytest.fixture(scope="module")
 def single(targets: dict[str, str]) -> dict[str, dict[tuple[int, ...], list[int]]]:
-    """Each prompt run alone (one request in the engine at a time)."""
-    out = {}
-    for name, path in targets.items():
-        llm = LLM(path, device="cpu", dtype="float32")
-        out[name] = {tuple(p): llm.generate([p], GREEDY)[0].token_ids for p in _prompts(8, 0)}
-    return out
+    return single_runs(targets)
 
 
 @pytest.mark.parametrize("name", list(TARGETS))
 def test_batched_greedy_equals_single_requests(targets, single, name: str) -> None:
-    prompts = _prompts(8, 0)
-    # a small token budget forces chunked prefill; a small pool forces preemptions
-    llm = LLM(targets[name], device="cpu", dtype="float32",
-              cache=CacheConfig(page_size=4, num_pages=60),
-              scheduler=SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=8))  # fmt: skip
-    preempted = record_preemptions(llm.engine.scheduler)
-    outs = llm.generate(prompts, GREEDY)
-    assert preempted, "the pool was sized to force at least one preemption"
-    for p, o in zip(prompts, outs):
-        assert o.token_ids == single[name][tuple(p)], f"{name} diverged on prompt {p}"
-    assert llm.engine.allocator.num_free == llm.engine.allocator.num_total
-    assert _hf_greedy(targets[name], prompts[:2]) == [o.token_ids for o in outs[:2]]
+    check_batched_greedy(targets[name], single[name], hf_prompts=2)
 
 
 @pytest.mark.parametrize("spec", list(SPEC))
 @pytest.mark.parametrize("name", list(TARGETS))
 def test_eagle3_greedy_equals_plain(targets, heads, single, name: str, spec: str) -> None:
-    prompts = _prompts(8, 0)[:4]
-    kw = {}
-    if spec == "tree2x8":  # force preemptions: a pool far smaller than the batch needs
-        kw = dict(cache=CacheConfig(page_size=4, num_pages=40),
-                  scheduler=SchedulerConfig(max_num_batched_tokens=32))  # fmt: skip
-    spec_config = dict(algorithm="eagle3", draft_model=heads[name], **SPEC[spec])
-    llm = LLM(targets[name], device="cpu", dtype="float32", speculative_config=spec_config,
-              **kw)  # fmt: skip
-    preempted = record_preemptions(llm.engine.scheduler)
-    outs = llm.generate(prompts, GREEDY)
-    for p, o in zip(prompts, outs):
-        assert o.token_ids == single[name][tuple(p)], f"{name} {spec} diverged on prompt {p}"
-        assert o.spec_cycles > 0
-    if kw:
-        assert preempted, "the small pool was meant to force a preemption"
-    assert llm.engine.allocator.num_free == llm.engine.allocator.num_total
+    check_eagle3_greedy(targets[name], heads[name], single[name], spec)
 
 
 @pytest.mark.parametrize("name", ["glm4_moe", "glm5_dsa"])
 def test_oracle_tree_compacts_kv(targets, heads, single, name: str) -> None:
-    spec = dict(algorithm="eagle3", draft_model=heads[name], num_steps=3, topk=2,
-                num_draft_tokens=6)  # fmt: skip
-    # eager: the oracle replaces a Python method, which a captured graph would not call
-    llm = LLM(targets[name], device="cpu", dtype="float32", speculative_config=spec,
-              enforce_eager=True)  # fmt: skip
-    llm.engine.drafter.proposer.propose = oracle_propose(llm, single[name], decoys=True)
-    prompts = _prompts(8, 0)[:4]
-    outs = llm.generate(prompts, GREEDY)
-    for p, o in zip(prompts, outs):
-        assert o.token_ids == single[name][tuple(p)], f"{name} diverged on prompt {p}"
-        assert o.accept_length > 2.0  # the oracle path is (mostly) accepted
+    check_oracle_tree(targets[name], heads[name], single[name])
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ import torch
 
 from specserve.kernels.attention_tiles import _normalize, _softmax_step
 from specserve.kernels.dispatch import jit, next_power_of_2, tl
-from specserve.kernels.split_kv import _combine_splits_kernel, default_num_splits
+from specserve.kernels.split_kv import combine_splits, default_num_splits, split_buffers
 
 MIN_DOT = 16
 LOG2E = 1.4426950408889634
@@ -139,27 +139,18 @@ def sparse_mla_attention(
     if num_splits is None:
         num_splits = default_num_splits(num_tokens * head_blocks, q_lat.device)
     num_splits = max(1, min(num_splits, -(-topk // block_n)))
-    mid_o = mid_lse = out
-    if num_splits > 1:
-        mid_o = q_lat.new_empty(num_tokens, num_heads, num_splits, rank, dtype=torch.float32)
-        mid_lse = q_lat.new_empty(num_tokens, num_heads, num_splits, dtype=torch.float32)
+    mid_o, mid_lse, mid_strides = split_buffers(out, num_splits)
     _sparse_mla_kernel[(num_tokens, head_blocks, num_splits)](
         q_lat, q_pe, latent_cache, slots, out, mid_o, mid_lse,
         scale * LOG2E, num_heads, rank, rope, topk,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
         latent_cache.stride(0), latent_cache.stride(1), slots.stride(0),
         out.stride(0), out.stride(1),
-        *(mid_o.stride()[:3] if num_splits > 1 else (0, 0, 0)),
-        *(mid_lse.stride()[:2] if num_splits > 1 else (0, 0)),
+        *mid_strides,
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_L=max(next_power_of_2(rank), MIN_DOT),
         BLOCK_R=max(next_power_of_2(rope), MIN_DOT), PAGE_SIZE=latent_cache.shape[1],
         NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q_lat.dtype == torch.float32 else None,
     )  # fmt: skip
     if num_splits > 1:
-        _combine_splits_kernel[(num_tokens, num_heads)](
-            mid_o, mid_lse, out,
-            *mid_o.stride()[:3], *mid_lse.stride()[:2], out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, BLOCK_S=next_power_of_2(num_splits),
-            HEAD_DIM_V=rank, BLOCK_DV=next_power_of_2(rank),
-        )  # fmt: skip
+        combine_splits(mid_o, mid_lse, out)
     return out

@@ -25,7 +25,7 @@ from torch import nn
 
 from specserve.config import ModelConfig
 from specserve.layers.mla import MLAAttention, mla_rotary
-from specserve.layers.moe import make_mlp
+from specserve.layers.moe import mlp_layers
 from specserve.layers.quantization import QuantConfig
 from specserve.layers.rotary import RotaryEmbedding
 from specserve.models.decoder import CausalLM, DecoderModel, quant_config
@@ -52,8 +52,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         quant = quant_config(config)
         model = DecoderModel(
             config, rotary, self.attention_layers(config, rotary, quant),
-            lambda i, name: make_mlp(i, config.hidden_size, config.intermediate_size, config.moe,
-                                     config.hidden_act, False, quant, name),
+            mlp_layers(config, quant),
             prefix=f"{prefix}model",
         )  # fmt: skip
         super().__init__(config, model)

@@ -22,7 +22,7 @@ partial_rotary_factor is read top-level (hub config.json) or inside rope_paramet
 from __future__ import annotations
 
 from specserve.config import ModelConfig
-from specserve.layers.moe import make_mlp
+from specserve.layers.moe import mlp_layers
 from specserve.models.decoder import CausalLM, DecoderModel, quant_config
 from specserve.models.llama import STACKED_PARAMS, LlamaAttention, llama_rotary
 
@@ -40,7 +40,6 @@ class Glm4MoeForCausalLM(CausalLM):
         quant = quant_config(config)
         model = DecoderModel(
             config, rotary, lambda i, name: LlamaAttention(config, i, rotary, quant, name),
-            lambda i, name: make_mlp(i, config.hidden_size, config.intermediate_size, config.moe,
-                                     config.hidden_act, False, quant, name),
+            mlp_layers(config, quant),
         )  # fmt: skip
         super().__init__(config, model)
