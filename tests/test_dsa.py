@@ -188,6 +188,38 @@ def test_forced_sparse_layers_equal_dense_model(
     assert torch.equal(runs[1], runs[2])
 
 
+def test_uncached_prefill_matches_transformers(tmp_path: Path) -> None:
+    """A forward before any KV pool is bound (every request a fresh prefill, its tokens their
+    own scratch cache), sparse attention engaged (index_topk 4): transformers' logits."""
+    from tiny_models import make_hf_model, make_tiny_checkpoint
+
+    from specserve.config import ModelConfig
+    from specserve.layers.attention_metadata import ForwardContext, set_forward_context
+    from specserve.layers.backends.torch_ref import TorchRefBackend
+    from specserve.models.loader import load_model
+    from specserve.worker.forward_batch import build_positions
+
+    kw = dict(index_topk=4, indexer_types=["full", "shared", "full"])
+    path = make_tiny_checkpoint(tmp_path / "glm5", "glm_moe_dsa", **kw)
+    model = load_model(ModelConfig.from_hf(path), path, torch.float32, torch.device("cpu"))
+    prompts = [[5, 17, 300, 2, 41, 7, 99, 12, 8, 77, 31], [3, 4, 5, 6, 7, 8]]
+    lens = [len(p) for p in prompts]
+    md = build_attention_metadata(lens, lens, [[0, 1, 2], [3, 4]], 4, "cpu")
+    set_forward_context(ForwardContext(md, TorchRefBackend()))
+    try:
+        with torch.no_grad():
+            hidden = model(
+                torch.tensor(prompts[0] + prompts[1]), build_positions(lens, lens, "cpu")
+            )
+            got = model.compute_logits(hidden).split(lens)
+    finally:
+        set_forward_context(None)
+    hf = make_hf_model("glm_moe_dsa", **kw)
+    with torch.no_grad():
+        for p, logits in zip(prompts, got):
+            assert (logits - hf(torch.tensor([p])).logits[0]).abs().max().item() < 1e-4
+
+
 # -- kernels vs references (interpreter on the CPU, bf16 at GLM-5 dims on a GPU) -------------
 
 

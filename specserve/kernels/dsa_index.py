@@ -75,11 +75,12 @@ def visible(
 
 
 def gather_rows(cache: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
-    """Every request's cache rows of positions [0, width): [bs, width, *row] (rows past a
-    request's pages are whatever page -1 / the padding page holds; mask them)."""
+    """Every request's cache rows of positions [0, width): [bs, width, *row]. Table entries
+    past a request's pages (-1, the padding page, or past the cache: a scratch cache's table)
+    read some page of the cache; mask those rows."""
     page_size = cache.shape[1]
     pos = torch.arange(page_table.shape[1] * page_size, device=cache.device)
-    pages = page_table[:, pos // page_size].long().clamp(min=0)
+    pages = page_table[:, pos // page_size].long().clamp(0, cache.shape[0] - 1)
     return cache[pages, pos % page_size]
 
 
