@@ -178,8 +178,7 @@ class DSAAttention(MLAAttention):
             slots = self.selection.slots
             assert slots is not None, "a shared DSA layer runs after a full one"
         q_nope, q_pe = q.split([self.mla.qk_nope_head_dim, self.mla.qk_rope_head_dim], dim=-1)
-        dsa_ops: DSABackend = _dsa_ops()
-        o_lat = dsa_ops.sparse_absorbed(self.absorb(q_nope), q_pe, cache, slots, self.scale)
+        o_lat = _dsa_ops().sparse_absorbed(self.absorb(q_nope), q_pe, cache, slots, self.scale)
         return self.output(self.unabsorb(o_lat))
 
     def _index(
@@ -206,11 +205,11 @@ class DSAAttention(MLAAttention):
         w = self.indexer.head_weights(hidden)
         width = md.page_table.shape[1] * cache.shape[1]
         k = min(self.dsa.index_topk, width)  # a narrower table: every position fits
-        ops = _dsa_ops()
+        dsa_ops = _dsa_ops()
         chunk = max(1, SCORE_CHUNK_VALUES // width)  # host ints: one chunk in decode graphs
         slots = []
         for a in range(0, t, chunk):
-            scores = ops.index_scores(q_idx[a : a + chunk], w[a : a + chunk], cache, md, a)
+            scores = dsa_ops.index_scores(q_idx[a : a + chunk], w[a : a + chunk], cache, md, a)
             slots.append(select_slots(scores, k, md.query_start_loc, md.page_table,
                                       cache.shape[1], a))  # fmt: skip
         return slots[0] if len(slots) == 1 else torch.cat(slots)
