@@ -6,7 +6,8 @@ Naive references: visibility against the reference backend's attention masks, sc
 top-k choice as per-(token, position) Python loops over page lists, and dense absorbed MLA
 (kernels/mla_attention.py) for sparse attention over every visible slot. Fresh random inputs,
 NaN-poisoned outputs. Kernels run under the Triton interpreter on the CPU (one subprocess:
-`TRITON_INTERPRET=1 python tests/test_dsa.py`) and at GLM-5 dims in bf16 on a GPU (`gpu`).
+`TRITON_INTERPRET=1 python tests/test_dsa.py`; it also runs the tiny GLM-5 through the Triton
+backend against transformers) and at GLM-5 dims in bf16 on a GPU (`gpu`).
 """
 
 from __future__ import annotations
@@ -268,7 +269,32 @@ def check_sparse_attention(num_tokens: int, heads: int, rank: int, rope: int, k:
     assert row_rel_error(got[:-1], want[:-1]) < tol
 
 
+def check_model_on_triton_backend() -> None:
+    """The tiny GLM-5 (index_topk 4, a shared indexer layer) through the Triton backend's MLA
+    and DSA kernels over a paged cache, prefill then decode: transformers' logits."""
+    import tempfile
+
+    from tiny_models import PagedSession, make_hf_model, make_tiny_checkpoint
+
+    from specserve.config import ModelConfig
+    from specserve.layers.backends.triton_backend import TritonBackend
+    from specserve.models.loader import load_model
+
+    kw = dict(index_topk=4, indexer_types=["full", "shared", "full"])
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_tiny_checkpoint(tmp, "glm_moe_dsa", **kw)
+        model = load_model(ModelConfig.from_hf(path), path, torch.float32, torch.device("cpu"))
+    prompt = [5, 17, 300, 2, 41, 7, 99, 12, 8, 77, 31]
+    session = PagedSession(model, num_pages=16, page_size=4)
+    session.backend = TritonBackend()
+    got = session.step({0: prompt[:8]}) + [session.step({0: [t]})[0] for t in prompt[8:]]
+    with torch.no_grad():
+        want = make_hf_model("glm_moe_dsa", **kw)(torch.tensor([prompt])).logits[0]
+    assert (torch.cat(got) - want).abs().max().item() < 1e-4
+
+
 INTERPRETER_CHECKS = {
+    "glm5_model_on_triton_backend": check_model_on_triton_backend,
     "scores_decode": lambda: check_index_scores(*CASES[0], 3, 16, torch.float32, "cpu", 1e-5),
     "scores_extend": lambda: check_index_scores(*CASES[1], 2, 24, torch.float32, "cpu", 1e-5),
     "scores_tree": lambda: check_index_scores(*CASES[2], 4, 16, torch.float32, "cpu", 1e-5),
