@@ -8,7 +8,8 @@ Per query token t and head n, over the selected slots S_t (slot -1: nothing):
 with the latent cache [num_pages, page_size, L + R] of layers/mla.py (rows [c_kv | k_pe]).
 Unlike dense MLA no two queries share their KV rows, so a program owns one token, a block of
 heads and a split of its k selected slots; splits merge through kernels/split_kv.py's combine.
-Launch shapes depend on (T, N, k) only: decode and verify launches are CUDA-graph capturable.
+Launch shapes depend on (T, N, k) only: decode and verify launches are CUDA-graph capturable;
+in exact mode the split count depends on k alone (a token's result never on its batch).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from specserve.kernels.attention_tiles import _normalize, _softmax_step
-from specserve.kernels.dispatch import jit, next_power_of_2, tl
+from specserve.kernels.dispatch import EXACT, jit, next_power_of_2, tl
 from specserve.kernels.split_kv import combine_splits, default_num_splits, split_buffers
 
 MIN_DOT = 16
@@ -136,6 +137,8 @@ def sparse_mla_attention(
     slots = slots.contiguous()
     block_h = max(min(block_h, next_power_of_2(num_heads)), MIN_DOT)
     head_blocks = -(-num_heads // block_h)
+    if num_splits is None and EXACT.on:  # a token's splits never depend on the batch
+        num_splits = -(-topk // EXACT.kv_split_tokens)
     if num_splits is None:
         num_splits = default_num_splits(num_tokens * head_blocks, q_lat.device)
     num_splits = max(1, min(num_splits, -(-topk // block_n)))
