@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks in one invocation (an H200 or any CUDA machine):
 #   bash scripts/gpu_suite.sh OUT_DIR [steps]
-# steps: any of tests,profile,plain,spec,moe,match,serve,mla,quant,comm,prefix,default,exact
+# steps: any of tests,profile,plain,spec,moe,match,serve,mla,quant,comm,prefix,default,exact,glm
 # (default: all but profile, quant, comm and exact). Results and logs go to OUT_DIR;
 # benchmark rows are appended to experiments/ (LOG.md, results.jsonl, PNGs).
 set -u
-out=${1:-out}; steps=${2:-tests,plain,spec,moe,match,serve,mla,prefix,default}
+out=${1:-out}; steps=${2:-tests,plain,spec,moe,match,serve,mla,prefix,default,glm}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -17,8 +17,9 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv > "$o
 if has tests; then
   timeout 220 python -m pytest -q -m gpu -n 4 -rfE --tb=short -p no:cacheprovider tests \
     --ignore-glob="tests/test_server*" --ignore=tests/test_bench_serving.py \
-    --ignore=tests/test_mla.py --ignore=tests/test_mla_kernels.py \
-    --ignore=tests/test_quant_kernels.py -k "not quant_fused_moe" > "$out/gpu_tests.log" 2>&1
+    --ignore=tests/test_mla.py --ignore=tests/test_mla_kernels.py --ignore=tests/test_dsa.py \
+    --ignore=tests/test_glm_engine.py --ignore=tests/test_quant_kernels.py \
+    -k "not quant_fused_moe" > "$out/gpu_tests.log" 2>&1
   echo "gpu tests rc=$?"; tail -4 "$out/gpu_tests.log"
 fi
 common=(--model llama-3.1-8b --load-format dummy --context-len 1024 --output-len 64 --runs 3
@@ -212,4 +213,29 @@ if has default && python -c "import specserve.defaults as d; d.default_model_pat
     --specs 3/1/4,5/1/6 --temperatures 0,0.7 --num-prompts 56 --max-tokens 128 \
     --out "$out/default_eval.json" > "$out/default_eval.log" 2>&1
   echo "default eval rc=$?"; tail -8 "$out/default_eval.log"
+fi
+if has glm; then
+  # DSA kernels at GLM-5 dims (bf16) and a CUDA-graph capture of selection + sparse attention on
+  # both backends; the tiny GLMs through the engine: CUDA graphs (plain, chain, tree) == eager
+  timeout 400 python -m pytest -q -m gpu -rfE --tb=short -p no:cacheprovider tests/test_dsa.py \
+    tests/test_glm_engine.py > "$out/glm_tests.log" 2>&1
+  echo "glm tests rc=$?"; tail -4 "$out/glm_tests.log"
+  # bs-1 decode vs the active-weight floor (attention + router + shared + top-8 routed experts
+  # + LM head) for GLM-4.5-Air dims (4 layers) and GLM-5 dims (3 layers), bs 64 vs the floor of
+  # the experts the batch touches
+  glm=(--load-format dummy --output-len 64 --runs 3 --warmup 1 --log --exp-dir experiments)
+  for preset in glm-4.5-air-4l glm-5-3l; do
+    timeout 300 "${ss[@]}" bench latency --model "$preset" "${glm[@]}" --context-len 1024 \
+      --batch-sizes 1,64 --max-num-seqs 64 --max-model-len 2048 --floor --label "$preset plain" \
+      --json-out "$out/$preset.json" > "$out/$preset.log" 2>&1
+    echo "$preset rc=$?"; tail -12 "$out/$preset.log"
+  done
+  # GLM-5 at 8k context: sparse attention (each query reads its top 2048 tokens, after the
+  # indexer scored all of them) vs dense MLA over every token (index_topk past the context)
+  for preset in glm-5-3l glm-5-3l-dense; do
+    timeout 400 "${ss[@]}" bench latency --model "$preset" "${glm[@]}" --context-len 8192 \
+      --batch-sizes 1,16 --max-num-seqs 16 --max-model-len 8448 --floor \
+      --label "$preset ctx8k" --json-out "$out/$preset-8k.json" > "$out/$preset-8k.log" 2>&1
+    echo "$preset ctx8k rc=$?"; tail -10 "$out/$preset-8k.log"
+  done
 fi

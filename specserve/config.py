@@ -165,6 +165,53 @@ class MLAConfig:
         )
 
 
+INDEXER_TYPES = ("full", "shared")
+
+
+@dataclass(frozen=True)
+class DSAConfig:
+    """DeepSeek sparse attention (GLM-5, DeepSeek-V3.2): an MLA layer's lightning indexer
+    scores every cached token for each query and the attention reads only the top
+    `index_topk` of them (layers/dsa.py). A "shared" layer reuses the selection of the
+    previous "full" layer instead of running its own indexer (GLM-5.2's indexer_types)."""
+
+    index_topk: int
+    index_head_dim: int
+    index_n_heads: int
+    indexer_types: tuple[str, ...] | None = None  # per layer; None: every layer "full"
+    rope_interleave: bool = True  # the indexer's rope dims as pairs (2i, 2i+1) (GLM)
+
+    def __post_init__(self) -> None:
+        if self.index_topk < 1 or self.index_head_dim < 1 or self.index_n_heads < 1:
+            raise ValueError(
+                f"index_topk ({self.index_topk}), index_head_dim ({self.index_head_dim}) and "
+                f"index_n_heads ({self.index_n_heads}) must be >= 1"
+            )
+        types = self.indexer_types or ()
+        if any(t not in INDEXER_TYPES for t in types) or types[:1] == ("shared",):
+            raise ValueError(
+                f"indexer_types must be 'full' or 'shared' per layer, the first 'full'; got "
+                f"{list(types)}"
+            )
+
+    def runs_indexer(self, layer_idx: int) -> bool:
+        return self.indexer_types is None or self.indexer_types[layer_idx] == "full"
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> DSAConfig | None:
+        """The DSA fields of a (text) config.json, or None for a model without an indexer."""
+        if hf.get("index_topk") is None:
+            return None
+        types = hf.get("indexer_types")
+        return cls(
+            index_topk=int(hf["index_topk"]),
+            index_head_dim=int(hf["index_head_dim"]),
+            index_n_heads=int(hf["index_n_heads"]),
+            indexer_types=tuple(types) if types else None,
+            rope_interleave=bool(hf.get("indexer_rope_interleave", True)),
+        )
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The normalised view of a model's config.json (llama family, DeepSeek-V2/V3 family with
@@ -184,8 +231,10 @@ class ModelConfig:
     rope_scaling: dict | None = field(default=None, hash=False, compare=False)
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
-    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2, GLM-4.5)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3, GLM-4.5 355B)
+    # RoPE rotates the first head_dim * partial_rotary_factor dims of each head (GLM-4.5: 0.5)
+    partial_rotary_factor: float = 1.0
     hidden_act: str = "silu"
     torch_dtype: str = "bfloat16"  # the checkpoint's dtype
     bos_token_id: int | None = None
@@ -207,10 +256,28 @@ class ModelConfig:
     # hf_quant_config.json (tagged {"quant_method": "modelopt", ...}); None = unquantized.
     # Parsed by specserve.layers.quantization; an EAGLE-3 head never inherits it.
     quantization: dict | None = field(default=None, hash=False, compare=False)
-    # routed experts (DeepSeek-V2/V3, Kimi K2); None = dense MLPs
+    # DeepSeek sparse attention over the MLA layers (GLM-5); None = dense attention
+    dsa: DSAConfig | None = None
+    # routed experts (DeepSeek-V2/V3, Kimi K2, GLM-4.5+); None = dense MLPs
     moe: MoEConfig | None = None
-    # MTP / NextN layers stored after the decoder layers (DeepSeek-V3: 1; not used yet)
+    # MTP / NextN layers stored after the decoder layers (DeepSeek-V3, GLM: 1; not used yet)
     num_mtp_layers: int = 0
+
+    def __post_init__(self) -> None:
+        for field_name, kinds in (
+            ("mlp_layer_types", self.moe and self.moe.mlp_layer_types),
+            ("indexer_types", self.dsa and self.dsa.indexer_types),
+        ):
+            if kinds and len(kinds) != self.num_layers:
+                raise ValueError(
+                    f"{field_name} has {len(kinds)} entries for {self.num_layers} layers "
+                    "(num_hidden_layers): give one per layer"
+                )
+
+    @property
+    def rotary_dim(self) -> int:
+        """The rotating dims of each head (the first ones; the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any] | str | os.PathLike) -> ModelConfig:
@@ -241,15 +308,18 @@ class ModelConfig:
         rope_scaling = hf.get("rope_scaling")
         rope_params = hf.get("rope_parameters")  # transformers >= 5 spelling
         rope_theta = hf.get("rope_theta")
+        partial = hf.get("partial_rotary_factor")  # top level (hub) or in rope_parameters
         if isinstance(rope_params, dict):
             rope_theta = rope_theta or rope_params.get("rope_theta")
+            partial = partial or rope_params.get("partial_rotary_factor")
             if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
                 rope_scaling = rope_params
         if rope_scaling is not None:
             rope_scaling = dict(rope_scaling)
             kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
             rope_scaling["rope_type"] = kind
-            for spelling in ("type", "rope_theta"):  # one spelling of the kind; theta apart
+            # one spelling of the kind; theta and the partial factor apart
+            for spelling in ("type", "rope_theta", "partial_rotary_factor"):
                 rope_scaling.pop(spelling, None)
             if kind == "default":
                 rope_scaling = None
@@ -269,7 +339,8 @@ class ModelConfig:
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", arch.startswith("Qwen2"))),
-            qk_norm=arch.startswith("Qwen3"),
+            qk_norm=arch.startswith("Qwen3") or bool(hf.get("use_qk_norm", False)),
+            partial_rotary_factor=float(partial or 1.0),
             hidden_act=str(hf.get("hidden_act", "silu")),
             torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"),
             bos_token_id=hf.get("bos_token_id"),
@@ -283,13 +354,15 @@ class ModelConfig:
             else None,
             mla=mla,
             quantization=quantization,
+            dsa=DSAConfig.from_hf(hf),
             moe=MoEConfig.from_hf(hf),
             num_mtp_layers=int(_first(hf, "num_nextn_predict_layers", "num_mtp_layers", default=0)),
         )
 
     def num_parameters(self) -> int:
         """Parameters of a decoder-only model of this shape: embeddings, decoder layers
-        (attention with its optional biases / q-k norms, or MLA's latent projections; a gated
+        (attention with its optional biases / q-k norms, or MLA's latent projections and a DSA
+        indexer; a gated
         MLP, or a MoE block's router, routed and shared experts; two norms), final norm and LM
         head (unless tied)."""
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -304,6 +377,11 @@ class ModelConfig:
                      + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
                      + heads * m.v_head_dim * h)
         layers = self.num_layers * (attn + 2 * h)
+        if self.dsa is not None and self.mla is not None:  # the indexers of the full layers
+            d, q_lora = self.dsa, self.mla.q_lora_rank or 0
+            per = q_lora * d.index_n_heads * d.index_head_dim + h * (d.index_head_dim
+                                                                     + d.index_n_heads)
+            layers += self.dsa_index_layers * (per + 2 * d.index_head_dim)  # + k_norm
         moe = self.moe
         for i in range(self.num_layers):
             if moe is None or not moe.is_moe_layer(i):
@@ -315,11 +393,20 @@ class ModelConfig:
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.vocab_size * h + layers + h + head
 
+    @property
+    def dsa_index_layers(self) -> int:
+        """Layers that run a DSA indexer (and cache its keys)."""
+        if self.dsa is None:
+            return 0
+        return sum(self.dsa.runs_indexer(i) for i in range(self.num_layers))
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V of every decoder layer for one token (MLA: the latent and rope key)."""
+        """K and V of every decoder layer for one token (MLA: the latent and rope key; DSA:
+        plus the indexer's key)."""
         if self.mla is not None:
-            return self.num_layers * (self.mla.kv_lora_rank + self.mla.qk_rope_head_dim) * (
-                dtype_bytes)
+            latent = self.num_layers * (self.mla.kv_lora_rank + self.mla.qk_rope_head_dim)
+            index = self.dsa_index_layers * (self.dsa.index_head_dim if self.dsa else 0)
+            return (latent + index) * dtype_bytes
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
 

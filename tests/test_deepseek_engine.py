@@ -48,14 +48,18 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, 500) for _ in range(rng.randint(1, 60))] for _ in range(n)]
 
 
-@pytest.fixture(scope="module")
-def single(targets: dict[str, str]) -> dict[str, dict[tuple[int, ...], list[int]]]:
-    """Each prompt run alone (one request in the engine at a time)."""
+def single_runs(targets: dict[str, str]) -> dict[str, dict[tuple[int, ...], list[int]]]:
+    """Each prompt run alone (one request in the engine at a time), per target."""
     out = {}
     for name, path in targets.items():
         llm = LLM(path, device="cpu", dtype="float32")
         out[name] = {tuple(p): llm.generate([p], GREEDY)[0].token_ids for p in _prompts(8, 0)}
     return out
+
+
+@pytest.fixture(scope="module")
+def single(targets: dict[str, str]) -> dict[str, dict[tuple[int, ...], list[int]]]:
+    return single_runs(targets)
 
 
 def _hf_greedy(path: str, prompts: list[list[int]]) -> list[list[int]]:
@@ -71,60 +75,72 @@ def _hf_greedy(path: str, prompts: list[list[int]]) -> list[list[int]]:
     return outs
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", "kimi_k25"])
-def test_batched_greedy_equals_single_requests(targets, single, name: str) -> None:
+def check_batched_greedy(path: str, single: dict, hf_prompts: int = 0) -> None:
+    """Continuous batching with chunked prefill and a forced preemption gives each prompt's
+    single-request tokens (and, for the first hf_prompts, transformers' greedy ones)."""
     prompts = _prompts(8, 0)
     # a small token budget forces chunked prefill; a small pool forces preemptions
-    llm = LLM(targets[name], device="cpu", dtype="float32",
-              cache=CacheConfig(page_size=4, num_pages=60),
+    llm = LLM(path, device="cpu", dtype="float32", cache=CacheConfig(page_size=4, num_pages=60),
               scheduler=SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=8))  # fmt: skip
     preempted = record_preemptions(llm.engine.scheduler)
     outs = llm.generate(prompts, GREEDY)
     assert preempted, "the pool was sized to force at least one preemption"
     for p, o in zip(prompts, outs):
-        assert o.token_ids == single[name][tuple(p)], f"{name} diverged on prompt {p}"
+        assert o.token_ids == single[tuple(p)], f"{path} diverged on prompt {p}"
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_total
-    if name == "deepseek_v3":  # an independent reference for the plain model
-        assert _hf_greedy(targets[name], prompts[:3]) == [o.token_ids for o in outs[:3]]
+    if hf_prompts:  # an independent reference
+        want = _hf_greedy(path, prompts[:hf_prompts])
+        assert want == [o.token_ids for o in outs[:hf_prompts]]
 
 
-@pytest.mark.parametrize("spec", list(SPEC))
-@pytest.mark.parametrize("name", ["deepseek_v3", "kimi_k25"])
-def test_eagle3_greedy_equals_plain(targets, head, single, name: str, spec: str) -> None:
+def check_eagle3_greedy(path: str, head: str, single: dict, spec: str) -> None:
+    """EAGLE-3 speculation (SPEC[spec]) gives plain greedy decoding's tokens; the tree run
+    with a pool far smaller than the batch needs, forcing preemptions."""
     prompts = _prompts(8, 0)[:4]
     kw = {}
-    if spec == "tree2x8":  # force preemptions: a pool far smaller than the batch needs
+    if spec == "tree2x8":
         kw = dict(cache=CacheConfig(page_size=4, num_pages=40),
                   scheduler=SchedulerConfig(max_num_batched_tokens=32))  # fmt: skip
-    llm = LLM(
-        targets[name],
-        device="cpu",
-        dtype="float32",
-        speculative_config=dict(algorithm="eagle3", draft_model=head, **SPEC[spec]),
-        **kw,
-    )
+    spec_config = dict(algorithm="eagle3", draft_model=head, **SPEC[spec])
+    llm = LLM(path, device="cpu", dtype="float32", speculative_config=spec_config, **kw)
     preempted = record_preemptions(llm.engine.scheduler)
     outs = llm.generate(prompts, GREEDY)
     for p, o in zip(prompts, outs):
-        assert o.token_ids == single[name][tuple(p)], f"{name} {spec} diverged on prompt {p}"
+        assert o.token_ids == single[tuple(p)], f"{path} {spec} diverged on prompt {p}"
         assert o.spec_cycles > 0
     if kw:
         assert preempted, "the small pool was meant to force a preemption"
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_total
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", "kimi_k25"])
-def test_oracle_tree_compacts_latent_kv(targets, head, single, name: str) -> None:
+def check_oracle_tree(path: str, head: str, single: dict) -> None:
+    """An oracle drafter whose true path hides behind decoys: accepted (and the tokens right)
+    only if the accepted nodes' KV is moved into place."""
     spec = dict(algorithm="eagle3", draft_model=head, num_steps=3, topk=2, num_draft_tokens=6)
     # eager: the oracle replaces a Python method, which a captured graph would not call
-    llm = LLM(targets[name], device="cpu", dtype="float32", speculative_config=spec,
-              enforce_eager=True)
-    llm.engine.drafter.proposer.propose = oracle_propose(llm, single[name], decoys=True)
+    llm = LLM(path, device="cpu", dtype="float32", speculative_config=spec, enforce_eager=True)
+    llm.engine.drafter.proposer.propose = oracle_propose(llm, single, decoys=True)
     prompts = _prompts(8, 0)[:4]
     outs = llm.generate(prompts, GREEDY)
     for p, o in zip(prompts, outs):
-        assert o.token_ids == single[name][tuple(p)], f"{name} diverged on prompt {p}"
+        assert o.token_ids == single[tuple(p)], f"{path} diverged on prompt {p}"
         assert o.accept_length > 2.0  # the oracle path is (mostly) accepted
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "kimi_k25"])
+def test_batched_greedy_equals_single_requests(targets, single, name: str) -> None:
+    check_batched_greedy(targets[name], single[name], hf_prompts=3 if name == "deepseek_v3" else 0)
+
+
+@pytest.mark.parametrize("spec", list(SPEC))
+@pytest.mark.parametrize("name", ["deepseek_v3", "kimi_k25"])
+def test_eagle3_greedy_equals_plain(targets, head, single, name: str, spec: str) -> None:
+    check_eagle3_greedy(targets[name], head, single[name], spec)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "kimi_k25"])
+def test_oracle_tree_compacts_latent_kv(targets, head, single, name: str) -> None:
+    check_oracle_tree(targets[name], head, single[name])
 
 
 def test_floor_counts_the_experts_a_step_reads(targets, single) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import PagedSession, make_kimi_k25_checkpoint, make_tiny_checkpoint
+from tiny_models import PagedSession, hub_spelling, make_kimi_k25_checkpoint, make_tiny_checkpoint
 
 from specserve.config import ModelConfig
 from specserve.models.capture import find_embedding_and_head
@@ -53,9 +53,7 @@ def _rewrite(src: str, dst: Path, edit_tensors=None, edit_config=None) -> str:  
 def _hub_spelling(config: dict) -> None:
     """transformers 5 saves rope_parameters; hub configs carry rope_theta + rope_scaling with
     "type" (and sometimes the experts as num_local_experts)."""
-    rope = dict(config.pop("rope_parameters"))
-    config["rope_theta"] = rope.pop("rope_theta")
-    config["rope_scaling"] = {"type": rope.pop("rope_type"), **rope}
+    hub_spelling(config)
     config["num_local_experts"] = config.pop("n_routed_experts")
     config.pop("num_nextn_predict_layers")
     config.pop("head_dim")
@@ -106,9 +104,9 @@ def test_mtp_layers_skipped(ckpt: str, tmp_path: Path, caplog: pytest.LogCapture
 
     path = _rewrite(ckpt, tmp_path / "mtp", _with_mtp_layer, declare)
     assert ModelConfig.from_hf(path).num_mtp_layers == 1
-    with caplog.at_level(logging.INFO, logger="specserve.models.deepseek_v3"):
+    with caplog.at_level(logging.INFO, logger="specserve.models.decoder"):
         model = _load(path)
-    assert sum("MTP/NextN layer 3" in r.message for r in caplog.records) == 1
+    assert sum("MTP/NextN layer 0 (model.layers.3" in r.message for r in caplog.records) == 1
     assert len(model.model.layers) == 3
     assert torch.equal(_logits(model), _logits(_load(ckpt)))
     undeclared = _rewrite(ckpt, tmp_path / "undeclared", _with_mtp_layer)

@@ -25,7 +25,7 @@ if str(REPO) not in sys.path:
 from interpreted import report, run_interpreted  # noqa: E402
 
 from specserve.kernels import fused_ops as fo  # noqa: E402
-from specserve.kernels import kv_store  # noqa: E402
+from specserve.kernels import kv_store, split_kv  # noqa: E402
 from specserve.kernels import paged_attention as pa  # noqa: E402
 from specserve.layers.attention_metadata import AttentionMetadata  # noqa: E402
 
@@ -157,8 +157,8 @@ def check_fused_combine_counters(dtype: torch.dtype, device: str, tol: float) ->
     """The fused path: no second launch, counters zeroed after decode and after extend (whose
     padding query blocks have no rows), reusable launch after launch, and it is the counter
     that gates the combine (a counter left nonzero: nobody combines, the output stays unset)."""
-    combine = pa._combine_splits_kernel
-    pa._combine_splits_kernel = _NoCombineLaunch()
+    combine = split_kv._combine_splits_kernel
+    split_kv._combine_splits_kernel = _NoCombineLaunch()
     try:
         for seed in range(2):  # the second launch reuses the counters the first one reset
             check_attention([1, 9, 50], None, 2, 2, 16, 4, dtype, device, tol, seed, num_splits=3)
@@ -166,7 +166,7 @@ def check_fused_combine_counters(dtype: torch.dtype, device: str, tol: float) ->
             [30, 12, 70], [2, 12, 7], 2, 1, 16, 4, dtype, device, tol, num_splits=2, block_n=16
         )
     finally:
-        pa._combine_splits_kernel = combine
+        split_kv._combine_splits_kernel = combine
     c = make_case([20, 40], [1, 1], 2, 1, 16, 4, dtype, device, 0)
     counters = pa.split_counters(2, torch.device(device))
     assert counters.dtype == torch.int32 and pa.split_counters(2, counters.device) is counters

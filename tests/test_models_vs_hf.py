@@ -1,5 +1,8 @@
-"""Llama-family logits vs transformers (fp32, tiny random checkpoints), through the paged KV:
-a batched prefill, chunked extends over the cached prefix, and one-token decode steps."""
+"""Model logits vs transformers (fp32, tiny random checkpoints built with transformers' own
+classes), through the paged KV: a batched prefill, chunked extends over the cached prefix,
+and one-token decode steps. Llama family, DeepSeek-V2/V3, Kimi K2/K2.5, GLM-4.5 (GQA),
+GLM-4.7-Flash (MLA) and GLM-5 (MLA + sparse attention: dense while the prompts fit
+index_topk, the indexer's selection with index_topk 4 below every prompt length)."""
 
 from __future__ import annotations
 
@@ -49,8 +52,24 @@ CASES = {
     # reference is the plain DeepseekV3 with the same weights
     "kimi_k25": ("kimi_k25", {}),
     "kimi_k25_nvfp4_names": ("kimi_k25", {"nvfp4_names": True}),
+    # GLM-4.5: GQA with q/k/v bias, QK-norm, RoPE on half of each head (saved config nesting
+    # partial_rotary_factor in rope_parameters; the hub spelling puts it top-level)
+    "glm4_moe": ("glm4_moe", {}),
+    "glm4_moe_hub_config": ("glm4_moe", {"hub_config": True}),
+    # GLM-4.5-Air: no QK-norm, routed_scaling_factor 1
+    "glm4_moe_air": ("glm4_moe", {"use_qk_norm": False, "routed_scaling_factor": 1.0}),
+    # GLM-4.7-Flash: MLA (v_head_dim != qk_nope_head_dim), mlp_layer_types
+    "glm4_moe_lite": ("glm4_moe_lite", {}),
+    # GLM-5: index_topk above every prompt (exact dense MLA), below them (sparse attention),
+    # and a shared indexer layer reusing the previous layer's selection
+    "glm5_dense": ("glm_moe_dsa", {}),
+    "glm5_dsa": ("glm_moe_dsa", {"index_topk": 4}),
+    "glm5_dsa_shared": ("glm_moe_dsa", {"index_topk": 4,
+                                        "indexer_types": ["full", "shared", "full"]}),
 }
-MOE_CASES = {"deepseek_v3", "kimi_k2", "deepseek_v2", "kimi_k25", "kimi_k25_nvfp4_names"}
+MOE_CASES = {"deepseek_v3", "kimi_k2", "deepseek_v2", "kimi_k25", "kimi_k25_nvfp4_names",
+             *(name for name, (family, _) in CASES.items() if family.startswith("glm"))}
+CHECKPOINT_ONLY = ("max_shard_size", "hub_config")  # options of the saved files, not the model
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -62,7 +81,7 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         hf = make_hf_model("deepseek_v3", n_group=1, topk_group=1)  # the same weights
     else:
         path = make_tiny_checkpoint(where, family, **overrides)
-        hf_kwargs = {k: v for k, v in overrides.items() if k != "max_shard_size"}
+        hf_kwargs = {k: v for k, v in overrides.items() if k not in CHECKPOINT_ONLY}
         hf = make_hf_model(family, **hf_kwargs)  # same seed: the same weights as saved
     config = ModelConfig.from_hf(path)
     model = load_model(config, path, torch.float32, torch.device("cpu"))

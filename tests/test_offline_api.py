@@ -257,6 +257,9 @@ def test_server_takes_several_names_and_the_generation_defaults(model_dir: Path)
     ("deepseek_v3", {}),  # MLA + MoE (router bias, shared expert, a dense first layer)
     ("deepseek_v3", {"q_lora_rank": None, "first_k_dense_replace": 3}),  # MLA, dense MLPs
     ("deepseek_v2", {}),  # no router bias
+    ("glm4_moe", {}),  # GQA with q/k/v bias and q/k norms, MoE
+    ("glm4_moe_lite", {}),  # MLA, MoE after mlp_layer_types' dense layer
+    ("glm_moe_dsa", {"indexer_types": ["full", "shared", "full"]}),  # MLA + two indexers
 ])  # fmt: skip
 def test_num_parameters_matches_transformers(family: str, overrides: dict) -> None:
     model = make_hf_model(family, **overrides)

@@ -1,5 +1,6 @@
 """The in-place rotary kernel, and its fusion with the KV-cache write, against the torch
-references (GPU; Triton interpreter on CPU)."""
+references (GPU; Triton interpreter on CPU); full and partial rotary (the first r of d dims
+rotate, GLM-4.5's r = d / 2)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ CHECK = textwrap.dedent("""
 
     dev = DEVICE
     for dtype, tol in TOLS:
-        for t, hq, hk, d in [(1, 4, 1, 64), (7, 8, 2, 128), (33, 5, 5, 32)]:
-            rope = RotaryEmbedding(d, 4096, 10000.0).to(dev)
+        for t, hq, hk, d, r in [(1, 4, 1, 64, 64), (7, 8, 2, 128, 128), (33, 5, 5, 32, 32),
+                                (7, 8, 2, 128, 64), (5, 3, 1, 40, 16)]:
+            rope = RotaryEmbedding(d, 4096, 10000.0, rotary_dim=r).to(dev)
+            assert rope.cos_sin_cache.shape[1] == r
             qkv = torch.randn(t, (hq + 2 * hk) * d, device=dev).to(dtype)
             q = qkv[:, : hq * d].view(t, hq, d)  # strided views, as the model makes them
             k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
@@ -32,7 +35,8 @@ CHECK = textwrap.dedent("""
             rotary_inplace(pos, q, k, rope.cos_sin_cache)
             for got, want in ((q, want_q), (k, want_k)):
                 err = ((got.float() - want.float()).norm() / want.float().norm()).item()
-                assert err < tol, (dtype, t, hq, hk, d, err)
+                assert err < tol, (dtype, t, hq, hk, d, r, err)
+                assert torch.equal(got[..., r:], want[..., r:])  # pass-through: bitwise
             assert torch.equal(qkv[:, (hq + hk) * d :], untouched)  # v is not touched
 
             # fused: rotate, then write k and v at their slots (-1: skip), in one launch
@@ -53,7 +57,7 @@ CHECK = textwrap.dedent("""
                 rotary_store_kv(pos, q, k, v, rope.cos_sin_cache, *caches, slots)
                 for got, want in ((q, want_q), (k, want_k), *zip(caches, want_caches)):
                     err = ((got.float() - want.float()).norm() / want.float().norm()).item()
-                    assert err < tol, ("fused", dtype, t, hq, hk, d, page_size, err)
+                    assert err < tol, ("fused", dtype, t, hq, hk, d, r, page_size, err)
                 assert torch.equal(v, v_before)
                 untouched = torch.ones(pages * page_size, dtype=torch.bool, device=dev)
                 untouched[slots[slots >= 0]] = False

@@ -48,12 +48,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _register_latency(sub: argparse._SubParsersAction) -> None:
+    from specserve.models.presets import PRESETS
+
     p = sub.add_parser(
         "latency",
         help="offline decode latency: plain vs speculation",
         description="Offline decode latency, plain vs speculative, against the "
         "weight-stream floor and the weights + KV roofline. A preset name as "
-        "--model (llama-3.1-8b, qwen3-8b, tiny-llama) means random weights.",
+        f"--model ({', '.join(PRESETS)}) means random weights.",
     )
     p.add_argument(
         "--batch-sizes",

@@ -27,7 +27,7 @@ import torch
 
 from specserve.kernels.attention_tiles import _kv_range, _mask_scores, _normalize, _softmax_step
 from specserve.kernels.dispatch import jit, next_power_of_2, tl, triton  # noqa: F401
-from specserve.kernels.split_kv import _combine_splits_kernel, default_num_splits
+from specserve.kernels.split_kv import combine_splits, default_num_splits, split_buffers
 
 MIN_DOT = 16  # smallest tl.dot dimension on GPUs
 LOG2E = 1.4426950408889634
@@ -188,10 +188,7 @@ def mla_attention(
         out = q_lat.new_empty(num_tokens, num_heads, rank)
     if num_tokens == 0:
         return out
-    mid_o = mid_lse = out  # unused when num_splits == 1
-    if num_splits > 1:
-        mid_o = q_lat.new_empty(num_tokens, num_heads, num_splits, rank, dtype=torch.float32)
-        mid_lse = q_lat.new_empty(num_tokens, num_heads, num_splits, dtype=torch.float32)
+    mid_o, mid_lse, mid_strides = split_buffers(out, num_splits)
     assert custom_mask is None or custom_mask.dtype == torch.bool
     mask = custom_mask.view(torch.uint8) if custom_mask is not None else page_table
     mask_strides = custom_mask.stride() if custom_mask is not None else (0, 0, 0)
@@ -204,8 +201,7 @@ def mla_attention(
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
         latent_cache.stride(0), latent_cache.stride(1), out.stride(0), out.stride(1),
         page_table.stride(0), *mask_strides,
-        *(mid_o.stride()[:3] if num_splits > 1 else (0, 0, 0)),
-        *(mid_lse.stride()[:2] if num_splits > 1 else (0, 0)),
+        *mid_strides,
         BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_N=block_n,
         BLOCK_L=max(next_power_of_2(rank), MIN_DOT), BLOCK_R=max(next_power_of_2(rope), MIN_DOT),
         PAGE_SIZE=latent_cache.shape[1], NUM_SPLITS=num_splits, IS_DECODE=is_decode,
@@ -214,12 +210,7 @@ def mla_attention(
         **launch,
     )  # fmt: skip
     if num_splits > 1:
-        _combine_splits_kernel[(num_tokens, num_heads)](
-            mid_o, mid_lse, out,
-            *mid_o.stride()[:3], *mid_lse.stride()[:2], out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, BLOCK_S=next_power_of_2(num_splits),
-            HEAD_DIM_V=rank, BLOCK_DV=next_power_of_2(rank),
-        )  # fmt: skip
+        combine_splits(mid_o, mid_lse, out)
     return out
 
 

@@ -33,9 +33,10 @@ from specserve.kernels.attention_tiles import _kv_range, _mask_scores, _normaliz
 from specserve.kernels.dispatch import EXACT, jit, next_power_of_2, tl, triton  # noqa: F401
 from specserve.kernels.split_kv import (  # noqa: F401  (MAX_SPLITS, _split_counters: API/tests)
     MAX_SPLITS,
-    _combine_splits_kernel,
     _split_counters,
+    combine_splits,
     default_num_splits,
+    split_buffers,
     split_counters,
 )
 
@@ -254,12 +255,9 @@ def paged_attention(
         out = q.new_empty(num_tokens, num_heads, head_dim_v)
     if num_tokens == 0:
         return out
-    mid_o = mid_lse = out  # unused when num_splits == 1
+    mid_o, mid_lse, mid_strides = split_buffers(out, num_splits)
     counters = seq_lens  # unused unless the splits are combined in the attention launch
     fused = fused_combine and num_splits > 1
-    if num_splits > 1:
-        mid_o = q.new_empty(num_tokens, num_heads, num_splits, head_dim_v, dtype=torch.float32)
-        mid_lse = q.new_empty(num_tokens, num_heads, num_splits, dtype=torch.float32)
     if fused:
         counters = split_counters(grid_programs, q.device)
     assert custom_mask is None or custom_mask.dtype == torch.bool
@@ -277,8 +275,7 @@ def paged_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         page_table.stride(0), *mask_strides,
-        *(mid_o.stride()[:3] if num_splits > 1 else (0, 0, 0)),
-        *(mid_lse.stride()[:2] if num_splits > 1 else (0, 0)),
+        *mid_strides,
         GROUP=group, BLOCK_G=next_power_of_2(group), BLOCK_M=block_m, BLOCK_N=block_n,
         PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
         HEAD_DIM_V=head_dim_v, BLOCK_DV=next_power_of_2(head_dim_v), NUM_SPLITS=num_splits,
@@ -289,12 +286,7 @@ def paged_attention(
         **launch,
     )  # fmt: skip
     if num_splits > 1 and not fused:
-        _combine_splits_kernel[(num_tokens, num_heads)](
-            mid_o, mid_lse, out,
-            *mid_o.stride()[:3], *mid_lse.stride()[:2], out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, BLOCK_S=next_power_of_2(num_splits),
-            HEAD_DIM_V=head_dim_v, BLOCK_DV=next_power_of_2(head_dim_v),
-        )  # fmt: skip
+        combine_splits(mid_o, mid_lse, out)
     return out
 
 

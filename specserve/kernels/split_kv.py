@@ -4,7 +4,8 @@ The attention launch cuts each tile's KV range into `num_splits` chunks; each sp
 partial output and its log-sum-exp, and `_combine_splits_kernel` merges them (or, with
 `fused_combine`, the last split of each tile does, through the arrival counters kept here).
 `default_num_splits` picks the split count from the grid alone, so captured CUDA graphs keep a
-valid one.
+valid one. `split_buffers` and `combine_splits` are the launchers' side of it (paged MHA, MLA,
+sparse MLA).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import functools
 
 import torch
 
-from specserve.kernels.dispatch import jit, tl
+from specserve.kernels.dispatch import jit, next_power_of_2, tl
 
 MAX_SPLITS = 16  # upper bound on KV splits per (request, query block, kv head)
 MIN_COUNTERS = 4096  # smallest arrival-counter buffer (int32 entries, one per tile)
@@ -47,6 +48,33 @@ def _combine_splits_kernel(
     o = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + dv, o.to(out_ptr.dtype.element_ty),
              mask=dv < HEAD_DIM_V)  # fmt: skip
+
+
+def split_buffers(
+    out: torch.Tensor, num_splits: int
+) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """(partial outputs [T, N, S, D] fp32, their log2-sum-exps [T, N, S] fp32, the five strides
+    a kernel takes: o's t, n, s and lse's t, n) of a launch into out [T, N, D] whose tiles
+    split their KV num_splits ways. One split: `out` twice and zero strides (unused: the
+    kernel writes out itself)."""
+    if num_splits == 1:
+        return out, out, (0, 0, 0, 0, 0)
+    t, n, d = out.shape
+    mid_o = out.new_empty(t, n, num_splits, d, dtype=torch.float32)
+    mid_lse = out.new_empty(t, n, num_splits, dtype=torch.float32)
+    return mid_o, mid_lse, (*mid_o.stride()[:3], *mid_lse.stride()[:2])
+
+
+def combine_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor) -> None:
+    """The combine launch: out [T, N, D] <- the splits' partial outputs merged by weight."""
+    num_tokens, num_heads, head_dim_v = out.shape
+    num_splits = mid_o.shape[2]
+    _combine_splits_kernel[(num_tokens, num_heads)](
+        mid_o, mid_lse, out,
+        *mid_o.stride()[:3], *mid_lse.stride()[:2], out.stride(0), out.stride(1),
+        NUM_SPLITS=num_splits, BLOCK_S=next_power_of_2(num_splits),
+        HEAD_DIM_V=head_dim_v, BLOCK_DV=next_power_of_2(head_dim_v),
+    )  # fmt: skip
 
 
 _split_counters: dict[torch.device, torch.Tensor] = {}  # device -> zeroed int32 counters

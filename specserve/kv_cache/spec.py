@@ -6,6 +6,8 @@ pool from it and the speculative KV compaction moves rows through it, never thro
     MHA / GQA   k [page_size, num_kv_heads, head_dim] and v [page_size, num_kv_heads, head_dim_v]
     MLA         latent [page_size, kv_lora_rank + qk_rope_head_dim], one row [c_kv | k_pe] per
                 token (DeepSeek-V3 / Kimi K2: 512 + 64 = 576 values, shared by every head)
+    DSA         the MLA latent plus the indexer's key row index_k [page_size, index_head_dim]
+                (GLM-5: 576 + 128 values per token and layer; layers/dsa.py)
 
 A page is one page_size-token range of positions in EVERY layer: a request's page table serves
 all its layers (draft layers included) whatever their kind, so page tables, slot mappings and
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 class KVCacheSpec:
     """Per-layer page layout: named tensors, each [page_size, *row] for one page."""
 
-    kind: str  # "mha" (MHA/GQA, k + v) or "mla" (one latent row)
+    kind: str  # "mha" (MHA/GQA, k + v), "mla" (one latent row) or "dsa" (latent + index key)
     tensors: tuple[tuple[str, tuple[int, ...]], ...]  # (name, per-token row shape)
 
     @classmethod
@@ -37,6 +39,13 @@ class KVCacheSpec:
         """One latent page [page_size, kv_lora_rank + qk_rope_head_dim]: [c_kv | k_pe] per token
         (the same on every TP rank: MLA's latent is one KV head shared by all heads)."""
         return cls("mla", (("latent", (kv_lora_rank + qk_rope_head_dim,)),))
+
+    @classmethod
+    def dsa(cls, kv_lora_rank: int, qk_rope_head_dim: int, index_head_dim: int) -> KVCacheSpec:
+        """The MLA latent page and the indexer's key page [page_size, index_head_dim] (both the
+        same on every TP rank: the indexer is replicated)."""
+        latent = cls.mla(kv_lora_rank, qk_rope_head_dim).tensors
+        return cls("dsa", (*latent, ("index_k", (index_head_dim,))))
 
     @property
     def names(self) -> tuple[str, ...]:

@@ -246,13 +246,26 @@ class MLAAttention(CachedAttention):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         # positions [T], hidden [T, H] -> [T, H]
-        m, t = self.mla, hidden.shape[0]
-        if m.q_lora_rank is None:
-            q = self.q_proj(hidden)
+        q, _ = self.queries(hidden)
+        ops, cache, md = self.rope_and_store(positions, hidden, q)
+        return self.output(self.attend(ops, q, cache, md))
+
+    def queries(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(q [T, N, P + R], the normed q latent [T, q_lora_rank] or None without one)."""
+        if self.mla.q_lora_rank is None:
+            q_resid, q = None, self.q_proj(hidden)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
-        q = q.view(t, self.num_heads, m.qk_head_dim)  # [T, N, P + R]
-        q_nope, q_pe = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+            q_resid = self.q_a_layernorm(self.q_a_proj(hidden))
+            q = self.q_b_proj(q_resid)
+        return q.view(hidden.shape[0], self.num_heads, self.mla.qk_head_dim), q_resid
+
+    def rope_and_store(
+        self, positions: torch.Tensor, hidden: torch.Tensor, q: torch.Tensor
+    ) -> tuple[MLABackend, torch.Tensor, AttentionMetadata]:
+        """Rotate q's rope part in place and write this forward's latent rows; returns the
+        backend's MLA ops, the latent cache and the metadata addressing it (a scratch cache
+        of the new tokens when no pool is bound)."""
+        m = self.mla
         kv = self.kv_a_proj_with_mqa(hidden)  # [T, L + R]
         c_kv = self.kv_a_layernorm(kv[:, : m.kv_lora_rank].contiguous())  # [T, L]
         k_pe = kv[:, m.kv_lora_rank :]  # [T, R]
@@ -266,25 +279,34 @@ class MLAAttention(CachedAttention):
         if cache.numel() == 0:  # no pool bound: the new tokens are the whole KV
             cache, md = self._uncached(md, hidden)
         # q_pe is a view of q: rotated in place, q is the compute form's query as it stands
-        ops.rope_and_store(
-            positions,
-            q_pe,
-            c_kv,
-            k_pe,
-            self.rotary.table(),
-            m.rope_interleave,
-            cache,
-            md.slot_mapping,
-        )
-        form = self.form if self.form != "auto" else choose_form(md, self.num_heads, m)
+        q_pe = q[..., m.qk_nope_head_dim :]
+        ops.rope_and_store(positions, q_pe, c_kv, k_pe, self.rotary.table(), m.rope_interleave,
+                           cache, md.slot_mapping)  # fmt: skip
+        return ops, cache, md
+
+    def attend(
+        self, ops: MLABackend, q: torch.Tensor, cache: torch.Tensor, md: AttentionMetadata
+    ) -> torch.Tensor:
+        """Dense attention of q [T, N, P + R] over the cache, in the chosen form: o [T, N, V]."""
+        form = self.form if self.form != "auto" else choose_form(md, self.num_heads, self.mla)
         if form == "compute":
-            o = ops.compute(q, cache, md, self.scale, m.kv_lora_rank, self.expand)
-        else:
-            w_uk, w_uv = self.absorb_weights()
-            q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, N, L]
-            o_lat = ops.absorbed(q_lat, q_pe, cache, md, self.scale)  # [T, N, L]
-            o = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
-        return self.o_proj(o.reshape(t, self.num_heads * m.v_head_dim))  # o [T, N, V]
+            return ops.compute(q, cache, md, self.scale, self.mla.kv_lora_rank, self.expand)
+        q_nope, q_pe = q.split([self.mla.qk_nope_head_dim, self.mla.qk_rope_head_dim], dim=-1)
+        return self.unabsorb(ops.absorbed(self.absorb(q_nope), q_pe, cache, md, self.scale))
+
+    def absorb(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """q_nope [T, N, P] -> q_lat = q_nope W_UK [T, N, L]."""
+        w_uk, _ = self.absorb_weights()
+        return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+
+    def unabsorb(self, o_lat: torch.Tensor) -> torch.Tensor:
+        """o_lat [T, N, L] -> o = o_lat W_UV^T [T, N, V]."""
+        _, w_uv = self.absorb_weights()
+        return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        """o [T, N, V] -> o_proj [T, H] (this rank's partial sum without reduce_output)."""
+        return self.o_proj(o.reshape(o.shape[0], self.num_heads * self.mla.v_head_dim))
 
     def _uncached(
         self, md: AttentionMetadata, hidden: torch.Tensor

@@ -16,12 +16,13 @@ for a quantized format's scales and packed codes alike (layers/quantization/moe.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.config import MoEConfig
+from specserve.config import ModelConfig, MoEConfig
 from specserve.distributed.comm import all_reduce
 from specserve.distributed.parallel_state import get_tp_rank, get_tp_size
 from specserve.kernels.dispatch import use_triton
@@ -182,3 +183,12 @@ def make_mlp(
         return DeepseekMoE(hidden_size, moe, hidden_act, reduce_output, quant_config, prefix)
     return GatedMLP(hidden_size, intermediate_size, hidden_act, reduce_output, quant_config,
                     prefix)  # fmt: skip
+
+
+def mlp_layers(
+    config: ModelConfig, quant_config: QuantConfig | None = None
+) -> Callable[[int, str], nn.Module]:
+    """(layer index, checkpoint name) -> that decoder layer's feed-forward block (`make_mlp`),
+    leaving its TP partial sum to the decoder layer's reduce + add + norm."""
+    return lambda i, name: make_mlp(i, config.hidden_size, config.intermediate_size, config.moe,
+                                    config.hidden_act, False, quant_config, name)  # fmt: skip

@@ -1,9 +1,12 @@
 """Rotary position embedding (RoPE), rotate-half layout, with the common context extensions.
 
-For head_dim d and position p, pair i < d/2 rotates (x[i], x[i + d/2]) by angle p * inv_freq[i]:
-    out[i]       = x[i] * cos - x[i + d/2] * sin
-    out[i + d/2] = x[i + d/2] * cos + x[i] * sin
-Scaling types change inv_freq (and, for yarn, scale cos/sin by an attention factor).
+For rotary dims r and position p, pair i < r/2 rotates (x[i], x[i + r/2]) by angle
+p * inv_freq[i], inv_freq[i] = base^(-2i/r):
+    out[i]       = x[i] * cos - x[i + r/2] * sin
+    out[i + r/2] = x[i + r/2] * cos + x[i] * sin
+r is the head_dim, or a part of it (partial rotary, GLM-4.5: r = head_dim / 2): dims [r,
+head_dim) pass through unchanged. Scaling types change inv_freq (and, for yarn, scale cos/sin
+by an attention factor).
 """
 
 from __future__ import annotations
@@ -99,16 +102,17 @@ def compute_inv_freq(
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [T, heads, head_dim]; cos, sin [T, head_dim / 2]
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
+    # x [T, heads, head_dim]; cos, sin [T, r / 2]: the first r dims rotate, the rest pass
+    half = cos.shape[-1]
+    x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
     cos = cos.unsqueeze(1).to(x.dtype)
     sin = sin.unsqueeze(1).to(x.dtype)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
 
 
 class RotaryEmbedding(nn.Module):
     """cos/sin cached per position (fp32) up to `max_position`; positions are never clamped.
+    `rotary_dim` (default head_dim): the dims that rotate, the first of each head.
 
     The cache grows from host ints only (no device sync): in every forward, to the current
     attention metadata's max_seq_len (every position of a forward is below it). CUDA graphs
@@ -122,15 +126,22 @@ class RotaryEmbedding(nn.Module):
         max_position: int,
         base: float = 10000.0,
         rope_scaling: dict | None = None,
+        rotary_dim: int | None = None,
     ) -> None:
         super().__init__()
-        assert head_dim % 2 == 0, "RoPE needs an even head_dim"
+        rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+            raise ValueError(
+                f"rotary dims must be even and in (0, head_dim = {head_dim}], got {rotary_dim}: "
+                "check partial_rotary_factor"
+            )
         self.head_dim = head_dim
+        self.rotary_dim = rotary_dim
         inv_freq, self.attention_factor = compute_inv_freq(
-            head_dim, base, rope_scaling, max_position
+            rotary_dim, base, rope_scaling, max_position
         )
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        # [num_positions, head_dim]: cos in the first half, sin in the second
+        # [num_positions, rotary_dim]: cos in the first half, sin in the second
         self.register_buffer("cos_sin_cache", self._build(max_position), persistent=False)
 
     def _build(self, num_positions: int) -> torch.Tensor:

@@ -14,6 +14,7 @@ aux-hidden-state capture sets one.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 
 import torch
@@ -23,7 +24,10 @@ from specserve.config import ModelConfig
 from specserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from specserve.layers.norm import RMSNorm
 from specserve.layers.quantization import QuantConfig, get_quant_config
+from specserve.models.mtp import mtp_layer
 from specserve.models.weights import Stacked, load_named_weights
+
+log = logging.getLogger(__name__)
 
 
 class DecoderLayer(nn.Module):
@@ -88,7 +92,8 @@ class CausalLM(nn.Module):
 
     Subclasses set `stacked` (checkpoint fragments fused into our parameters) and may extend
     `skip_weight` (checkpoint tensors the model does not use). A subclass builds its layers
-    with `quant_config(config)`, the checkpoint's quantization (None: dense)."""
+    with `quant_config(config)`, the checkpoint's quantization (None: dense). The tensors of
+    the MTP / NextN layers the config declares (models/mtp.py) are recognised and skipped."""
 
     stacked: Stacked = ()
 
@@ -100,6 +105,7 @@ class CausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self._mtp_skipped: set[int] = set()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # input_ids, positions [T] -> final-normed hidden [T, H]
@@ -113,6 +119,17 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens
 
     def skip_weight(self, name: str) -> bool:
+        layer = mtp_layer(name, self.config.num_layers, self.config.num_mtp_layers)
+        if layer is not None:
+            if layer not in self._mtp_skipped:
+                self._mtp_skipped.add(layer)
+                log.info(
+                    "skipping the weights of MTP/NextN layer %d (model.layers.%d; not "
+                    "used for drafting yet)",
+                    layer,
+                    self.config.num_layers + layer,
+                )
+            return True
         if self.quant_config is not None and self.quant_config.skips_tensor(name):
             return True
         return self.config.tie_word_embeddings and name == "lm_head.weight"

@@ -8,21 +8,26 @@ pre-norm decoder of models/decoder.py with those modules.
 Checkpoint names are transformers' (`model.layers.L.self_attn.q_a_proj.weight`,
 `model.layers.L.mlp.experts.E.gate_proj.weight`, ...). MTP / NextN layers, stored as extra
 layers `model.layers.{num_hidden_layers + i}.*` (DeepSeek-V3: layer 61), are recognised and
-skipped (one log line) until a drafter uses them.
+skipped (one log line) until a drafter uses them (models/mtp.py).
+
+GLM-4.7-Flash (Glm4MoeLiteForCausalLM) is this model: MLA (q_lora_rank 768, P 192, R 64,
+V 256, interleaved rope) and the same sigmoid router with shared experts; its saved config
+gives mlp_layer_types instead of first_k_dense_replace.
 """
 
 from __future__ import annotations
 
 import logging
-import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
 from specserve.config import ModelConfig
 from specserve.layers.mla import MLAAttention, mla_rotary
-from specserve.layers.moe import make_mlp
+from specserve.layers.moe import mlp_layers
+from specserve.layers.quantization import QuantConfig
+from specserve.layers.rotary import RotaryEmbedding
 from specserve.models.decoder import CausalLM, DecoderModel, quant_config
 
 log = logging.getLogger(__name__)
@@ -30,7 +35,6 @@ log = logging.getLogger(__name__)
 # dense MLPs and shared experts fuse gate and up; routed experts load through expert_shards;
 # the MLA projections load unchanged
 STACKED_PARAMS = ((".gate_proj.", ".gate_up_proj.", 0), (".up_proj.", ".gate_up_proj.", 1))
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class DeepseekV3ForCausalLM(CausalLM):
@@ -44,37 +48,22 @@ class DeepseekV3ForCausalLM(CausalLM):
                 f"{config.architecture}: config.json lacks the MLA fields (kv_lora_rank, "
                 "qk_nope_head_dim, qk_rope_head_dim, v_head_dim)"
             )
-        if config.moe is not None and config.moe.mlp_layer_types is not None:
-            if len(config.moe.mlp_layer_types) != config.num_layers:
-                raise ValueError(
-                    f"mlp_layer_types has {len(config.moe.mlp_layer_types)} entries for "
-                    f"{config.num_layers} layers"
-                )
         rotary = mla_rotary(config)
         quant = quant_config(config)
         model = DecoderModel(
-            config, rotary,
-            lambda i, name: MLAAttention(config, i, rotary, reduce_output=False,
-                                         quant_config=quant, prefix=name),
-            lambda i, name: make_mlp(i, config.hidden_size, config.intermediate_size, config.moe,
-                                     config.hidden_act, False, quant, name),
+            config, rotary, self.attention_layers(config, rotary, quant),
+            mlp_layers(config, quant),
             prefix=f"{prefix}model",
         )  # fmt: skip
         super().__init__(config, model)
-        self._mtp_skipped: set[int] = set()
 
-    def skip_weight(self, name: str) -> bool:
-        match = _LAYER.match(name)
-        if match is None or int(match.group(1)) < self.config.num_layers:
-            return super().skip_weight(name)
-        layer = int(match.group(1))
-        if layer >= self.config.num_layers + self.config.num_mtp_layers:
-            return False  # not an MTP layer the config declares: reported as unexpected
-        if layer not in self._mtp_skipped:
-            self._mtp_skipped.add(layer)
-            log.info("skipping the weights of MTP/NextN layer %d (not used for drafting yet)",
-                     layer)  # fmt: skip
-        return True
+    @classmethod
+    def attention_layers(
+        cls, config: ModelConfig, rotary: RotaryEmbedding, quant: QuantConfig | None
+    ) -> Callable[[int, str], nn.Module]:
+        """(layer index, checkpoint name) -> its attention module (all share `rotary`)."""
+        return lambda i, name: MLAAttention(config, i, rotary, reduce_output=False,
+                                            quant_config=quant, prefix=name)  # fmt: skip
 
 
 class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):

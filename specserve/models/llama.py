@@ -1,8 +1,9 @@
 """Llama-family decoder (Llama, Qwen2, Qwen3, Mistral) in one implementation.
 
 Per-family differences are ModelConfig flags: GQA (num_kv_heads), q/k/v bias (Qwen2),
-per-head q/k RMSNorm before RoPE (Qwen3), rope scaling, tied embeddings, and a head_dim that
-need not be hidden_size / num_heads. Tensor parallelism lives in the layers; the decoder
+per-head q/k RMSNorm before RoPE (Qwen3), rope scaling, partial rotary, tied embeddings, and a
+head_dim that need not be hidden_size / num_heads. `LlamaAttention` also serves GLM-4.5's
+attention (models/glm4_moe.py). Tensor parallelism lives in the layers; the decoder
 structure (fused residual adds, LM head, loading) is models/decoder.py.
 """
 
@@ -29,6 +30,8 @@ STACKED_PARAMS = (
     (".gate_proj.", ".gate_up_proj.", 0),
     (".up_proj.", ".gate_up_proj.", 1),
 )
+# families whose attention_bias covers q/k/v only (o_proj has none)
+QKV_ONLY_BIAS = ("Qwen2", "Glm4Moe")
 
 
 class LlamaAttention(nn.Module):
@@ -42,8 +45,8 @@ class LlamaAttention(nn.Module):
             config.hidden_size, hd, config.num_heads, config.num_kv_heads, config.attention_bias,
             quant, child(prefix, "qkv_proj"),
         )  # fmt: skip
-        # Qwen2 puts a bias on q/k/v only; Llama-style attention_bias covers o_proj too
-        o_bias = config.attention_bias and not config.architecture.startswith("Qwen2")
+        # Qwen2 / GLM put a bias on q/k/v only; Llama-style attention_bias covers o_proj too
+        o_bias = config.attention_bias and not config.architecture.startswith(QKV_ONLY_BIAS)
         self.o_proj = RowParallelLinear(
             config.num_heads * hd,
             config.hidden_size,
@@ -74,13 +77,17 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, positions, self.rotary))  # [T, H]
 
 
+def llama_rotary(config: ModelConfig) -> RotaryEmbedding:
+    """The RoPE every layer shares: over config.rotary_dim of each head's head_dim dims."""
+    return RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
+                           config.rope_scaling, rotary_dim=config.rotary_dim)  # fmt: skip
+
+
 class LlamaForCausalLM(CausalLM):
     stacked = STACKED_PARAMS
 
     def __init__(self, config: ModelConfig) -> None:
-        rotary = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
-        )
+        rotary = llama_rotary(config)
         quant = quant_config(config)
         model = DecoderModel(
             config, rotary, lambda i, name: LlamaAttention(config, i, rotary, quant, name),

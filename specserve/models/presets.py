@@ -59,6 +59,40 @@ _DEEPSEEK_V3_4L = {
     "max_position_embeddings": 163840, "bos_token_id": 0, "eos_token_id": 1,
 }
 
+# GLM-4.5-Air per-layer dimensions, 4 layers: the dense first layer and three MoE layers (GQA
+# 96 q / 8 kv heads of 128, q/k/v bias, RoPE on 64 of 128 dims, 128 routed experts, top 8, one
+# shared, routed_scaling_factor 1); ~16 GB of bf16 weights
+_GLM_45_AIR_4L = {
+    "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "vocab_size": 151552,
+    "hidden_size": 4096, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+    "num_hidden_layers": 4, "num_attention_heads": 96, "num_key_value_heads": 8,
+    "head_dim": 128, "attention_bias": True, "use_qk_norm": False, "partial_rotary_factor": 0.5,
+    "n_routed_experts": 128, "num_experts_per_tok": 8, "n_shared_experts": 1, "n_group": 1,
+    "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.0,
+    "first_k_dense_replace": 1, "num_nextn_predict_layers": 0, "rms_norm_eps": 1e-5,
+    "rope_theta": 1000000.0, "max_position_embeddings": 131072, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "eos_token_id": [151329, 151336, 151338],
+}
+# GLM-5 per-layer dimensions, 3 layers: one dense and two MoE (GLM-5 has 3 dense of 78).
+# MLA q_lora 2048 / kv_lora 512, P 192 / R 64 / V 256, 64 heads; the DSA indexer (32 heads of
+# 128, top 2048 tokens); 256 routed experts, top 8, one shared; ~43 GB of bf16 weights
+_GLM_5_3L = {
+    "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "vocab_size": 154880,
+    "hidden_size": 6144, "intermediate_size": 12288, "moe_intermediate_size": 2048,
+    "num_hidden_layers": 3, "mlp_layer_types": ["dense", "sparse", "sparse"],
+    "num_attention_heads": 64, "num_key_value_heads": 64, "q_lora_rank": 2048,
+    "kv_lora_rank": 512, "qk_nope_head_dim": 192, "qk_rope_head_dim": 64, "v_head_dim": 256,
+    "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 32, "rope_interleave": True,
+    "indexer_rope_interleave": True, "n_routed_experts": 256, "num_experts_per_tok": 8,
+    "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5, "num_nextn_predict_layers": 0, "rms_norm_eps": 1e-5,
+    "rope_theta": 1000000.0, "max_position_embeddings": 202752, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": [154820, 154827, 154829],
+}
+# GLM-5 with index_topk past its context: every query selects every token, so the layers run
+# dense MLA (the sparse attention's baseline, same weights and cache)
+_GLM_5_3L_DENSE = {**_GLM_5_3L, "index_topk": _GLM_5_3L["max_position_embeddings"]}
+
 # how a preset's released checkpoints quantize, per --quantization family (random weights in
 # that format); a family not listed gets layers/quantization's generic preset
 _KIMI_K25_INT4 = {  # Kimi K2.5 / K2 Thinking: INT4 routed experts only, groups of 32
@@ -78,6 +112,9 @@ PRESETS: dict[str, dict] = {
     "tiny-llama": _TINY_LLAMA,
     "kimi-k2-3l": _KIMI_K2_3L,
     "deepseek-v3-4l": _DEEPSEEK_V3_4L,
+    "glm-4.5-air-4l": _GLM_45_AIR_4L,
+    "glm-5-3l": _GLM_5_3L,
+    "glm-5-3l-dense": _GLM_5_3L_DENSE,
 }
 
 

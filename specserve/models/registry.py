@@ -19,6 +19,8 @@ from specserve.models.deepseek_v3 import (
     DeepseekV3ForCausalLM,
     KimiK25ForConditionalGeneration,
 )
+from specserve.models.glm4_moe import Glm4MoeForCausalLM
+from specserve.models.glm_moe_dsa import GlmMoeDsaForCausalLM
 from specserve.models.llama import LlamaForCausalLM
 
 
@@ -41,6 +43,9 @@ _CLASSES: dict[str, type[nn.Module]] = {
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,  # DeepSeek-V3, Kimi K2 (model_type kimi_k2)
     "KimiK25ForConditionalGeneration": KimiK25ForConditionalGeneration,
     "Kimi_K25ForConditionalGeneration": KimiK25ForConditionalGeneration,  # transformers' name
+    "Glm4MoeForCausalLM": Glm4MoeForCausalLM,  # GLM-4.5 / 4.6 / 4.7 (GQA)
+    "Glm4MoeLiteForCausalLM": DeepseekV3ForCausalLM,  # GLM-4.7-Flash (MLA)
+    "GlmMoeDsaForCausalLM": GlmMoeDsaForCausalLM,  # GLM-5 (MLA + sparse attention)
 }
 MODEL_REGISTRY: dict[str, ModelEntry] = {a: _entry(a, c) for a, c in _CLASSES.items()}
 

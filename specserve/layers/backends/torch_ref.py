@@ -10,7 +10,9 @@ Per request r (host loop), with q_len new tokens and seq_len KV positions after 
 
 MLA layers (layers/mla.py) use `TorchRefBackend.mla`: the latent-cache write and the absorbed
 form through the references of kernels/mla_attention.py, the compute form by expanding each
-request's latent rows to per-head K/V and attending as above.
+request's latent rows to per-head K/V and attending as above. DSA layers (layers/dsa.py) use
+`TorchRefBackend.dsa`: the indexer scores and the sparse attention through the (graph-safe)
+references of kernels/dsa_index.py and kernels/sparse_mla.py.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ import torch
 
 from specserve.kernels import mla_attention as mla_ref
 from specserve.kernels.dispatch import EXACT
+from specserve.kernels.dsa_index import index_scores_ref
 from specserve.kernels.kv_store import store_kv_ref
 from specserve.kernels.mla_store import mla_store_ref
+from specserve.kernels.sparse_mla import sparse_mla_ref
 from specserve.layers.attention_metadata import AttentionMetadata
 
 
@@ -116,9 +120,24 @@ class TorchMLA:
         return out
 
 
+class TorchDSA:
+    """DSA ops of the reference backend (the DSABackend protocol of layers/dsa.py)."""
+
+    def index_scores(self, q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor,
+                     md: AttentionMetadata, first_token: int = 0) -> torch.Tensor:
+        return index_scores_ref(q, w, index_cache, md.query_start_loc, md.seq_lens,
+                                md.page_table, md.custom_mask, first_token)
+
+    def sparse_absorbed(self, q_lat: torch.Tensor, q_pe: torch.Tensor,
+                        latent_cache: torch.Tensor, slots: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+        return sparse_mla_ref(q_lat, q_pe, latent_cache, slots, scale)
+
+
 class TorchRefBackend:
     name = "torch_ref"
     mla = TorchMLA()
+    dsa = TorchDSA()
 
     def forward(
         self,

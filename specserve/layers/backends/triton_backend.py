@@ -9,7 +9,9 @@ can be recorded in CUDA graphs; no per-step host state is kept, so no graph hook
 MLA layers use `TritonBackend.mla`: the latent write (kernels/mla_store.py), the absorbed form
 (kernels/mla_attention.py, decode / causal / tree mask, graph-capturable) and the compute form
 (latent rows gathered and expanded to per-head K/V, then the paged-attention kernel above over
-them as a cache of one-token pages; eager batches only: it is sized by host lengths).
+them as a cache of one-token pages; eager batches only: it is sized by host lengths). DSA
+layers use `TritonBackend.dsa`: the indexer's scores (kernels/dsa_index.py) and the attention
+over the selected slots (kernels/sparse_mla.py), both graph-capturable.
 """
 
 from __future__ import annotations
@@ -79,6 +81,26 @@ class TritonMLA:
             kv_start[:, None] + offsets, md.max_query_len, scale, custom_mask=md.custom_mask)
 
 
+class TritonDSA:
+    """DSA ops on the Triton kernels (the DSABackend protocol of layers/dsa.py)."""
+
+    def __init__(self) -> None:
+        from specserve.kernels import dsa_index, sparse_mla
+
+        self._index = dsa_index
+        self._sparse = sparse_mla
+
+    def index_scores(self, q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor,
+                     md: AttentionMetadata, first_token: int = 0) -> torch.Tensor:
+        return self._index.index_scores(q, w, index_cache, md.query_start_loc, md.seq_lens,
+                                        md.page_table, md.custom_mask, first_token)
+
+    def sparse_absorbed(self, q_lat: torch.Tensor, q_pe: torch.Tensor,
+                        latent_cache: torch.Tensor, slots: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+        return self._sparse.sparse_mla_attention(q_lat, q_pe, latent_cache, slots, scale)
+
+
 class TritonBackend:
     name = "triton"
     fuses_rope = True  # forward(rope=...) rotates q/k in the KV-write launch
@@ -91,6 +113,7 @@ class TritonBackend:
         self._kv_store = kv_store
         self._rotary = rotary
         self.mla = TritonMLA()
+        self.dsa = TritonDSA()
 
     def forward(
         self,
