@@ -11,6 +11,7 @@ its `SpecMethod` entry `implemented` and giving the engine its drafter; its own 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
@@ -44,6 +45,31 @@ def max_tree_nodes(num_steps: int, topk: int) -> int:
     return 1 + topk + (num_steps - 1) * topk**2
 
 
+def mode_name(topk: int, num_steps: int, num_draft_tokens: int) -> str:
+    """'chain3' (topk 1, every node verified) or 'tree4x3x8' (topk x steps x tokens)."""
+    if topk == 1 and num_draft_tokens == num_steps + 1:
+        return f"chain{num_steps}"
+    return f"tree{topk}x{num_steps}x{num_draft_tokens}"
+
+
+def parse_mode(name: str) -> tuple[int, int, int]:
+    """(topk, num_steps, num_draft_tokens) of a draft mode name (see mode_name); ValueError
+    saying how to write one, or when the tree cannot hold that many tokens."""
+    chain = re.fullmatch(r"chain(\d+)", name)
+    tree = re.fullmatch(r"tree(\d+)x(\d+)x(\d+)", name)
+    if chain:
+        topk, steps, tokens = 1, int(chain.group(1)), int(chain.group(1)) + 1
+    elif tree:
+        topk, steps, tokens = (int(g) for g in tree.groups())
+    else:
+        raise ValueError(f"draft mode {name!r}: write chainS (S draft steps) or treeKxSxN "
+                         "(top-k K, S steps, N tokens verified), e.g. chain3,tree4x3x8")
+    if topk < 1 or steps < 1 or not 2 <= tokens <= max_tree_nodes(steps, topk):
+        raise ValueError(f"draft mode {name!r}: needs K, S >= 1 and N in [2, "
+                         f"{max_tree_nodes(max(steps, 1), max(topk, 1))}]")
+    return topk, steps, tokens
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     CLI_PREFIX: ClassVar[str] = "spec"
@@ -75,9 +101,40 @@ class SpecConfig:
         "eagle_config.aux_layer_convention, else input",
         choices=("auto", "input", "output"),
     )
+    synthetic_accept_rate: float = option(
+        0.0,
+        "COST-ONLY benchmarking: random acceptance instead of verification; each request draws "
+        "its own per-draft acceptance rate uniformly around this mean (as wide as [0, 1] "
+        "allows) and each cycle draws where its drafts are rejected (0 = off)",
+        min=0.0,
+        max=0.99,
+    )
+    policy: str = option(
+        "static",
+        "when to speculate: static (every step, the configured shape) | adaptive (per step, "
+        "the mode of best expected tokens/s from a start-up cost table and per-request "
+        "acceptance, off included)",
+        choices=("static", "adaptive"),
+        flags=("--spec-policy", "--speculative-policy"),
+    )
+    modes: str = option(
+        "",
+        "draft modes the adaptive policy may choose besides the configured one, e.g. "
+        "'chain1,chain2,tree4x3x8' (chainS: S steps; treeKxSxN: top-k K, S steps, N tokens "
+        "verified); each gets its own CUDA graphs",
+        metavar="MODES",
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)
+        for name in self.mode_names:
+            try:
+                parse_mode(name)
+            except ValueError as exc:
+                raise ConfigError(SpecConfig, "modes", str(exc)) from None
+        if self.synthetic_accept_len and self.synthetic_accept_rate:
+            raise ConfigError(SpecConfig, "synthetic_accept_rate",
+                              "and synthetic_accept_len are both set; give one")
         method = METHODS.get(self.algorithm)
         if self.algorithm != "none" and method is None:
             raise ConfigError(
@@ -101,6 +158,10 @@ class SpecConfig:
                 f"{self.topk} and {self.num_steps} steps, got {self.verify_tokens}",
             )
         if not self.enabled:
+            if self.policy != "static":
+                raise ConfigError(SpecConfig, "policy",
+                                  f"{self.policy} needs speculation: choose a method and a "
+                                  "draft model")
             if self.draft_model:
                 raise ConfigError(
                     SpecConfig,
@@ -126,6 +187,17 @@ class SpecConfig:
         return self.algorithm != "none"
 
     @property
+    def synthetic(self) -> bool:
+        """Cost-only acceptance (fixed length or random per request): the output is not the
+        target's."""
+        return bool(self.synthetic_accept_len or self.synthetic_accept_rate)
+
+    @property
+    def mode_names(self) -> list[str]:
+        """The extra draft modes (spec.modes), in order."""
+        return [m.strip() for m in self.modes.split(",") if m.strip()]
+
+    @property
     def verify_tokens(self) -> int:
         """Tokens run through the target per cycle, the root included."""
         if self.num_draft_tokens:
@@ -141,8 +213,13 @@ class SpecConfig:
             f"speculation {self.algorithm} ({shape}, {self.num_steps} draft steps, "
             f"{self.verify_tokens} tokens verified per cycle; head {self.draft_model})"
         )
+        if self.mode_names or self.policy != "static":
+            text += f"; policy {self.policy}, modes {', '.join(self.mode_names) or '-'}"
         if self.synthetic_accept_len:
             text += f" [COST-ONLY: accept length forced to {self.synthetic_accept_len}]"
+        if self.synthetic_accept_rate:
+            text += (f" [COST-ONLY: random acceptance, mean rate "
+                     f"{self.synthetic_accept_rate}]")
         return text
 
 

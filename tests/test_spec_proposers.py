@@ -151,14 +151,15 @@ def test_second_proposer_is_lossless(pair, plain_outputs, shape: dict) -> None:
 
 SWITCHING = {
     "chain3": dict(num_steps=3, topk=1),
-    "tree4x8": dict(num_steps=3, topk=4, num_draft_tokens=8),
+    "tree4x3x8": dict(num_steps=3, topk=4, num_draft_tokens=8, modes="chain1,tree2x2x4"),
 }
 
 
 NUM_PAGES = 40  # small enough to force preemptions
 
 
-def _drive(pair, spec: dict | None, pattern: list[bool] | None, overlap: str, seed: int):
+def _drive(pair, spec: dict | None, pattern: list[str | None] | None, overlap: str,
+           seed: int):
     engine = Engine(
         EngineConfig(
             model=pair[0],
@@ -193,9 +194,12 @@ def test_switching_speculation_off_and_on_is_lossless(
     pair, plain_workload, name: str, overlap: str
 ) -> None:
     ref = plain_workload
-    # on for 3 steps, off for 4, on for 1, off for 2: every transition kind, short and long
-    pattern = [True] * 3 + [False] * 4 + [True] + [False] * 2
-    got, params, engine, preempted = _drive(pair, SWITCHING[name], pattern, overlap, seed=4)
+    spec = SWITCHING[name]
+    # on for 3 steps, off for 4, on for 1, off for 2 (every transition, short and long), and
+    # with several modes, chain <-> tree <-> off
+    extra = [m for m in spec.get("modes", "").split(",") if m]
+    pattern = [name] * 3 + [None] * 4 + [name] + [None] * 2 + [m for m in extra for _ in (0, 1)]
+    got, params, engine, preempted = _drive(pair, spec, pattern, overlap, seed=4)
     compared = 0
     for rid, (tokens, reason) in got.items():
         if not params[rid].greedy or "abort" in (reason, ref[rid][1]):
@@ -205,6 +209,7 @@ def test_switching_speculation_off_and_on_is_lossless(
     assert compared >= 8
     c = engine.drafter.counters
     assert c.num_drafts > 20 and c.num_catch_ups > 5 and c.num_catch_up_tokens > c.num_catch_ups
+    assert all(c.mode_steps[m] > 5 for m in [name, "off", *extra]), c.mode_steps
     assert engine.allocator.num_free == engine.allocator.num_total
     assert preempted, "the pool was sized to force preemptions"
     assert not engine.drafter.covered and not engine.drafter.state, "per-request state leaked"

@@ -332,7 +332,7 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
         "benchmark": "latency", "label": args.label, "model": config.model,
         "device": str(engine.runner.device), "dtype": str(engine.runner.dtype).split(".")[-1],
         "acceptance": None if not spec.enabled else (
-            SYNTHETIC if spec.synthetic_accept_len else "real"),
+            SYNTHETIC if spec.synthetic else "real"),
         "output_len": args.output_len, "runs": args.runs, "warmup": args.warmup,
         "prompts": args.prompts or "random token ids", "startup_s": startup_s,
         "environment": environment_info(),

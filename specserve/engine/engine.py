@@ -123,7 +123,9 @@ class Engine:
         self.runner = self.executor.runner
         self.drafter: SpecWorker | None = self.executor.drafter
         self._drafter = self.drafter  # kept while speculation is switched off
-        self.spec_policy: SpecPolicy = StaticPolicy()
+        self.spec_policy: SpecPolicy | None = None
+        if self.drafter is not None:
+            self.spec_policy = StaticPolicy(self.drafter.default_mode)
         self.startup_seconds = time.perf_counter() - t0
         self.allocator = PageAllocator(self.runner.num_pages)
         self.prefix_cache = self._prefix_cache()
@@ -245,15 +247,15 @@ class Engine:
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        speculate = False
+        mode = None
         if self.drafter is not None:  # decided before scheduling: off reserves no lookahead
-            speculate = self.spec_policy.choose()
-            self.scheduler.lookahead = self.drafter.lookahead if speculate else 0
+            mode = self.spec_policy.choose()
+            self.scheduler.lookahead = self.drafter.lookahead_of(mode)
         out = self.scheduler.schedule()
         if not out.scheduled:
             self._release(out)
             return []
-        result = self.executor.execute(build_step_input(out, speculate))
+        result = self.executor.execute(build_step_input(out, mode))
         self._record_spec(out, result)
         self.scheduler.update(out, result.token_ids, result.num_computed,
                               result.draft_computed)

@@ -12,28 +12,32 @@ from typing import Protocol
 
 
 class SpecPolicy(Protocol):
-    def choose(self) -> bool:
-        """Before scheduling a step: may it speculate?"""
+    def choose(self) -> str | None:
+        """Before scheduling a step: the draft mode it runs (a DraftShape name), None: off."""
         ...
 
 
 class StaticPolicy:
-    """Speculate on every step (the configured draft shape)."""
+    """Speculate on every step with one mode (the configured draft shape)."""
 
-    def choose(self) -> bool:
-        return True
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+
+    def choose(self) -> str | None:
+        return self.mode
 
 
 class ScriptedPolicy:
-    """A fixed on/off pattern, repeated step after step (switch-cost benchmarks, tests)."""
+    """A fixed pattern of modes (None: off), repeated step after step (switch-cost
+    benchmarks, tests)."""
 
-    def __init__(self, pattern: Sequence[bool]) -> None:
+    def __init__(self, pattern: Sequence[str | None]) -> None:
         if not pattern:
             raise ValueError("the pattern needs at least one step")
-        self.pattern = [bool(p) for p in pattern]
+        self.pattern = list(pattern)
         self.steps = 0
 
-    def choose(self) -> bool:
-        on = self.pattern[self.steps % len(self.pattern)]
+    def choose(self) -> str | None:
+        mode = self.pattern[self.steps % len(self.pattern)]
         self.steps += 1
-        return on
+        return mode

@@ -8,9 +8,13 @@ from specserve.engine.scheduler import SchedulerOutput
 from specserve.worker.step_input import StepInput
 
 
-def build_step_input(out: SchedulerOutput, speculate: bool | np.ndarray = False) -> StepInput:
+def build_step_input(out: SchedulerOutput, spec_mode: str | None = None,
+                     speculate: bool | np.ndarray = True) -> StepInput:
     """One row per scheduled entry, in out.scheduled order (a StepOutput's rows align).
-    speculate: which rows may speculate this step (one flag for all, or one per row)."""
+    spec_mode: the draft mode of this step (None: plain); speculate: which rows may use it
+    (one flag for all, or one per row)."""
+    if spec_mode is None:
+        speculate = False
     rows = out.scheduled
     token_ids: list[int] = []
     page_ids: list[int] = []
@@ -50,4 +54,5 @@ def build_step_input(out: SchedulerOutput, speculate: bool | np.ndarray = False)
         page_ids=np.array(page_ids, dtype=np.int32),
         finished_ids=list(out.finished_ids),
         preempted_ids=[r.request_id for r in out.preempted],
+        spec_mode=spec_mode or "",
     )

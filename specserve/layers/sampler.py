@@ -22,6 +22,8 @@ from specserve.sampling_params import GREEDY_BELOW, SamplingParams
 
 SAMPLE_SALT = 0  # salt of the token draws (token_uniforms)
 ACCEPT_SALT = 1  # a second stream (no engine draw uses it)
+SYNTHETIC_RATE_SALT = 2  # a request's synthetic acceptance rate (cost-only benchmarks)
+SYNTHETIC_DRAW_SALT = 3  # a cycle's synthetic acceptance draws
 
 _M64 = (1 << 64) - 1
 

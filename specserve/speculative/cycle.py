@@ -15,11 +15,24 @@ from __future__ import annotations
 import torch
 
 from specserve.kernels.kv_compact import compact_kv
-from specserve.layers.sampler import SamplingTensors, probs_from_logits, token_uniforms
+from specserve.layers.sampler import (
+    SYNTHETIC_DRAW_SALT,
+    SYNTHETIC_RATE_SALT,
+    SamplingTensors,
+    probs_from_logits,
+    token_uniforms,
+    uniform_noise,
+)
 from specserve.models.capture import AuxHiddenCapture
 from specserve.speculative.proposer import DraftShape, Proposer
 from specserve.speculative.tree import DraftTree
-from specserve.speculative.verify import VerifyResult, synthetic_accept, verify, walk_tree
+from specserve.speculative.verify import (
+    VerifyResult,
+    synthetic_accept,
+    synthetic_accept_lengths,
+    verify,
+    walk_tree,
+)
 
 MODES = ("greedy", "sample", "synthetic")
 
@@ -35,13 +48,15 @@ def kv_slots(page_table: torch.Tensor, pos: torch.Tensor, page_size: int,
 
 class SpecCycle:
     def __init__(self, runner, proposer: Proposer, shape: DraftShape, lookahead: int,
-                 capture: AuxHiddenCapture | None, synthetic_accept_len: int = 0) -> None:
+                 capture: AuxHiddenCapture | None, synthetic_accept_len: int = 0,
+                 synthetic_accept_rate: float = 0.0) -> None:
         self.runner = runner  # ModelRunner
         self.proposer = proposer
         self.shape = shape
         self.lookahead = lookahead  # slots past the root the cycle may write
         self.capture = capture  # the target's aux hidden states, when the proposer needs them
         self.synthetic_accept_len = synthetic_accept_len
+        self.synthetic_accept_rate = synthetic_accept_rate
         self.k, self.num_steps, self.n = shape.topk, shape.num_steps, shape.num_draft_tokens
 
     def run(self, mode: str, state: torch.Tensor, root_pos: torch.Tensor,
@@ -82,7 +97,8 @@ class SpecCycle:
             capture.disable()
         logits = runner.compute_logits(hidden).view(bs, n, -1)  # [bs, n, V]
         if mode == "synthetic":
-            return synthetic_accept(tree, self.synthetic_accept_len, logits), feats
+            return synthetic_accept(tree, self._synthetic_lengths(tree, st, root_pos),
+                                    logits), feats
         if mode == "greedy":
             return walk_tree(tree, logits.argmax(dim=-1)), feats
         v = logits.shape[-1]
@@ -90,6 +106,19 @@ class SpecCycle:
         # node i decides the token at its position + 1: the draw is keyed by that position
         uniforms = token_uniforms(st.seeds, tree.positions(root_pos) + 1)
         return verify(tree, probs, uniforms), feats
+
+    def _synthetic_lengths(self, tree: DraftTree, st: SamplingTensors,
+                           root_pos: torch.Tensor) -> int | torch.Tensor:
+        """COST-ONLY accept lengths: the fixed one, or random: request r's acceptance rate
+        is uniform on [a - d, a + d] (a the configured mean, d = min(a, 1 - a)), keyed by its
+        seed; each cycle's draws are keyed by (seed, root position)."""
+        a = self.synthetic_accept_rate
+        if not a:
+            return self.synthetic_accept_len
+        u = uniform_noise(st.seeds, torch.zeros_like(st.seeds), 1, SYNTHETIC_RATE_SALT)[:, 0]
+        rates = a + (2.0 * u - 1.0) * min(a, 1.0 - a)  # [bs]
+        draws = uniform_noise(st.seeds, root_pos, tree.max_depth + 1, SYNTHETIC_DRAW_SALT)
+        return synthetic_accept_lengths(tree, rates, draws)
 
     def compact_kv(self, result: VerifyResult, window: torch.Tensor, valid: torch.Tensor) -> None:
         """Move the accepted nodes' target K/V from P + node to P + depth (fixed shapes: rows

@@ -37,6 +37,7 @@ from typing import Protocol
 import torch
 
 from specserve.spec_config import max_tree_nodes
+from specserve.spec_config import mode_name, parse_mode
 from specserve.speculative.tree import DraftTree
 from specserve.speculative.verify import VerifyResult
 
@@ -64,9 +65,27 @@ class DraftShape:
         """Most tokens one cycle emits (the accepted path plus the bonus)."""
         return self.num_steps + 1
 
+    @property
+    def name(self) -> str:
+        return mode_name(self.topk, self.num_steps, self.num_draft_tokens)
+
+    @classmethod
+    def parse(cls, name: str) -> DraftShape:
+        """The inverse of `name`."""
+        return cls(*parse_mode(name))
+
     @classmethod
     def from_config(cls, spec) -> DraftShape:  # spec: SpecConfig
         return cls(spec.topk, spec.num_steps, spec.verify_tokens)
+
+
+def draft_shapes(spec) -> list[DraftShape]:  # spec: SpecConfig
+    """The configured shape first, then the other modes a policy may choose (spec.modes)."""
+    shapes = [DraftShape.from_config(spec)]
+    for name in spec.mode_names:
+        if DraftShape.parse(name) not in shapes:
+            shapes.append(DraftShape.parse(name))
+    return shapes
 
 
 class Proposer(Protocol):

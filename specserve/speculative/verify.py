@@ -33,7 +33,7 @@ class VerifyResult:
 
 
 def walk_tree(
-    tree: DraftTree, target_tokens: torch.Tensor, max_accept: int | None = None
+    tree: DraftTree, target_tokens: torch.Tensor, max_accept: int | torch.Tensor | None = None
 ) -> VerifyResult:
     """Accept the path of children that match the target's token at each node.
 
@@ -45,7 +45,12 @@ def walk_tree(
     """
     bs, n = tree.tokens.shape
     width = tree.max_depth + 1
-    limit = tree.max_depth if max_accept is None else min(max_accept, tree.max_depth)
+    if max_accept is None:
+        limit = tree.max_depth
+    elif isinstance(max_accept, torch.Tensor):  # [bs] per row
+        limit = max_accept.clamp(max=tree.max_depth)[:, None]
+    else:
+        limit = min(max_accept, tree.max_depth)
     x = target_tokens.long()
     parents, tokens = tree.parents, tree.tokens
     idx = torch.arange(n, device=tokens.device)
@@ -78,26 +83,53 @@ def verify(tree: DraftTree, probs: torch.Tensor, uniforms: torch.Tensor) -> Veri
     return walk_tree(tree, sample_per_node(probs, uniforms))
 
 
+def _deepest_path(tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
+    """The path from the root to the first node of maximal depth: is_child [bs, n, n]
+    (is_child[b, i, j]: j is the path child of i) and has_child [bs, n]."""
+    n = tree.num_nodes
+    node_ids = torch.arange(n, device=tree.tokens.device)
+    deepest = (tree.depth * (n + 1) - node_ids).argmax(dim=1)  # [bs] first node of max depth
+    on_path = tree.mask.gather(1, deepest[:, None, None].expand(-1, 1, n)).squeeze(1)  # [bs, n]
+    is_child = (tree.parents[:, None, :] == node_ids[None, :, None]) & on_path[:, None, :]
+    return is_child, is_child.any(dim=2)
+
+
 def synthetic_accept(
-    tree: DraftTree, accept_len: int, probs: torch.Tensor | None = None
+    tree: DraftTree, accept_len: int | torch.Tensor, probs: torch.Tensor | None = None
 ) -> VerifyResult:
-    """COST-ONLY benchmarking: accept accept_len - 1 nodes along the path to the deepest node.
+    """COST-ONLY benchmarking: accept accept_len - 1 nodes along the path to the deepest node
+    (accept_len: one for all rows, or [bs]).
 
     The path leads from the root to the first node of maximal depth, so the forced accept
     length is reached whenever the tree is deep enough. The bonus is the target argmax at the
     last accepted node when probs [bs, n, V] are given, else that node's own token. Output is
     not the target's: never use it for real text.
     """
-    if accept_len < 1:
+    if isinstance(accept_len, int) and accept_len < 1:
         raise ValueError(f"synthetic accept length must be >= 1, got {accept_len}")
-    bs, n = tree.tokens.shape
-    node_ids = torch.arange(n, device=tree.tokens.device)
-    deepest = (tree.depth * (n + 1) - node_ids).argmax(dim=1)  # [bs] first node of max depth
-    on_path = tree.mask.gather(1, deepest[:, None, None].expand(-1, 1, n)).squeeze(1)  # [bs, n]
-    # the path child of each node: the on-path node whose parent it is
-    is_child = (tree.parents[:, None, :] == node_ids[None, :, None]) & on_path[:, None, :]
-    has_child = is_child.any(dim=2)  # [bs, n]
+    is_child, has_child = _deepest_path(tree)
     child_token = tree.tokens.gather(1, is_child.to(torch.int8).argmax(dim=2))
     bonus = tree.tokens if probs is None else probs.argmax(dim=-1)  # [bs, n]
-    follow = has_child & (tree.depth < accept_len - 1)
+    limit = accept_len[:, None] if isinstance(accept_len, torch.Tensor) else accept_len
+    follow = has_child & (tree.depth < limit - 1)
     return walk_tree(tree, torch.where(follow, child_token, bonus), max_accept=accept_len - 1)
+
+
+def synthetic_accept_lengths(tree: DraftTree, rates: torch.Tensor,
+                             uniforms: torch.Tensor) -> torch.Tensor:
+    """COST-ONLY: random accept lengths [bs] along the deepest path. A path node with c
+    children (candidates) passes to the next depth with probability 1 - (1 - rate)^c (each
+    candidate accepted with the row's rate); uniforms [bs, >= max_depth] decide, one per depth;
+    the walk stops at the first failure. rates [bs] in [0, 1]."""
+    is_child, has_child = _deepest_path(tree)
+    num_children = (tree.parents[:, None, :] == torch.arange(
+        tree.num_nodes, device=tree.tokens.device)[None, :, None]).sum(dim=2)  # [bs, n]
+    p_pass = 1.0 - (1.0 - rates[:, None].float()) ** num_children.float()  # [bs, n]
+    depth = tree.depth.clamp(max=uniforms.shape[1] - 1)
+    ok = uniforms.gather(1, depth) < p_pass  # [bs, n] the node's path child is accepted
+    # a path node at depth d counts iff it has a path child and it and every path ancestor pass
+    step = torch.where(has_child, ok, False)
+    on_path = has_child | is_child.any(dim=1)
+    blocked = (tree.mask & (on_path & ~step)[:, None, :]).any(dim=2)  # [bs, n] a failed ancestor
+    passed = on_path & has_child & ~blocked
+    return 1 + passed.sum(dim=1)

@@ -30,6 +30,8 @@ tokens of prefill chunks, when a step has any).
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,14 +41,20 @@ from specserve.config import SpecConfig
 from specserve.models.capture import AuxHiddenCapture
 from specserve.speculative.cycle import SpecCycle
 from specserve.speculative.cycle_runner import CycleRunner
-from specserve.speculative.proposer import DraftShape, Proposer
+from specserve.speculative.proposer import DraftShape, Proposer, draft_shapes
 from specserve.worker.forward_batch import build_attention_metadata
 from specserve.worker.step_input import StepInput, StepOutput
+
+log = logging.getLogger(__name__)
+
+
+def _device_memory(device: torch.device) -> int:
+    return torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
 
 
 @dataclass
 class SpecCounters:
-    """Totals with the meaning of vLLM's spec_decode metrics, plus catch-up work."""
+    """Totals with the meaning of vLLM's spec_decode metrics, plus mode and catch-up work."""
 
     num_drafts: int = 0  # draft-verify cycles
     num_draft_tokens: int = 0  # draft tokens proposed (root excluded)
@@ -54,6 +62,17 @@ class SpecCounters:
     accepted_per_pos: list[int] = field(default_factory=list)
     num_catch_ups: int = 0  # rows whose proposer caught up after plain steps
     num_catch_up_tokens: int = 0  # positions it caught up over
+    mode_steps: dict[str, int] = field(default_factory=dict)  # steps per mode ("off": plain)
+
+
+@dataclass
+class DraftMode:
+    """One draft shape with its cycle, its graphs and the slots it needs past the root."""
+
+    shape: DraftShape
+    lookahead: int  # slots past the root a decode must own: verify nodes and draft scratch
+    cycle: SpecCycle
+    cycles: CycleRunner
 
 
 class SpecWorker:
@@ -61,50 +80,65 @@ class SpecWorker:
         self.spec = spec
         self.runner = runner  # ModelRunner
         self.proposer = proposer
-        self.shape = DraftShape.from_config(spec)
-        self.k, self.num_steps, self.n = (
-            self.shape.topk,
-            self.shape.num_steps,
-            self.shape.num_draft_tokens,
-        )
         self.capture = None
         if proposer.needs_target_features:
             self.capture = AuxHiddenCapture(runner.model, list(proposer.aux_layer_ids))
             self.capture.disable()
-        # slots past the root a decode must own: the verify nodes and the draft scratch
-        self.lookahead = max(self.n, proposer.scratch_slots(self.shape)) - 1
-        self.counters = SpecCounters(accepted_per_pos=[0] * self.num_steps)
+        self.modes: dict[str, DraftMode] = {}
+        t0, mem0 = time.perf_counter(), _device_memory(runner.device)
+        for shape in draft_shapes(spec):
+            lookahead = max(shape.num_draft_tokens, proposer.scratch_slots(shape)) - 1
+            cycle = SpecCycle(runner, proposer, shape, lookahead, self.capture,
+                              spec.synthetic_accept_len, spec.synthetic_accept_rate)
+            cycles = CycleRunner(cycle, proposer.state_dim, proposer.state_dtype,
+                                 spec.synthetic)
+            self.modes[shape.name] = DraftMode(shape, lookahead, cycle, cycles)
+        if self.num_graphs:
+            log.info("speculative graphs: %d for modes %s in %.1f s, %.0f MiB of device memory",
+                     self.num_graphs, ", ".join(self.modes), time.perf_counter() - t0,
+                     (_device_memory(runner.device) - mem0) / 2**20)
+        default = next(iter(self.modes.values()))  # the configured shape
+        self.default_mode = default.shape.name
+        self.shape, self.cycle, self.cycles = default.shape, default.cycle, default.cycles
+        self.k, self.num_steps, self.n = (self.shape.topk, self.shape.num_steps,
+                                          self.shape.num_draft_tokens)
+        # admission and page reservations: the most any mode needs
+        self.lookahead = max(m.lookahead for m in self.modes.values())
+        max_steps = max(m.shape.num_steps for m in self.modes.values())
+        self.counters = SpecCounters(accepted_per_pos=[0] * max_steps,
+                                     mode_steps=dict.fromkeys(["off", *self.modes], 0))
         # per request id: the proposer's state row after position covered - 1, positions
         # covered, and (while stale) the tokens run past them
         self.state: dict[str, torch.Tensor] = {}
         self.covered: dict[str, int] = {}
         self.pending: dict[str, list[int]] = {}
-        self.cycle = SpecCycle(
-            runner, proposer, self.shape, self.lookahead, self.capture, spec.synthetic_accept_len
-        )
-        self.cycles = CycleRunner(
-            self.cycle,
-            proposer.state_dim,
-            proposer.state_dtype,
-            synthetic=bool(spec.synthetic_accept_len),
-        )
         self.overlap = runner.overlap
         # overlap: the next cycle is launched before this one is read; its requests keep the
         # slots it may write, up to W + lookahead past their valid KV
-        self.keep_ahead = self.shape.width + self.lookahead if self.overlap else 0
+        self.keep_ahead = 0
+        if self.overlap:
+            self.keep_ahead = max(m.shape.width + m.lookahead for m in self.modes.values())
 
     # -- introspection -------------------------------------------------------------------------
     @property
     def graphs(self):
+        """The configured mode's graphs (None where graphs are off)."""
         return self.cycles.graphs
 
     @property
+    def num_graphs(self) -> int:
+        return sum(m.cycles.num_graphs for m in self.modes.values())
+
+    @property
     def cycles_launched(self) -> int:
-        return self.cycles.cycles_launched
+        return sum(m.cycles.cycles_launched for m in self.modes.values())
 
     @property
     def cycles_launched_ahead(self) -> int:
-        return self.cycles.cycles_launched_ahead
+        return sum(m.cycles.cycles_launched_ahead for m in self.modes.values())
+
+    def lookahead_of(self, mode: str | None) -> int:
+        return 0 if mode is None else self.modes[mode].lookahead
 
     # -- per-request state ---------------------------------------------------------------------
     def release(self, request_id: str) -> None:
@@ -117,8 +151,10 @@ class SpecWorker:
         for rid in list(self.covered):
             self.release(rid)
 
-    def discard_launched(self) -> None:
-        self.cycles.discard_launched()
+    def discard_launched(self, keep: DraftMode | None = None) -> None:
+        for mode in self.modes.values():
+            if mode is not keep:
+                mode.cycles.discard_launched()
 
     def close(self) -> None:
         """Drop the cycle graphs and per-request state and unhook the target (idempotent)."""
@@ -140,15 +176,15 @@ class SpecWorker:
             and (bool(pending) or rid in self.state)
         )
 
-    def _can_speculate(self, step: StepInput, i: int) -> bool:
+    def _can_speculate(self, step: StepInput, i: int, mode: DraftMode) -> bool:
         """A decode that may speculate, whose proposer covers [0, P) (or can be caught up)
-        and whose pages hold the verify nodes and the draft scratch."""
+        and whose pages hold the mode's verify nodes and draft scratch."""
         start = int(step.starts[i])
         return bool(
             step.speculate[i]
             and step.num_new_tokens[i] == 1
             and step.samples[i]
-            and step.page_counts[i] * self.runner.page_size >= start + 1 + self.lookahead
+            and step.page_counts[i] * self.runner.page_size >= start + 1 + mode.lookahead
             and self._reachable(step.request_ids[i], start)
         )
 
@@ -176,8 +212,15 @@ class SpecWorker:
         for rid in step.finished_ids + step.preempted_ids:
             self.release(rid)  # preempted: their KV is gone; re-prefill rebuilds the state
         self._restore_cached(step)
-        if not step.speculate.any():  # off: the plain step, no draft forward
-            self.cycles.discard_launched()
+        mode = None
+        if step.speculate.any():
+            mode = self.modes.get(step.spec_mode)
+            if mode is None:
+                raise ValueError(f"draft mode {step.spec_mode!r} is not one of {list(self.modes)}")
+        self.discard_launched(keep=mode)  # a launch ahead is only taken by its own mode
+        if step.bs:
+            self.counters.mode_steps["off" if mode is None else mode.shape.name] += 1
+        if mode is None:  # off: the plain step, no draft forward
             self._record(step, range(step.bs))
             out = self.runner.execute(step)
             out.draft_computed = self._draft_computed(step)
@@ -186,7 +229,7 @@ class SpecWorker:
         tokens: list[list[int]] = [[] for _ in range(step.bs)]
         computed = step.num_new_tokens.tolist()
         drafted = [0] * step.bs
-        decodes = [i for i in range(step.bs) if self._can_speculate(step, i)]
+        decodes = [i for i in range(step.bs) if self._can_speculate(step, i, mode)]
         spec = set(decodes)
         others = [i for i in range(step.bs) if i not in spec]
         if others:
@@ -196,16 +239,17 @@ class SpecWorker:
             self._catch_up(rows)
             # requests finishing their prefill here speculate next step: no launch ahead
             joining = bool(step.samples[others].any()) if others else False
-            emitted, new_state = self.cycles.speculate(
+            emitted, new_state = mode.cycles.speculate(
                 rows, lambda: self._states(rows.request_ids), launch_next=not joining
             )
+            proposed = mode.shape.num_draft_tokens - 1
             for j, (i, rid) in enumerate(zip(decodes, rows.request_ids)):
                 m = len(emitted[j])
-                tokens[i], computed[i], drafted[i] = emitted[j], m, self.n - 1
+                tokens[i], computed[i], drafted[i] = emitted[j], m, proposed
                 self._set_state(rid, new_state[j], int(rows.starts[j]) + m)
-                self._count(m - 1, self.n - 1)
+                self._count(m - 1, proposed)
         else:
-            self.cycles.discard_launched()
+            mode.cycles.discard_launched()
         return StepOutput(tokens, computed, drafted, self._draft_computed(step))
 
     def _restore_cached(self, step: StepInput) -> None:

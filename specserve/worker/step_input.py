@@ -73,6 +73,8 @@ class StepInput:
     # preempted by this step's schedule
     finished_ids: list[str] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
+    # the draft mode (DraftShape.name) the rows that speculate use; "" when none does
+    spec_mode: str = ""
 
     def __post_init__(self) -> None:
         bs = len(self.request_ids)
@@ -132,7 +134,8 @@ class StepInput:
         rows = {name: getattr(self, name)[index] for name in ROW_ARRAYS}
         rows["token_ids"] = _gather(self.token_ids, self.tok_off, index)
         rows["page_ids"] = _gather(self.page_ids, self.page_off, index)
-        return StepInput(request_ids=[self.request_ids[i] for i in index.tolist()], **rows)
+        return StepInput(request_ids=[self.request_ids[i] for i in index.tolist()],
+                         spec_mode=self.spec_mode, **rows)
 
     # -- wire format ---------------------------------------------------------------------------
     def encode(self) -> bytes:
@@ -142,6 +145,7 @@ class StepInput:
             "request_ids": self.request_ids,
             "finished_ids": self.finished_ids,
             "preempted_ids": self.preempted_ids,
+            "spec_mode": self.spec_mode,
         }
         for name, dtype in ARRAYS.items():
             msg[name] = (
@@ -162,6 +166,7 @@ class StepInput:
             request_ids=msg["request_ids"],
             finished_ids=msg["finished_ids"],
             preempted_ids=msg["preempted_ids"],
+            spec_mode=msg["spec_mode"],
             **arrays,
         )
 
