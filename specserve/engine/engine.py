@@ -26,7 +26,7 @@ from specserve.engine.local_worker import ProposerFactory, resolve_model
 from specserve.engine.memory import check_fits
 from specserve.engine.request import Request
 from specserve.engine.scheduler import Scheduler, SchedulerOutput
-from specserve.engine.spec_policy import SpecPolicy, StaticPolicy
+from specserve.engine.spec_policy import AdaptivePolicy, SpecPolicy, StaticPolicy
 from specserve.engine.step_builder import build_step_input
 from specserve.generation_config import load_generation_defaults
 from specserve.kv_cache.allocator import PageAllocator
@@ -125,7 +125,8 @@ class Engine:
         self._drafter = self.drafter  # kept while speculation is switched off
         self.spec_policy: SpecPolicy | None = None
         if self.drafter is not None:
-            self.spec_policy = StaticPolicy(self.drafter.default_mode)
+            self.spec_policy = (self._adaptive_policy() if config.spec.policy == "adaptive"
+                                else StaticPolicy(self.drafter.default_mode))
         self.startup_seconds = time.perf_counter() - t0
         self.allocator = PageAllocator(self.runner.num_pages)
         self.prefix_cache = self._prefix_cache()
@@ -178,6 +179,20 @@ class Engine:
             log.info("prefix caching off: the drafter names no prefix_cache_key")
             return None
         return PrefixCache(self.allocator, self.config.cache.page_size, *identity)
+
+    def _adaptive_policy(self) -> AdaptivePolicy:
+        """Profile every mode and the plain step at powers of two up to max_num_seqs."""
+        from specserve.speculative.profile import format_table
+
+        top = self.config.scheduler.max_num_seqs
+        sizes = sorted({min(1 << i, top) for i in range(top.bit_length() + 1)})
+        t0 = time.perf_counter()
+        table = self.executor.control("profile_costs", batch_sizes=sizes)  # on every rank
+        log.info("speculation cost table (ms per step, %.1f s to measure):\n%s",
+                 time.perf_counter() - t0, format_table(table))
+        self.spec_cost_table = table
+        modes = {name: (m.shape.topk, m.shape.num_steps) for name, m in self.drafter.modes.items()}
+        return AdaptivePolicy(modes, table)
 
     def set_speculation(self, enabled: bool) -> None:
         """Switch speculation off or on between runs (no request in flight): a plain step
@@ -237,6 +252,8 @@ class Engine:
     def abort_request(self, request_id: str) -> None:
         # the workers drop the request's state on the next step (StepInput.finished_ids)
         self.scheduler.abort(request_id)
+        if self.spec_policy is not None:
+            self.spec_policy.forget(request_id)
         self._requests.pop(request_id, None)
         if not self.scheduler.has_unfinished:
             self._release(self.scheduler.schedule())
@@ -247,19 +264,25 @@ class Engine:
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         mode = None
+        policy = self.spec_policy
         if self.drafter is not None:  # decided before scheduling: off reserves no lookahead
-            mode = self.spec_policy.choose()
+            mode = policy.choose(self.scheduler.decoding_ids() if policy.needs_batch else [])
             self.scheduler.lookahead = self.drafter.lookahead_of(mode)
         out = self.scheduler.schedule()
         if not out.scheduled:
             self._release(out)
             return []
         result = self.executor.execute(build_step_input(out, mode))
-        self._record_spec(out, result)
+        accepted = self._record_spec(out, result)
         self.scheduler.update(out, result.token_ids, result.num_computed,
                               result.draft_computed)
         outputs = self._postprocess(out)
+        if policy is not None:
+            pure = all(s.is_decode for s in out.scheduled)
+            policy.observe(mode, accepted, time.perf_counter() - t0 if pure else None,
+                           len(out.scheduled))
         if not self.scheduler.has_unfinished:  # idle: the workers drop the last requests' state
             self._release(self.scheduler.schedule())
         return outputs
@@ -271,13 +294,17 @@ class Engine:
             self.executor.execute(build_step_input(out))
 
     @staticmethod
-    def _record_spec(out: SchedulerOutput, result: StepOutput) -> None:
-        """Per-request speculation statistics of the rows that ran a verify cycle."""
+    def _record_spec(out: SchedulerOutput, result: StepOutput) -> dict[str, int]:
+        """Per-request speculation statistics of the rows that ran a verify cycle; returns
+        {request id: drafts accepted} of those rows."""
+        accepted: dict[str, int] = {}
         if result.num_drafted is None:
-            return
+            return accepted
         for s, drafted, emitted in zip(out.scheduled, result.num_drafted, result.token_ids):
             if drafted:
                 s.request.record_spec_cycle(drafted, len(emitted) - 1)
+                accepted[s.request.request_id] = len(emitted) - 1
+        return accepted
 
     def _postprocess(self, out: SchedulerOutput) -> list[RequestOutput]:
         results = []
@@ -295,6 +322,8 @@ class Engine:
                 req.request_id, new_ids, text, req.is_finished, req.finish_reason,
                 req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens))
             if req.is_finished:
+                if self.spec_policy is not None:
+                    self.spec_policy.forget(req.request_id)
                 del self._text[req.request_id]
                 del self._requests[req.request_id]
         return results
@@ -333,7 +362,11 @@ class Engine:
             stats.update(prefix_cache_queries=pcs.queries, prefix_cache_hits=pcs.hits,
                          kv_cached_pages=self.allocator.num_cached)
         if self.drafter is not None:
-            stats.update(dataclasses.asdict(self.drafter.counters))
+            stats["cuda_graphs"] += self.drafter.num_graphs
+            stats.update(dataclasses.asdict(self.drafter.counters))  # mode_steps: per mode
+            if isinstance(self.spec_policy, AdaptivePolicy):
+                # expected tokens/s per mode for the last decode batch (its acceptance view)
+                stats["spec_mode_scores"] = dict(self.spec_policy.last_scores)
         return stats
 
     def get_request(self, request_id: str) -> Request | None:

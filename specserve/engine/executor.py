@@ -126,12 +126,17 @@ class Executor:
         self.digest = token_digest(self.digest, out.token_ids)
         return out
 
-    def control(self, op: str, **args: Any) -> None:
+    def control(self, op: str, **args: Any) -> Any:
+        """Apply op on every rank; rank 0's answer."""
         if self.group is not None:
             from specserve.engine.channel import pack
 
             self.group.send(b"control", pack({"op": op, **args}))
-        self.local.control(op, **args)
+            with self.group.blocking():  # start-up work (profiling), not timed as a step
+                out = self.local.control(op, **args)
+            self.group.check()
+            return out
+        return self.local.control(op, **args)
 
     def close(self) -> dict[int, int]:
         """Stop the workers; {rank: digest of the tokens it produced} (empty at TP 1)."""

@@ -58,8 +58,13 @@ class LocalWorker:
         worker = self.drafter if self.drafter is not None else self.runner
         return worker.execute(step)
 
-    def control(self, op: str, **args: Any) -> None:
-        """A change of worker state every rank applies at the same point between steps."""
+    def control(self, op: str, **args: Any) -> Any:
+        """A change of worker state (or a measurement) every rank applies at the same point
+        between steps; returns this rank's answer (None for state changes)."""
+        if op == "profile_costs":  # every rank runs the same steps: their collectives meet
+            from specserve.speculative.profile import profile_costs
+
+            return profile_costs(self._drafter, list(args["batch_sizes"]))
         if op == "set_speculation":
             enabled = bool(args["enabled"])
             self.drafter = self._drafter if enabled else None

@@ -142,6 +142,10 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    def decoding_ids(self) -> list[str]:
+        """Ids of the running requests whose next step is a decode."""
+        return [r.request_id for r in self.running if self._is_decode(r)]
+
     def get(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
 

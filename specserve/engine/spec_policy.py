@@ -12,22 +12,48 @@ from typing import Protocol
 
 
 class SpecPolicy(Protocol):
-    def choose(self) -> str | None:
-        """Before scheduling a step: the draft mode it runs (a DraftShape name), None: off."""
+    needs_batch: bool  # choose() reads the ids of the requests about to decode
+
+    def choose(self, decoding: list[str]) -> str | None:
+        """Before scheduling a step: the draft mode it runs (a DraftShape name), None: off.
+        decoding: ids of the running requests about to decode ([] unless needs_batch)."""
+        ...
+
+    def observe(self, mode: str | None, accepted: dict[str, int], seconds: float | None,
+                batch: int) -> None:
+        """After a step: per speculating request the drafts it accepted; the step's wall time
+        when it was a pure decode step of `batch` rows (None otherwise)."""
+        ...
+
+    def forget(self, request_id: str) -> None:
+        """A request finished or was aborted."""
         ...
 
 
-class StaticPolicy:
+class _Fixed:
+    """A policy that learns nothing."""
+
+    needs_batch = False
+
+    def observe(self, mode: str | None, accepted: dict[str, int], seconds: float | None,
+                batch: int) -> None:
+        pass
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+
+class StaticPolicy(_Fixed):
     """Speculate on every step with one mode (the configured draft shape)."""
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
 
-    def choose(self) -> str | None:
+    def choose(self, decoding: list[str]) -> str | None:
         return self.mode
 
 
-class ScriptedPolicy:
+class ScriptedPolicy(_Fixed):
     """A fixed pattern of modes (None: off), repeated step after step (switch-cost
     benchmarks, tests)."""
 
@@ -37,7 +63,163 @@ class ScriptedPolicy:
         self.pattern = list(pattern)
         self.steps = 0
 
-    def choose(self) -> str | None:
+    def choose(self, decoding: list[str]) -> str | None:
         mode = self.pattern[self.steps % len(self.pattern)]
         self.steps += 1
         return mode
+
+
+class AcceptanceEstimates:
+    """Per request and per draft family (the mode's topk), the conditional acceptance at
+    each depth d: P(depth d accepted | depth d - 1 was), from decayed counts of the request's
+    own cycles, shrunk toward the family's global estimate (new requests start there)."""
+
+    def __init__(self, max_depth: int, decay: float = 0.9, prior: float = 0.6,
+                 prior_weight: float = 4.0) -> None:
+        self.max_depth = max_depth
+        self.decay, self.prior, self.prior_weight = decay, prior, prior_weight
+        # (request id | None for global, topk) -> ([hits per depth], [trials per depth])
+        self._counts: dict[tuple[str | None, int], tuple[list[float], list[float]]] = {}
+
+    def _row(self, key: tuple[str | None, int]) -> tuple[list[float], list[float]]:
+        row = self._counts.get(key)
+        if row is None:
+            row = self._counts[key] = ([0.0] * self.max_depth, [0.0] * self.max_depth)
+        return row
+
+    def observe(self, request_id: str, topk: int, depth: int, accepted: int) -> None:
+        """One cycle of a mode of this topk and depth that accepted `accepted` drafts."""
+        for key, decay in (((request_id, topk), self.decay), ((None, topk), 0.99)):
+            hits, trials = self._row(key)
+            for d in range(depth):
+                hits[d] *= decay
+                trials[d] *= decay
+            for d in range(min(accepted + 1, depth)):  # depth d + 1 was tried
+                trials[d] += 1.0
+                hits[d] += 1.0 if d < accepted else 0.0
+
+    def rates(self, request_id: str, topk: int) -> list[float]:
+        """Estimated conditional acceptance at depths 1 .. max_depth."""
+        base = self._global(topk)
+        own = self._counts.get((request_id, topk))
+        if own is None:
+            return base
+        w = self.prior_weight
+        return [(h + w * g) / (t + w) for h, t, g in zip(*own, base)]
+
+    def _global(self, topk: int) -> list[float]:
+        row = self._counts.get((None, topk)) or self._counts.get((None, 1))
+        if row is None:
+            return [self.prior] * self.max_depth
+        w = self.prior_weight
+        return [(h + w * self.prior) / (t + w) for h, t in zip(*row)]
+
+    def expected_tokens(self, request_id: str, topk: int, depth: int) -> float:
+        """Tokens one cycle emits: 1 + sum over i <= depth of prod_{j <= i} a_j."""
+        total, run = 1.0, 1.0
+        for a in self.rates(request_id, topk)[:depth]:
+            run *= a
+            total += run
+        return total
+
+    def forget(self, request_id: str) -> None:
+        for key in [k for k in self._counts if k[0] == request_id]:
+            del self._counts[key]
+
+
+class AdaptivePolicy:
+    """Per step, the mode of highest expected tokens per second (None: off):
+
+        goodput(mode) = sum_r E_r(mode) / T(mode, B)        goodput(off) = B / T(off, B)
+
+    over the B requests about to decode, E_r from AcceptanceEstimates, T from the start-up
+    cost table (speculative/profile.py) interpolated in B and rescaled per mode by the ratio
+    of measured to tabled step times (decayed). A switch needs a gain over the current mode
+    of `hysteresis` and `dwell` steps since the last one; every `explore_every` steps a mode
+    not run for that long is tried (acceptance is only learnt by running a mode). The
+    granularity is the step: one mode for every speculating row, because the verify width
+    of a captured graph is fixed, so excluding rows would save their drafting but not their
+    verify slots.
+    """
+
+    needs_batch = True
+
+    def __init__(self, modes: dict[str, tuple[int, int]], costs: dict[str, dict[int, float]],
+                 hysteresis: float = 0.05, dwell: int = 8, explore_every: int = 64,
+                 rescale: float = 0.1) -> None:
+        """modes: {name: (topk, num_steps)}; costs: {mode or "off": {batch: seconds}};
+        rescale: weight of each measured step time in a mode's scale (0: the table as is)."""
+        self.modes = modes
+        self.costs = {m: sorted(row.items()) for m, row in costs.items()}
+        self.hysteresis, self.dwell, self.explore_every = hysteresis, dwell, explore_every
+        self.rescale = rescale
+        self.acceptance = AcceptanceEstimates(max(steps for _, steps in modes.values()))
+        self.scale = dict.fromkeys(costs, 1.0)  # measured / tabled step time, per mode
+        self.current: str | None = next(iter(modes))
+        self.since_switch = 0
+        self.steps = 0
+        self.last_run = dict.fromkeys(["off", *modes], 0)
+        self.last_scores: dict[str, float] = {}
+
+    def step_time(self, mode: str | None, batch: int) -> float:
+        row = self.costs["off" if mode is None else mode]
+        return self.scale["off" if mode is None else mode] * _interpolate(row, batch)
+
+    def scores(self, decoding: list[str]) -> dict[str, float]:
+        """Expected tokens per second of every mode ("off" included) for this batch."""
+        b = len(decoding)
+        out = {"off": b / self.step_time(None, b)}
+        for name, (topk, steps) in self.modes.items():
+            tokens = sum(self.acceptance.expected_tokens(r, topk, steps) for r in decoding)
+            out[name] = tokens / self.step_time(name, b)
+        return out
+
+    def choose(self, decoding: list[str]) -> str | None:
+        self.steps += 1
+        self.since_switch += 1
+        if not decoding:
+            return self.current
+        scores = self.last_scores = self.scores(decoding)
+        key = "off" if self.current is None else self.current
+        if self.steps % self.explore_every == 0:
+            stale = [m for m in self.modes
+                     if m != key and self.steps - self.last_run[m] >= self.explore_every]
+            if stale:  # one step of the least recently run mode; the current one stays
+                probe = min(stale, key=lambda m: self.last_run[m])
+                self.last_run[probe] = self.steps
+                return probe
+        best = max(scores, key=scores.get)
+        if best != key and self.since_switch >= self.dwell \
+                and scores[best] > (1.0 + self.hysteresis) * scores[key]:
+            key, self.since_switch = best, 0
+            self.current = None if best == "off" else best
+        self.last_run[key] = self.steps
+        return self.current
+
+    def observe(self, mode: str | None, accepted: dict[str, int], seconds: float | None,
+                batch: int) -> None:
+        if mode is not None:
+            topk, steps = self.modes[mode]
+            for rid, m in accepted.items():
+                self.acceptance.observe(rid, topk, steps, m)
+        if seconds is not None and batch:
+            key = "off" if mode is None else mode
+            ratio = seconds / _interpolate(self.costs[key], batch)
+            self.scale[key] += self.rescale * (ratio - self.scale[key])
+
+    def forget(self, request_id: str) -> None:
+        self.acceptance.forget(request_id)
+
+
+def _interpolate(row: list[tuple[int, float]], batch: int) -> float:
+    """Seconds at `batch` from sorted (batch, seconds) points: linear between them, linear
+    extrapolation past the last two."""
+    if batch <= row[0][0]:
+        return row[0][1]
+    for (b0, t0), (b1, t1) in zip(row, row[1:]):
+        if batch <= b1:
+            return t0 + (t1 - t0) * (batch - b0) / (b1 - b0)
+    if len(row) == 1:
+        return row[0][1] * batch / row[0][0]
+    (b0, t0), (b1, t1) = row[-2], row[-1]
+    return t1 + (t1 - t0) * (batch - b1) / (b1 - b0)

@@ -148,7 +148,7 @@ class CycleRunner:
                 "root_pos": rows.starts.copy(),
                 "root_tokens": rows.token_ids.copy(),
             }  # a decode row runs its root only
-            out = self._run(rows, inputs)
+            out = self.run(rows, inputs)
         else:
             out = launched.outputs
             self.cycles_launched_ahead += 1
@@ -172,7 +172,7 @@ class CycleRunner:
             self._launched.starts[:] = [a + len(t) for a, t in zip(starts, tokens)]
         return tokens, new_state
 
-    def _run(self, rows: StepInput, inputs: dict[str, object]) -> tuple[torch.Tensor, ...]:
+    def run(self, rows: StepInput, inputs: dict[str, object]) -> tuple[torch.Tensor, ...]:
         """Launch one cycle over the rows (inputs: state, root_pos, root_tokens, host or
         device values); returns its device outputs (see _cycle)."""
         runner = self.runner
@@ -229,7 +229,7 @@ class CycleRunner:
             return
         if (rows.tokens_left <= 1).all():
             return  # this cycle ends every one of them
-        out = self._run(
+        out = self.run(
             rows, {"state": new_state, "root_pos": next_root, "root_tokens": next_token}
         )
         self._launched = LaunchedCycle(list(rows.request_ids), [-1] * rows.bs, out)

@@ -268,7 +268,7 @@ class ModelRunner:
             positions=pos[:, None], slots=slots[:, None], seq_lens=pos + 1, page_table=table,
             **self.sampling_fields(rows))
 
-    def _launch(self, step: StepInput) -> tuple[list[int], torch.Tensor | None]:
+    def launch(self, step: StepInput) -> tuple[list[int], torch.Tensor | None]:
         """Enqueue forward + sampling over the step's rows without waiting for the device:
         (indices of the rows that sample, their tokens on the device)."""
         graphed = self._graph_decode(step)
@@ -349,7 +349,7 @@ class ModelRunner:
             self.rows_launched_ahead += len(matched)
         rest = [i for i in range(step.bs) if i not in matched]
         if rest:
-            index, tokens = self._launch(step if not matched else step.select(rest))
+            index, tokens = self.launch(step if not matched else step.select(rest))
             if tokens is not None:
                 base = len(launched.tokens) if matched else 0
                 where.update({rest[j]: base + k for k, j in enumerate(index)})

@@ -1,0 +1,144 @@
+"""The adaptive speculation policy: acceptance estimates against hand-computed values, the
+choice against the goodput formula, hysteresis, dwell and exploration; through the engine,
+the start-up cost table and a policy that turns speculation off under load and back on as
+the batch drains, with greedy output equal to plain decoding."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tiny_eagle import make_tiny_eagle3_head
+from tiny_models import make_tiny_checkpoint
+
+from specserve.config import CacheConfig, SchedulerConfig
+from specserve.engine.spec_policy import AcceptanceEstimates, AdaptivePolicy, _interpolate
+from specserve.llm import LLM
+from specserve.sampling_params import SamplingParams
+
+MODES = {"chain3": (1, 3), "chain1": (1, 1)}
+# spec is cheap at batch 1 and costly at batch 8 (seconds per step)
+COSTS = {"off": {1: 1.0, 8: 2.0}, "chain3": {1: 1.2, 8: 8.0}, "chain1": {1: 1.05, 8: 4.5}}
+
+
+def test_interpolation() -> None:
+    row = [(1, 1.0), (4, 4.0), (8, 6.0)]
+    assert [_interpolate(row, b) for b in (1, 2, 4, 6, 8, 12)] == [1.0, 2.0, 4.0, 5.0, 6.0, 8.0]
+    assert _interpolate([(2, 3.0)], 4) == 6.0
+
+
+def test_acceptance_estimates_follow_the_counts() -> None:
+    est = AcceptanceEstimates(max_depth=3, decay=1.0, prior=0.5, prior_weight=2.0)
+    assert est.expected_tokens("a", 1, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    for accepted in (3, 1, 0, 3):  # depth 1 tried 4x, hit 3x; depth 2 tried 3x, hit 2x; ...
+        est.observe("a", 1, 3, accepted)
+    # global counts (decay 0.99) shrunk to 0.5 with weight 2, then a's own counts on top
+    g = [(h + 1.0) / (t + 2.0) for h, t in zip(*est._counts[(None, 1)])]
+    want = [(3 + 2 * g[0]) / (4 + 2), (2 + 2 * g[1]) / (3 + 2), (2 + 2 * g[2]) / (2 + 2)]
+    assert est.rates("a", 1) == pytest.approx(want)
+    assert est.rates("new", 1) == pytest.approx(g)  # a new request starts from the global view
+    est.forget("a")
+    assert ("a", 1) not in est._counts
+
+
+def test_policy_picks_the_best_goodput_with_hysteresis_and_dwell() -> None:
+    policy = AdaptivePolicy(MODES, COSTS, hysteresis=0.05, dwell=3, explore_every=1000)
+    one, eight = ["r0"], [f"r{i}" for i in range(8)]
+    for _ in range(3):
+        for rid in eight:
+            policy.observe("chain3", {rid: 3}, None, 8)  # every draft accepted
+    scores = policy.scores(one)
+    e3 = policy.acceptance.expected_tokens("r0", 1, 3)
+    assert scores["chain3"] == pytest.approx(e3 / 1.2) and scores["off"] == pytest.approx(1.0)
+    assert policy.choose(one) == "chain3"  # the initial mode is the configured one
+    # batch 8: off is best (8 / 2 = 4 tokens/s; chain3 < 8 * 4 / 8, chain1 < 8 * 2 / 4.5),
+    # taken once 3 steps passed since the last switch (the start counts as one)
+    picks = [policy.choose(eight) for _ in range(4)]
+    assert picks == ["chain3", None, None, None], (picks, policy.last_scores)
+    # a gain under the hysteresis does not switch back
+    policy.costs["chain1"] = [(1, 1.0), (8, 2.0 * 2 / 1.04)]  # chain1 ~4% better than off
+    assert all(policy.choose(eight) is None for _ in range(5))
+
+
+def test_policy_turns_off_for_drafts_that_fail() -> None:
+    policy = AdaptivePolicy(MODES, COSTS, dwell=1, explore_every=1000)
+    for _ in range(30):
+        policy.observe("chain3", {"r0": 0}, None, 1)
+        policy.observe("chain1", {"r0": 0}, None, 1)
+    picks = [policy.choose(["r0"]) for _ in range(3)]
+    assert picks[-1] is None, (picks, policy.last_scores)
+
+
+def test_policy_explores_stale_modes_once() -> None:
+    policy = AdaptivePolicy(MODES, COSTS, dwell=1, explore_every=4)
+    picks = [policy.choose(["r0"]) for _ in range(8)]
+    # every 4th step probes the mode not run for 4 steps; the current mode stays
+    assert picks == ["chain3"] * 3 + ["chain1"] + ["chain3"] * 3 + ["chain1"], picks
+    assert policy.current == "chain3"
+
+
+def test_measured_step_times_rescale_the_table() -> None:
+    policy = AdaptivePolicy(MODES, COSTS)
+    for _ in range(50):
+        policy.observe(None, {}, 3.0, 1)  # off really costs 3 s at batch 1
+    assert policy.step_time(None, 1) == pytest.approx(3.0, rel=0.01)
+    assert policy.step_time("chain3", 1) == pytest.approx(1.2)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    root = tmp_path_factory.mktemp("pol")
+    target = make_tiny_checkpoint(
+        root / "target",
+        family="llama",
+        tokenizer=True,
+        num_hidden_layers=4,
+        max_position_embeddings=256,
+    )
+    return target, make_tiny_eagle3_head(str(root / "head"), target, draft_vocab_size=128)
+
+
+def test_adaptive_engine_switches_with_load_and_stays_lossless(pair) -> None:
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(2, 30))] for _ in range(8)]
+    # staggered lengths: the batch drains from 8 decodes to 1
+    params = [
+        SamplingParams(temperature=0, max_tokens=8 + 6 * i, ignore_eos=True) for i in range(8)
+    ]
+    kw = dict(
+        device="cpu",
+        dtype="float32",
+        cache=CacheConfig(page_size=4, num_pages=512),
+        scheduler=SchedulerConfig(max_num_seqs=8),
+    )
+    ref = [o.token_ids for o in LLM(pair[0], **kw).generate(prompts, params)]
+    llm = LLM(
+        pair[0],
+        speculative=dict(
+            algorithm="eagle3", draft_model=pair[1], num_steps=3, modes="chain1", policy="adaptive"
+        ),
+        **kw,
+    )
+    table = llm.engine.spec_cost_table
+    assert set(table) == {"off", "chain3", "chain1"}
+    assert set(table["off"]) == {1, 2, 4, 8}
+    assert all(t > 0 for row in table.values() for t in row.values())
+    # a table where speculation pays at small batches only (on this CPU it never does),
+    # taken as is
+    costs = {"off": {1: 1.0, 8: 1.6}, "chain3": {1: 1.1, 8: 9.0}, "chain1": {1: 1.05, 8: 5.0}}
+    llm.engine.spec_policy = AdaptivePolicy(
+        {"chain3": (1, 3), "chain1": (1, 1)}, costs, dwell=2, explore_every=1000, rescale=0.0
+    )
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == ref
+    steps = llm.engine.drafter.counters.mode_steps
+    assert steps["off"] > 3 and steps["chain3"] > 3, steps
+    c = llm.engine.drafter.counters
+    assert c.num_catch_ups > 0, "speculation resumed after off steps without a catch-up"
+    stats = llm.engine.stats()
+    assert set(stats["spec_mode_scores"]) == {"off", "chain3", "chain1"}
+
+
+def test_adaptive_needs_speculation(pair) -> None:
+    with pytest.raises(ValueError, match="needs speculation"):
+        LLM(pair[0], device="cpu", speculative=dict(policy="adaptive"))
