@@ -8,8 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from tiny_eagle import make_tiny_eagle3_head
-from tiny_models import make_tiny_checkpoint
+from tiny_eagle import make_tiny_pair
 
 from specserve.config import CacheConfig, SchedulerConfig
 from specserve.engine.spec_policy import AcceptanceEstimates, AdaptivePolicy, _interpolate
@@ -87,15 +86,7 @@ def test_measured_step_times_rescale_the_table() -> None:
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
-    root = tmp_path_factory.mktemp("pol")
-    target = make_tiny_checkpoint(
-        root / "target",
-        family="llama",
-        tokenizer=True,
-        num_hidden_layers=4,
-        max_position_embeddings=256,
-    )
-    return target, make_tiny_eagle3_head(str(root / "head"), target, draft_vocab_size=128)
+    return make_tiny_pair(tmp_path_factory.mktemp("pol"))
 
 
 def test_adaptive_engine_switches_with_load_and_stays_lossless(pair) -> None:

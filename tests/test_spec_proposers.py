@@ -14,8 +14,8 @@ import random
 
 import pytest
 import torch
-from tiny_eagle import make_tiny_eagle3_head
-from tiny_models import make_tiny_checkpoint, random_workload, record_preemptions
+from tiny_eagle import make_tiny_pair
+from tiny_models import random_workload, record_preemptions
 
 from specserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from specserve.engine.engine import Engine
@@ -93,15 +93,7 @@ class RepeatProposer:
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
-    root = tmp_path_factory.mktemp("prop")
-    target = make_tiny_checkpoint(
-        root / "target",
-        family="llama",
-        tokenizer=True,
-        num_hidden_layers=4,
-        max_position_embeddings=256,
-    )
-    return target, make_tiny_eagle3_head(str(root / "head"), target, draft_vocab_size=128)
+    return make_tiny_pair(tmp_path_factory.mktemp("prop"))
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
@@ -158,8 +150,7 @@ SWITCHING = {
 NUM_PAGES = 40  # small enough to force preemptions
 
 
-def _drive(pair, spec: dict | None, pattern: list[str | None] | None, overlap: str,
-           seed: int):
+def _drive(pair, spec: dict | None, pattern: list[str | None] | None, overlap: str, seed: int):
     engine = Engine(
         EngineConfig(
             model=pair[0],

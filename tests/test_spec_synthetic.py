@@ -9,8 +9,7 @@ import random
 import pytest
 import torch
 from test_verify import draft_tree
-from tiny_eagle import make_tiny_eagle3_head
-from tiny_models import make_tiny_checkpoint
+from tiny_eagle import make_tiny_pair
 
 from specserve.config import CacheConfig
 from specserve.llm import LLM
@@ -60,20 +59,11 @@ def test_random_lengths_match_a_naive_walk(k: int, steps: int, n: int) -> None:
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
-    root = tmp_path_factory.mktemp("syn")
-    target = make_tiny_checkpoint(
-        root / "target",
-        family="llama",
-        tokenizer=True,
-        num_hidden_layers=4,
-        max_position_embeddings=512,
-    )
-    return target, make_tiny_eagle3_head(str(root / "head"), target, draft_vocab_size=128)
+    return make_tiny_pair(tmp_path_factory.mktemp("syn"), max_position_embeddings=512)
 
 
-def test_each_request_draws_its_own_rate(pair) -> None:
-    mean, steps = 0.6, 3
-    llm = LLM(
+def _synthetic_llm(pair: tuple[str, str], mean: float, steps: int) -> LLM:
+    return LLM(
         pair[0],
         device="cpu",
         dtype="float32",
@@ -82,6 +72,11 @@ def test_each_request_draws_its_own_rate(pair) -> None:
             algorithm="eagle3", draft_model=pair[1], num_steps=steps, synthetic_accept_rate=mean
         ),
     )
+
+
+def test_each_request_draws_its_own_rate(pair) -> None:
+    mean, steps = 0.6, 3
+    llm = _synthetic_llm(pair, mean, steps)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 500) for _ in range(8)] for _ in range(24)]
     params = [
@@ -94,15 +89,7 @@ def test_each_request_draws_its_own_rate(pair) -> None:
     # rate a ~ U[0.2, 1.0]: E[1 + a + a^2 + a^3] = 1 + E[a] + E[a^2] + E[a^3]
     expect = 1 + sum((1.0 ** (p + 1) - 0.2 ** (p + 1)) / ((p + 1) * 0.8) for p in (1, 2, 3))
     assert abs(sum(lengths) / len(lengths) - expect) < 0.3, (lengths, expect)
-    again = LLM(
-        pair[0],
-        device="cpu",
-        dtype="float32",
-        cache=CacheConfig(page_size=8, num_pages=1024),
-        speculative=dict(
-            algorithm="eagle3", draft_model=pair[1], num_steps=steps, synthetic_accept_rate=mean
-        ),
-    )
+    again = _synthetic_llm(pair, mean, steps)
     assert [o.accept_length for o in again.generate(prompts[:4], params[:4])] == lengths[:4]
 
 

@@ -134,3 +134,16 @@ def oracle_propose(llm: LLM, reference: dict, decoys: bool):
         return acc.build(root_tokens, drafter.n)
 
     return propose
+
+
+def make_tiny_pair(root, max_position_embeddings: int = 256) -> tuple[str, str]:
+    """A tiny llama target (4 layers, with a tokenizer) and a random EAGLE-3 head for it
+    (a 128-token draft vocabulary), under the directory `root`."""
+    try:
+        from tiny_models import make_tiny_checkpoint
+    except ImportError:
+        from tests.tiny_models import make_tiny_checkpoint
+    target = make_tiny_checkpoint(os.path.join(root, "target"), family="llama", tokenizer=True,
+                                  num_hidden_layers=4,
+                                  max_position_embeddings=max_position_embeddings)
+    return target, make_tiny_eagle3_head(os.path.join(root, "head"), target, draft_vocab_size=128)
