@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks in one invocation (an H200 or any CUDA machine):
 #   bash scripts/gpu_suite.sh OUT_DIR [steps]
-# steps: any of tests,profile,plain,spec,moe,match,serve,mla,quant,comm,prefix,default,exact,glm
-# (default: all but profile, quant, comm and exact). Results and logs go to OUT_DIR;
+# steps: any of tests,profile,plain,spec,moe,match,serve,mla,quant,comm,prefix,default,exact,glm,
+# policy (default: all but profile, quant, comm, exact and policy). Results and logs go to OUT_DIR;
 # benchmark rows are appended to experiments/ (LOG.md, results.jsonl, PNGs).
 set -u
 out=${1:-out}; steps=${2:-tests,plain,spec,moe,match,serve,mla,prefix,default,glm}
@@ -237,5 +237,21 @@ if has glm; then
       --batch-sizes 1,16 --max-num-seqs 16 --max-model-len 8448 --floor \
       --label "$preset ctx8k" --json-out "$out/$preset-8k.json" > "$out/$preset-8k.log" 2>&1
     echo "$preset ctx8k rc=$?"; tail -10 "$out/$preset-8k.log"
+  done
+fi
+if has policy; then
+  # load-adaptive speculation: output tok/s against concurrency for plain, each static draft
+  # mode and the adaptive policy in one engine; random per-request synthetic acceptance with
+  # mean AL ~2.5 (rate 0.65) and ~1.5 (rate 0.3) at chain 3; dummy 8B weights. Also prints
+  # the start-up cost table (its measuring time is in the log) and the GPU spec-policy tests.
+  timeout 300 python -m pytest -q -m gpu -rfE --tb=short -p no:cacheprovider \
+    tests/test_spec_proposers.py > "$out/policy_tests.log" 2>&1
+  echo "policy tests rc=$?"; tail -4 "$out/policy_tests.log"
+  for rate in 0.65 0.3; do
+    timeout 580 python scripts/bench_spec_policy.py --model llama-3.1-8b \
+      --concurrency 1,2,4,8,16,32,64,128,256 --modes chain3,chain1,chain2,tree4x3x8 \
+      --accept-rate "$rate" --output-len 96 --min-requests 8 --out "$out/policy-$rate" \
+      --log --exp-dir experiments > "$out/policy-$rate.log" 2>&1
+    echo "policy rate $rate rc=$?"; grep -v "^ " "$out/policy-$rate.log" | grep -v INFO | tail -14
   done
 fi

@@ -133,3 +133,20 @@ def test_adaptive_engine_switches_with_load_and_stays_lossless(pair) -> None:
 def test_adaptive_needs_speculation(pair) -> None:
     with pytest.raises(ValueError, match="needs speculation"):
         LLM(pair[0], device="cpu", speculative=dict(policy="adaptive"))
+
+
+def test_policy_flags_and_bad_modes(pair) -> None:
+    import argparse
+
+    from specserve.config import add_cli_args, config_from_cli_args
+
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(["--speculative-policy", "adaptive", "--spec-modes", "chain1"])
+    spec = config_from_cli_args(args).spec
+    assert (spec.policy, spec.modes) == ("adaptive", "chain1")
+    assert config_from_cli_args(parser.parse_args(["--spec-policy", "adaptive"])).spec.policy \
+        == "adaptive"
+    with pytest.raises(ValueError, match="draft mode 'chainx'"):
+        LLM(pair[0], device="cpu", speculative=dict(algorithm="eagle3", draft_model=pair[1],
+                                                    modes="chain1,chainx"))

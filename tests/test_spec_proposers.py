@@ -3,9 +3,10 @@
 - A trivial second proposer written here (each node's children repeat its token, then
   token + 1, + 2, ...: a chain at topk 1) runs through the same worker as EAGLE-3: greedy
   output == plain, chain and tree, with drafts accepted.
-- EAGLE-3 under a policy forced off and on every few steps, with arrivals, aborts and
-  preemptions: greedy requests give exactly the plain tokens, the proposer was caught up
-  after off stretches (counted), every page returns to the pool.
+- EAGLE-3 under a policy forced off and on every few steps (and between chain and tree
+  modes), with arrivals, aborts and preemptions: greedy requests give exactly the plain
+  tokens, the proposer was caught up after off stretches (counted), every page returns to
+  the pool. Both run on the CPU and (marked gpu) on CUDA, where every mode is a graph.
 """
 
 from __future__ import annotations
@@ -91,6 +92,14 @@ class RepeatProposer:
         self.released.append(request_id)
 
 
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request: pytest.FixtureRequest) -> str:
+    """CPU, and (marked gpu) CUDA, where every mode's cycle is a graph replay."""
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     return make_tiny_pair(tmp_path_factory.mktemp("prop"))
@@ -111,19 +120,19 @@ CACHE = CacheConfig(page_size=4, num_pages=512)
 
 
 @pytest.fixture(scope="module")
-def plain_outputs(pair) -> dict[tuple[int, ...], list[int]]:
+def plain_outputs(pair, device: str) -> dict[tuple[int, ...], list[int]]:
     prompts = _prompts(8, seed=3)
-    llm = LLM(pair[0], device="cpu", dtype="float32", cache=CACHE)
+    llm = LLM(pair[0], device=device, dtype="float32", cache=CACHE)
     return {tuple(p): o.token_ids for p, o in zip(prompts, llm.generate(prompts, GREEDY))}
 
 
 @pytest.mark.parametrize(
     "shape", [dict(num_steps=3, topk=1), dict(num_steps=3, topk=3, num_draft_tokens=7)]
 )
-def test_second_proposer_is_lossless(pair, plain_outputs, shape: dict) -> None:
+def test_second_proposer_is_lossless(pair, device: str, plain_outputs, shape: dict) -> None:
     llm = LLM(
         pair[0],
-        device="cpu",
+        device=device,
         dtype="float32",
         cache=CACHE,
         proposer=RepeatProposer,
@@ -150,11 +159,12 @@ SWITCHING = {
 NUM_PAGES = 40  # small enough to force preemptions
 
 
-def _drive(pair, spec: dict | None, pattern: list[str | None] | None, overlap: str, seed: int):
+def _drive(pair, spec: dict | None, pattern: list[str | None] | None, overlap: str, seed: int,
+           device: str):
     engine = Engine(
         EngineConfig(
             model=pair[0],
-            device="cpu",
+            device=device,
             dtype="float32",
             decode_overlap=overlap,
             spec=SpecConfig(algorithm="eagle3", draft_model=pair[1], **spec)
@@ -175,14 +185,14 @@ def _drive(pair, spec: dict | None, pattern: list[str | None] | None, overlap: s
 
 
 @pytest.fixture(scope="module")
-def plain_workload(pair) -> dict:
-    return _drive(pair, None, None, "off", seed=4)[0]
+def plain_workload(pair, device: str) -> dict:
+    return _drive(pair, None, None, "off", seed=4, device=device)[0]
 
 
 @pytest.mark.parametrize("name", list(SWITCHING))
 @pytest.mark.parametrize("overlap", ["off", "on"])
 def test_switching_speculation_off_and_on_is_lossless(
-    pair, plain_workload, name: str, overlap: str
+    pair, device: str, plain_workload, name: str, overlap: str
 ) -> None:
     ref = plain_workload
     spec = SWITCHING[name]
@@ -190,7 +200,7 @@ def test_switching_speculation_off_and_on_is_lossless(
     # with several modes, chain <-> tree <-> off
     extra = [m for m in spec.get("modes", "").split(",") if m]
     pattern = [name] * 3 + [None] * 4 + [name] + [None] * 2 + [m for m in extra for _ in (0, 1)]
-    got, params, engine, preempted = _drive(pair, spec, pattern, overlap, seed=4)
+    got, params, engine, preempted = _drive(pair, spec, pattern, overlap, seed=4, device=device)
     compared = 0
     for rid, (tokens, reason) in got.items():
         if not params[rid].greedy or "abort" in (reason, ref[rid][1]):

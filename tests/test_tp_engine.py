@@ -139,3 +139,23 @@ def test_hung_worker_is_declared_hung(pair) -> None:
                                  parallel=ParallelConfig(tp_size=2, step_timeout_s=2.0))
     assert 2.0 <= elapsed < 8.0
     assert not any(_alive(p) for p in pids)
+
+
+@pytest.mark.slow
+def test_tp_adaptive_policy_and_mode_switches_equal_tp1(pair, reference) -> None:
+    """The start-up cost table is measured on every rank (their collectives meet), and steps
+    switching chain <-> tree <-> off (decided on rank 0, carried by the StepInput) give the
+    plain tokens on every rank."""
+    from specserve.engine.spec_policy import ScriptedPolicy
+
+    spec = {**SPECS["chain3"], "modes": "chain1,tree2x3x6", "policy": "adaptive"}
+    llm = _llm(pair, 2, spec)
+    assert set(llm.engine.spec_cost_table) == {"off", "chain3", "chain1", "tree2x3x6"}
+    llm.engine.spec_policy = ScriptedPolicy(["chain3", None, "tree2x3x6", "chain1", None, None])
+    tokens, _ = _generate(llm)
+    assert tokens == reference["plain"]
+    steps = llm.engine.drafter.counters.mode_steps
+    assert all(steps[m] > 0 for m in ("off", "chain3", "chain1", "tree2x3x6")), steps
+    digests = llm.engine.executor.close()
+    assert all(d == llm.engine.executor.digest for d in digests.values())
+    llm.close()

@@ -193,18 +193,23 @@ class SpecWorker:
         its covered prefix, for the catch-up (a request first seen mid-way stays plain)."""
         if not self.proposer.keeps_state:
             return
+        ids, starts = rows.request_ids, rows.starts.tolist()
+        tokens, off = rows.token_ids.tolist(), rows.tok_off.tolist()  # host lists: one pass
+        covered_of, pending_of = self.covered, self.pending
         for r in index:
-            rid, start = rows.request_ids[r], int(rows.starts[r])
-            covered = self.covered.get(rid)
+            rid, start = ids[r], starts[r]
+            covered = covered_of.get(rid)
             if covered is None:
                 if start:
                     continue
-                covered = self.covered[rid] = 0
-            pending = self.pending.setdefault(rid, [])
+                covered = covered_of[rid] = 0
+            pending = pending_of.get(rid)
+            if pending is None:
+                pending = pending_of[rid] = []
             if covered + len(pending) != start:  # not contiguous: nothing to catch up from
                 self.release(rid)
                 continue
-            pending.extend(rows.tokens(r).tolist())
+            pending.extend(tokens[off[r]:off[r + 1]])
 
     # -- the step ------------------------------------------------------------------------------
     @torch.inference_mode()

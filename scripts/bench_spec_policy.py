@@ -1,0 +1,144 @@
+"""Output tok/s against concurrency for plain decoding, each static draft mode and the
+adaptive policy, in one engine (one copy of the weights, every mode's graphs captured).
+
+At each concurrency C, N = max(C * requests_per_slot, min_requests) requests of random prompt ids are
+fed so that at most C are in flight (a new one enters as one finishes), and the run is timed
+from the first request to the last token. Acceptance is random per request
+(--accept-rate: each request draws its own rate around the mean, each cycle its rejection
+point): a cost-only benchmark on dummy weights. Modes are interleaved per concurrency
+(plain, static modes, adaptive) and each run starts from an idle engine; the adaptive policy
+starts from the engine's start-up cost table each run (its acceptance estimates fresh).
+
+    python scripts/bench_spec_policy.py --model llama-3.1-8b --concurrency 1,2,4,...,256 \
+        --modes chain1,chain2,chain3,tree4x3x8 --accept-rate 0.62 --out OUT [--log]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from specserve.bench.stats import parse_positive_list  # noqa: E402
+from specserve.engine.spec_policy import AdaptivePolicy, StaticPolicy  # noqa: E402
+from specserve.llm import LLM  # noqa: E402
+from specserve.sampling_params import SamplingParams  # noqa: E402
+
+PLAIN, ADAPTIVE = "plain", "adaptive"
+
+
+def run(engine, prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
+    """Feed the prompts with at most `concurrency` in flight; output tok/s and mode steps."""
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    pending = deque(prompts)
+    in_flight, done_tokens = 0, 0
+    before = dict(engine.stats().get("mode_steps", {}))
+    t0 = time.perf_counter()
+    while pending or in_flight:
+        while pending and in_flight < concurrency:
+            engine.add_request(None, pending.popleft(), params)
+            in_flight += 1
+        for out in engine.step():
+            done_tokens += len(out.new_token_ids)
+            in_flight -= out.finished
+    seconds = time.perf_counter() - t0
+    after = engine.stats().get("mode_steps", {})
+    steps = {m: after[m] - before.get(m, 0) for m in after}
+    return {"tok_s": done_tokens / seconds, "seconds": seconds, "tokens": done_tokens,
+            "mode_steps": {m: n for m, n in steps.items() if n}}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--load-format", default="dummy")
+    ap.add_argument("--draft-model", default="dummy")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,256")
+    ap.add_argument("--modes", default="chain1,chain2,chain3,tree4x3x8",
+                    help="draft modes; the first is the engine's configured shape")
+    ap.add_argument("--accept-rate", type=float, default=0.62,
+                    help="mean synthetic acceptance per draft (0.62: AL ~2.5 at chain 3)")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--requests-per-slot", type=int, default=2)
+    ap.add_argument("--min-requests", type=int, default=16)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--log", action="store_true", help="append to experiments/ (LOG.md)")
+    ap.add_argument("--exp-dir", default="experiments")
+    ap.add_argument("--label", default="")
+    args = ap.parse_args()
+    levels = parse_positive_list(args.concurrency, int, "--concurrency")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    from specserve.speculative.proposer import DraftShape
+
+    first = DraftShape.parse(modes[0])
+    spec = dict(algorithm="eagle3", draft_model=args.draft_model, topk=first.topk,
+                num_steps=first.num_steps, num_draft_tokens=first.num_draft_tokens,
+                modes=",".join(modes[1:]), policy="adaptive",
+                synthetic_accept_rate=args.accept_rate)
+    top = max(levels)
+    llm = LLM(args.model, speculative=spec, load_format=args.load_format, device=args.device,
+              cuda_graph_max_bs=top,
+              scheduler={"max_model_len": args.prompt_len + args.output_len + 64,
+                         "max_num_seqs": top,
+                         "max_num_batched_tokens": max(2048, args.prompt_len * 4)})
+    engine = llm.engine
+    table = engine.spec_cost_table
+    shapes = {n: (m.shape.topk, m.shape.num_steps) for n, m in engine.drafter.modes.items()}
+    vocab = engine.model_config.vocab_size
+    import random
+
+    rng = random.Random(0)
+    report = {"model": args.model, "accept_rate": args.accept_rate, "modes": modes,
+              "cost_table_ms": {m: {b: t * 1e3 for b, t in row.items()}
+                                for m, row in table.items()},
+              "startup_s": engine.startup_seconds, "points": []}
+    configs = [PLAIN, *modes, ADAPTIVE]
+    for c in levels:
+        n = max(c * args.requests_per_slot, args.min_requests)
+        prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(n)]
+        point = {"concurrency": c, "requests": n}
+        for name in configs:
+            engine.set_speculation(name != PLAIN)
+            if name == ADAPTIVE:
+                engine.spec_policy = AdaptivePolicy(shapes, table)
+            elif name != PLAIN:
+                engine.spec_policy = StaticPolicy(name)
+            point[name] = run(engine, prompts, args.output_len, c)
+            print(f"C={c} {name}: {point[name]['tok_s']:.1f} tok/s "
+                  f"{point[name]['mode_steps']}", flush=True)
+        best = max(point[m]["tok_s"] for m in configs if m != ADAPTIVE)
+        point["adaptive_vs_best"] = point[ADAPTIVE]["tok_s"] / best
+        point["adaptive_vs_plain"] = point[ADAPTIVE]["tok_s"] / point[PLAIN]["tok_s"]
+        report["points"].append(point)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "spec_policy.json").write_text(json.dumps(report, indent=1))
+    from specserve.bench.plots import plot_sweep
+
+    series = {m: [p[m]["tok_s"] for p in report["points"]] for m in configs}
+    plot_sweep(str(out / "spec_policy.png"), levels, series,
+               title=f"{args.model}, random acceptance (mean {args.accept_rate})")
+    worst_best = min(p["adaptive_vs_best"] for p in report["points"])
+    worst_plain = min(p["adaptive_vs_plain"] for p in report["points"])
+    print(f"adaptive / best config >= {worst_best:.3f}; adaptive / plain >= {worst_plain:.3f}")
+    if args.log:
+        from specserve.bench.log import append_result
+
+        label = args.label or f"{args.model} policy sweep rate {args.accept_rate}"
+        append_result(args.exp_dir, {"benchmark": "spec_policy", **report},
+                      {"benchmark": "spec_policy", "config": label,
+                       "tok_s": report["points"][-1][ADAPTIVE]["tok_s"],
+                       "notes": f"adaptive/best min {worst_best:.3f}, /plain min "
+                                f"{worst_plain:.3f} over C {levels}"})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,59 @@
+"""scripts/bench_spec_policy.py end to end on a tiny model (CPU): every config runs at every
+concurrency, the report and the plot are written."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tiny_eagle import make_tiny_pair
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_policy_sweep_script_runs(tmp_path: Path) -> None:
+    target, head = make_tiny_pair(tmp_path / "m", max_position_embeddings=512)
+    out = tmp_path / "out"
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts" / "bench_spec_policy.py"),
+        "--model",
+        target,
+        "--load-format",
+        "auto",
+        "--draft-model",
+        head,
+        "--device",
+        "cpu",
+        "--concurrency",
+        "1,4",
+        "--modes",
+        "chain2,chain1",
+        "--accept-rate",
+        "0.5",
+        "--prompt-len",
+        "8",
+        "--output-len",
+        "6",
+        "--requests-per-slot",
+        "2",
+        "--min-requests",
+        "2",
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((out / "spec_policy.json").read_text())
+    assert [p["concurrency"] for p in report["points"]] == [1, 4]
+    for point in report["points"]:
+        for name in ("plain", "chain2", "chain1", "adaptive"):
+            assert point[name]["tokens"] == point["requests"] * 6
+        assert point["chain2"]["mode_steps"].get("chain2", 0) > 0
+        assert "off" in point["plain"]["mode_steps"] or not point["plain"]["mode_steps"]
+    assert set(report["cost_table_ms"]) == {"off", "chain2", "chain1"}
+    assert (out / "spec_policy.png").stat().st_size > 0
