@@ -145,8 +145,48 @@ def test_policy_flags_and_bad_modes(pair) -> None:
     args = parser.parse_args(["--speculative-policy", "adaptive", "--spec-modes", "chain1"])
     spec = config_from_cli_args(args).spec
     assert (spec.policy, spec.modes) == ("adaptive", "chain1")
-    assert config_from_cli_args(parser.parse_args(["--spec-policy", "adaptive"])).spec.policy \
+    assert (
+        config_from_cli_args(parser.parse_args(["--spec-policy", "adaptive"])).spec.policy
         == "adaptive"
+    )
     with pytest.raises(ValueError, match="draft mode 'chainx'"):
-        LLM(pair[0], device="cpu", speculative=dict(algorithm="eagle3", draft_model=pair[1],
-                                                    modes="chain1,chainx"))
+        LLM(
+            pair[0],
+            device="cpu",
+            speculative=dict(algorithm="eagle3", draft_model=pair[1], modes="chain1,chainx"),
+        )
+
+
+def test_cost_table_sees_emulated_communication(pair, tmp_path) -> None:
+    """With the comm emulator charging every all-reduce, the start-up table grows by at least
+    the target's reductions per step, plain and speculative alike (the policy sees a
+    comm-bound verify)."""
+    import json
+
+    from specserve.config import CommConfig
+    from specserve.distributed import comm
+
+    table_path = tmp_path / "flat.json"
+    table_path.write_text(json.dumps({"name": "flat", "latency_us": {"8": [[256, 5000.0]]}}))
+    spec = dict(algorithm="eagle3", draft_model=pair[1], num_steps=3, policy="adaptive")
+    kw = dict(
+        device="cpu",
+        dtype="float32",
+        cache=CacheConfig(page_size=4, num_pages=256),
+        scheduler=SchedulerConfig(max_num_seqs=2),
+    )
+    base = LLM(pair[0], speculative=spec, **kw)
+    plain_table = base.engine.spec_cost_table
+    base.close()
+    llm = LLM(pair[0], speculative=spec, comm=CommConfig(emulate_comm=str(table_path)), **kw)
+    try:
+        table = llm.engine.spec_cost_table
+        floor = 4 * 2 * 5e-3 * 0.9  # 4 target layers x 2 all-reduces x 5 ms
+        for b in (1, 2):
+            off_gain = table["off"][b] - plain_table["off"][b]
+            assert off_gain > floor, (table, plain_table)
+            # the cycle reduces in the verify and in every draft-head forward too
+            assert table["chain3"][b] - plain_table["chain3"][b] > 1.5 * off_gain
+    finally:
+        llm.close()
+        comm.reset()
