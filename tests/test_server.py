@@ -282,9 +282,9 @@ def test_spec_counter_deltas_reach_metrics(offline: Engine,
     their deltas (here fed by a scripted stats() sequence, read on the engine thread)."""
     base = offline.stats()
     script = [dict(base, num_drafts=d, num_draft_tokens=3 * d, num_accepted_tokens=a,
-                   accepted_per_pos=pos)
-              for d, a, pos in [(0, 0, [0, 0, 0]), (2, 4, [2, 1, 1]), (5, 7, [4, 2, 1]),
-                                (5, 7, [4, 2, 1])]]
+                   accepted_per_pos=pos, mode_steps={"off": off, "chain3": d})
+              for d, a, pos, off in [(0, 0, [0, 0, 0], 0), (2, 4, [2, 1, 1], 3),
+                                     (5, 7, [4, 2, 1], 3), (5, 7, [4, 2, 1], 6)]]
     monkeypatch.setattr(offline, "stats", lambda: script.pop(0) if len(script) > 1 else script[0])
     engine = AsyncEngine(offline)
     engine.start()
@@ -303,6 +303,8 @@ def test_spec_counter_deltas_reach_metrics(offline: Engine,
     per_pos = [value("specserve:spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
                for i in range(3)]
     assert per_pos == [4, 2, 1]
+    steps = {m: value("specserve:spec_decode_mode_steps_total", mode=m) for m in ("off", "chain3")}
+    assert steps == {"off": 6, "chain3": 5}
 
 
 def test_cached_prompt_tokens_in_usage_and_metrics(live: LiveServer,

@@ -37,6 +37,7 @@ SPEC_ACCEPTED_PER_POS = PREFIX + "spec_decode_num_accepted_tokens_per_pos_total"
 # prefix (hit rate = hits / queries)
 PREFIX_CACHE_QUERIES = PREFIX + "prefix_cache_queries_total"
 PREFIX_CACHE_HITS = PREFIX + "prefix_cache_hits_total"
+SPEC_MODE_STEPS = PREFIX + "spec_decode_mode_steps_total"  # label mode: a draft mode or "off"
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                  2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)  # fmt: skip
@@ -90,6 +91,10 @@ class EngineMetrics:
         )
         self.prefix_cache_hits = _counter(
             PREFIX_CACHE_HITS, "Prefix cache hits, in tokens found cached.", r
+        )
+        self.spec_mode_steps = _counter(
+            SPEC_MODE_STEPS, "Engine steps per speculation mode chosen ('off': plain).", r,
+            ("mode",)
         )
 
     def record_request(
@@ -170,6 +175,12 @@ class EngineMetrics:
             if delta > 0:
                 self.spec_accepted_per_pos.labels(position=str(pos)).inc(delta)
         seen["accepted_per_pos"] = per_pos
+        for mode, value in (stats.get("mode_steps") or {}).items():
+            key = f"mode_steps/{mode}"
+            delta = value - seen.get(key, 0)
+            if delta > 0:
+                self.spec_mode_steps.labels(mode=mode).inc(delta)
+            seen[key] = value
 
     def set_scheduler_state(self, running: int, waiting: int, kv_cache_usage: float) -> None:
         """Gauges, sampled once per engine step."""
