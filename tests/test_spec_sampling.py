@@ -65,31 +65,44 @@ def _fixed_proposals(llm: LLM, plain: list[list[int]]) -> None:
     """Deterministic drafts that the target often accepts: at every depth, the tokens plain
     sampling emitted most often at that output position (a random head would almost never be
     accepted, leaving the acceptance paths untested)."""
-    cycle = llm.engine.drafter.cycle
-    k, steps = cycle.k, cycle.num_steps
-    common = [[t for t, _ in Counter(s[d] for s in plain).most_common(k)] for d in (1, 2, 2)]
+    def common(depth: int, k: int) -> list[int]:
+        return [t for t, _ in Counter(s[min(depth, 2)] for s in plain).most_common(k)]
 
     def propose(shape, state, root_pos, root_tokens, page_table, valid):
-        bs = state.shape[0]
+        bs, k = state.shape[0], shape.topk  # the step's mode: its topk, depth and size
         logp = torch.log(torch.linspace(0.6, 0.3, k)).expand(bs, k)
-        acc = TreeAccumulator(logp, torch.tensor(common[0]).expand(bs, k), None)
-        for s in range(1, steps):
-            ids = torch.tensor(common[s]).expand(bs, k, k)
+        acc = TreeAccumulator(logp, torch.tensor(common(1, k)).expand(bs, k), None)
+        for s in range(1, shape.num_steps):
+            ids = torch.tensor(common(s + 1, k)).expand(bs, k, k)
             acc.extend(logp[:, None, :].expand(bs, k, k), ids)
-        return acc.build(root_tokens, cycle.n)
+        return acc.build(root_tokens, shape.num_draft_tokens)
 
     llm.engine.drafter.proposer.propose = propose
 
 
+SWITCH = ["chain3", None, None, "chain3", "tree2x3x6", None]  # on, off, a tree mode
+
+
 @pytest.mark.parametrize("spec", [dict(num_steps=3, topk=1),
-                                  dict(num_steps=2, topk=2, num_draft_tokens=5)])
+                                  dict(num_steps=2, topk=2, num_draft_tokens=5),
+                                  pytest.param(dict(num_steps=3, topk=1, modes="tree2x3x6"),
+                                               marks=pytest.mark.slow, id="switching")])
 def test_sampled_speculation_matches_plain_distribution(setup, spec: dict) -> None:
+    """Also with the mode switched per step (chain <-> tree <-> off): the speculating steps
+    and the plain ones both sample the target's distribution."""
     target, head, kw, plain = setup
     llm = LLM(target, speculative_config=dict(algorithm="eagle3", draft_model=head, **spec),
               enforce_eager=True, **kw)
     _fixed_proposals(llm, plain)
+    if spec.get("modes"):
+        from specserve.engine.spec_policy import ScriptedPolicy
+
+        llm.engine.spec_policy = ScriptedPolicy(SWITCH)
     got = _samples(llm)
     assert llm.engine.drafter.counters.num_accepted_tokens > 0, "drafts were never accepted"
+    if spec.get("modes"):
+        steps = llm.engine.drafter.counters.mode_steps
+        assert all(steps[m] > 2 for m in ("off", "chain3", "tree2x3x6")), steps
     for pos in (1, 2):
         stat, dof = _chi2_two_sample(Counter(s[pos] for s in plain),
                                      Counter(s[pos] for s in got))
