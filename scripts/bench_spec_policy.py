@@ -1,16 +1,18 @@
 """Output tok/s against concurrency for plain decoding, each static draft mode and the
-adaptive policy, in one engine (one copy of the weights, every mode's graphs captured).
+adaptive policy, in one engine (one copy of the weights, every mode's graphs captured), and
+the speculative engine forced off on every step (the off switch's cost against plain).
 
-At each concurrency C, N = max(C * requests_per_slot, min_requests) requests of random prompt ids are
-fed so that at most C are in flight (a new one enters as one finishes), and the run is timed
-from the first request to the last token. Acceptance is random per request
+At each concurrency C, N = max(C * requests_per_slot, min_requests) requests of random
+prompt ids are fed so that at most C are in flight (a new one enters as one finishes), and
+the run is timed from the first request to the last token. Acceptance is random per request
 (--accept-rate: each request draws its own rate around the mean, each cycle its rejection
-point): a cost-only benchmark on dummy weights. Modes are interleaved per concurrency
-(plain, static modes, adaptive) and each run starts from an idle engine; the adaptive policy
-starts from the engine's start-up cost table each run (its acceptance estimates fresh).
+point): a cost-only benchmark on dummy weights. Configurations are interleaved per
+concurrency (plain, forced off, static modes, adaptive) and each run starts from an idle
+engine; the adaptive policy starts from the engine's start-up cost table each run (its
+acceptance estimates fresh).
 
     python scripts/bench_spec_policy.py --model llama-3.1-8b --concurrency 1,2,4,...,256 \
-        --modes chain1,chain2,chain3,tree4x3x8 --accept-rate 0.62 --out OUT [--log]
+        --modes chain3,chain1,chain2,tree4x3x8 --accept-rate 0.65 --out OUT [--log]
 """
 
 from __future__ import annotations
@@ -25,11 +27,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specserve.bench.stats import parse_positive_list  # noqa: E402
-from specserve.engine.spec_policy import AdaptivePolicy, StaticPolicy  # noqa: E402
+from specserve.engine.spec_policy import (  # noqa: E402
+    AdaptivePolicy,
+    ScriptedPolicy,
+    StaticPolicy,
+)
 from specserve.llm import LLM  # noqa: E402
 from specserve.sampling_params import SamplingParams  # noqa: E402
 
-PLAIN, ADAPTIVE = "plain", "adaptive"
+PLAIN, OFF, ADAPTIVE = "plain", "forced-off", "adaptive"
 
 
 def run(engine, prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
@@ -60,10 +66,11 @@ def main() -> int:
     ap.add_argument("--draft-model", default="dummy")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,256")
-    ap.add_argument("--modes", default="chain1,chain2,chain3,tree4x3x8",
+    ap.add_argument("--modes", default="chain3,chain1,chain2,tree4x3x8",
                     help="draft modes; the first is the engine's configured shape")
-    ap.add_argument("--accept-rate", type=float, default=0.62,
-                    help="mean synthetic acceptance per draft (0.62: AL ~2.5 at chain 3)")
+    ap.add_argument("--accept-rate", type=float, default=0.65,
+                    help="mean synthetic acceptance per draft (0.65: AL ~2.5 at chain 3, "
+                         "0.3: ~1.5)")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--requests-per-slot", type=int, default=2)
@@ -99,7 +106,9 @@ def main() -> int:
               "cost_table_ms": {m: {b: t * 1e3 for b, t in row.items()}
                                 for m, row in table.items()},
               "startup_s": engine.startup_seconds, "points": []}
-    configs = [PLAIN, *modes, ADAPTIVE]
+    # forced-off: the speculative engine with every step off (its cost over plain: the off
+    # switch's tax)
+    configs = [PLAIN, OFF, *modes, ADAPTIVE]
     for c in levels:
         n = max(c * args.requests_per_slot, args.min_requests)
         prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(n)]
@@ -108,14 +117,17 @@ def main() -> int:
             engine.set_speculation(name != PLAIN)
             if name == ADAPTIVE:
                 engine.spec_policy = AdaptivePolicy(shapes, table)
+            elif name == OFF:
+                engine.spec_policy = ScriptedPolicy([None])
             elif name != PLAIN:
                 engine.spec_policy = StaticPolicy(name)
             point[name] = run(engine, prompts, args.output_len, c)
             print(f"C={c} {name}: {point[name]['tok_s']:.1f} tok/s "
                   f"{point[name]['mode_steps']}", flush=True)
-        best = max(point[m]["tok_s"] for m in configs if m != ADAPTIVE)
+        best = max(point[m]["tok_s"] for m in configs if m not in (ADAPTIVE, OFF))
         point["adaptive_vs_best"] = point[ADAPTIVE]["tok_s"] / best
         point["adaptive_vs_plain"] = point[ADAPTIVE]["tok_s"] / point[PLAIN]["tok_s"]
+        point["forced_off_vs_plain"] = point[OFF]["tok_s"] / point[PLAIN]["tok_s"]
         report["points"].append(point)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -127,7 +139,9 @@ def main() -> int:
                title=f"{args.model}, random acceptance (mean {args.accept_rate})")
     worst_best = min(p["adaptive_vs_best"] for p in report["points"])
     worst_plain = min(p["adaptive_vs_plain"] for p in report["points"])
-    print(f"adaptive / best config >= {worst_best:.3f}; adaptive / plain >= {worst_plain:.3f}")
+    worst_off = min(p["forced_off_vs_plain"] for p in report["points"])
+    print(f"adaptive / best config >= {worst_best:.3f}; adaptive / plain >= {worst_plain:.3f}; "
+          f"forced off / plain >= {worst_off:.3f}")
     if args.log:
         from specserve.bench.log import append_result
 

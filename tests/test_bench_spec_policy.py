@@ -51,9 +51,10 @@ def test_policy_sweep_script_runs(tmp_path: Path) -> None:
     report = json.loads((out / "spec_policy.json").read_text())
     assert [p["concurrency"] for p in report["points"]] == [1, 4]
     for point in report["points"]:
-        for name in ("plain", "chain2", "chain1", "adaptive"):
+        for name in ("plain", "forced-off", "chain2", "chain1", "adaptive"):
             assert point[name]["tokens"] == point["requests"] * 6
         assert point["chain2"]["mode_steps"].get("chain2", 0) > 0
+        assert set(point["forced-off"]["mode_steps"]) == {"off"}
         assert "off" in point["plain"]["mode_steps"] or not point["plain"]["mode_steps"]
     assert set(report["cost_table_ms"]) == {"off", "chain2", "chain1"}
     assert (out / "spec_policy.png").stat().st_size > 0
