@@ -129,7 +129,8 @@ class Eagle3Proposer:
     def release(self, request_id: str) -> None:
         """Nothing to drop: the worker holds each request's state, its pages the draft KV."""
 
-    def _head(self, ids: torch.Tensor, positions: torch.Tensor, g: torch.Tensor, md) -> torch.Tensor:
+    def _head(self, ids: torch.Tensor, positions: torch.Tensor, g: torch.Tensor,
+              md) -> torch.Tensor:
         set_forward_context(ForwardContext(md, self.runner.backend))
         try:
             return self.head(ids, positions, g)
