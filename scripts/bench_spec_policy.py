@@ -90,7 +90,7 @@ def main() -> int:
                 modes=",".join(modes[1:]), policy="adaptive",
                 synthetic_accept_rate=args.accept_rate)
     top = max(levels)
-    llm = LLM(args.model, speculative=spec, load_format=args.load_format, device=args.device,
+    llm = LLM(args.model, speculative_config=spec, load_format=args.load_format, device=args.device,
               cuda_graph_max_bs=top,
               scheduler={"max_model_len": args.prompt_len + args.output_len + 64,
                          "max_num_seqs": top,

@@ -105,7 +105,7 @@ def test_adaptive_engine_switches_with_load_and_stays_lossless(pair) -> None:
     ref = [o.token_ids for o in LLM(pair[0], **kw).generate(prompts, params)]
     llm = LLM(
         pair[0],
-        speculative=dict(
+        speculative_config=dict(
             algorithm="eagle3", draft_model=pair[1], num_steps=3, modes="chain1", policy="adaptive"
         ),
         **kw,
@@ -130,31 +130,25 @@ def test_adaptive_engine_switches_with_load_and_stays_lossless(pair) -> None:
     assert set(stats["spec_mode_scores"]) == {"off", "chain3", "chain1"}
 
 
-def test_adaptive_needs_speculation(pair) -> None:
-    with pytest.raises(ValueError, match="needs speculation"):
-        LLM(pair[0], device="cpu", speculative=dict(policy="adaptive"))
-
-
 def test_policy_flags_and_bad_modes(pair) -> None:
     import argparse
 
-    from specserve.config import add_cli_args, config_from_cli_args
+    from specserve.config_flags import ConfigError, add_cli_args, config_from_cli_args
+    from specserve.spec_config import SpecConfig
 
     parser = argparse.ArgumentParser()
-    add_cli_args(parser)
-    args = parser.parse_args(["--speculative-policy", "adaptive", "--spec-modes", "chain1"])
-    spec = config_from_cli_args(args).spec
+    add_cli_args(parser, SpecConfig)
+    args = parser.parse_args(["--speculative-policy", "adaptive", "--spec-modes", "chain1",
+                              "--spec-algorithm", "eagle3", "--spec-draft-model", "dummy"])
+    spec = config_from_cli_args(args, SpecConfig)
     assert (spec.policy, spec.modes) == ("adaptive", "chain1")
-    assert (
-        config_from_cli_args(parser.parse_args(["--spec-policy", "adaptive"])).spec.policy
-        == "adaptive"
-    )
-    with pytest.raises(ValueError, match="draft mode 'chainx'"):
-        LLM(
-            pair[0],
-            device="cpu",
-            speculative=dict(algorithm="eagle3", draft_model=pair[1], modes="chain1,chainx"),
-        )
+    with pytest.raises(ConfigError, match="draft mode 'chainx'"):
+        SpecConfig(algorithm="eagle3", draft_model=pair[1], modes="chain1,chainx")
+    with pytest.raises(ConfigError, match="needs speculation"):
+        SpecConfig(policy="adaptive")
+    with pytest.raises(ValueError, match="draft mode 'tree2x1x9'"):
+        LLM(pair[0], device="cpu", speculative_config=dict(
+            method="eagle3", model=pair[1], modes="tree2x1x9"))
 
 
 def test_cost_table_sees_emulated_communication(pair, tmp_path) -> None:
@@ -175,10 +169,10 @@ def test_cost_table_sees_emulated_communication(pair, tmp_path) -> None:
         cache=CacheConfig(page_size=4, num_pages=256),
         scheduler=SchedulerConfig(max_num_seqs=2),
     )
-    base = LLM(pair[0], speculative=spec, **kw)
+    base = LLM(pair[0], speculative_config=spec, **kw)
     plain_table = base.engine.spec_cost_table
     base.close()
-    llm = LLM(pair[0], speculative=spec, comm=CommConfig(emulate_comm=str(table_path)), **kw)
+    llm = LLM(pair[0], speculative_config=spec, comm=CommConfig(emulate_comm=str(table_path)), **kw)
     try:
         table = llm.engine.spec_cost_table
         floor = 4 * 2 * 5e-3 * 0.9  # 4 target layers x 2 all-reduces x 5 ms

@@ -36,8 +36,7 @@ from typing import Protocol
 
 import torch
 
-from specserve.spec_config import max_tree_nodes
-from specserve.spec_config import mode_name, parse_mode
+from specserve.spec_config import max_tree_nodes, mode_name, parse_mode
 from specserve.speculative.tree import DraftTree
 from specserve.speculative.verify import VerifyResult
 
