@@ -123,6 +123,7 @@ class SpecConfig:
         "'chain1,chain2,tree4x3x8' (chainS: S steps; treeKxSxN: top-k K, S steps, N tokens "
         "verified); each gets its own CUDA graphs",
         metavar="MODES",
+        help_default="none",
     )
 
     def __post_init__(self) -> None:

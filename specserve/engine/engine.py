@@ -269,6 +269,8 @@ class Engine:
         policy = self.spec_policy
         if self.drafter is not None:  # decided before scheduling: off reserves no lookahead
             mode = policy.choose(self.scheduler.decoding_ids() if policy.needs_batch else [])
+            if isinstance(mode, bool):  # True: the configured mode, False: off
+                mode = self.drafter.default_mode if mode else None
             self.scheduler.lookahead = self.drafter.lookahead_of(mode)
         out = self.scheduler.schedule()
         if not out.scheduled:

@@ -14,9 +14,10 @@ from typing import Protocol
 class SpecPolicy(Protocol):
     needs_batch: bool  # choose() reads the ids of the requests about to decode
 
-    def choose(self, decoding: list[str]) -> str | None:
-        """Before scheduling a step: the draft mode it runs (a DraftShape name), None: off.
-        decoding: ids of the running requests about to decode ([] unless needs_batch)."""
+    def choose(self, decoding: list[str]) -> str | bool | None:
+        """Before scheduling a step: the draft mode it runs (a DraftShape name; True: the
+        configured one), None or False: off. decoding: ids of the running requests about to
+        decode ([] unless needs_batch)."""
         ...
 
     def observe(self, mode: str | None, accepted: dict[str, int], seconds: float | None,
@@ -54,16 +55,16 @@ class StaticPolicy(_Fixed):
 
 
 class ScriptedPolicy(_Fixed):
-    """A fixed pattern of modes (None: off), repeated step after step (switch-cost
-    benchmarks, tests)."""
+    """A fixed pattern of modes (True: the configured one; None or False: off), repeated
+    step after step (switch-cost benchmarks, tests)."""
 
-    def __init__(self, pattern: Sequence[str | None]) -> None:
+    def __init__(self, pattern: Sequence[str | bool | None]) -> None:
         if not pattern:
             raise ValueError("the pattern needs at least one step")
         self.pattern = list(pattern)
         self.steps = 0
 
-    def choose(self, decoding: list[str]) -> str | None:
+    def choose(self, decoding: list[str]) -> str | bool | None:
         mode = self.pattern[self.steps % len(self.pattern)]
         self.steps += 1
         return mode
