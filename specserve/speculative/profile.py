@@ -66,6 +66,7 @@ def _rows(runner, bs: int, start: int, num_slots: int) -> StepInput:
         is_decode=ones.astype(bool),
         speculate=ones.astype(bool),
         lookahead=ones * 0,
+        from_cache=np.zeros(bs, dtype=bool),
         num_tokens=ones * (start + 1),
         tokens_left=ones * (1 << 30),
         page_counts=ones * pages,
