@@ -266,7 +266,8 @@ def check_sparse_attention(num_tokens: int, heads: int, rank: int, rope: int, k:
     got = sm.sparse_mla_attention(q_lat, q_pe, cache, slots, scale, num_splits=num_splits)
     want = sm.sparse_mla_ref(q_lat, q_pe, cache, slots, scale)
     assert got.shape == want.shape and got[-1].abs().max().item() == 0.0
-    assert row_rel_error(got[:-1], want[:-1]) < tol
+    if num_tokens > 1:  # the last row selects nothing; the others are compared
+        assert row_rel_error(got[:-1], want[:-1]) < tol
 
 
 def check_model_on_triton_backend() -> None:

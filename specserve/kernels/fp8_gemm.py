@@ -149,6 +149,9 @@ def fp8_mm_torch(
 # how the kernel gets its FP8 activations: given (quantized by quant_fp8), quantized in the K
 # loop per row and BLOCK_K group (dynamic; BLOCK_K = the group), or with a static scale
 GIVEN, DYNAMIC, STATIC = 0, 1, 2
+# the same values as constexpr globals: @jit code may read only constexpr module globals
+GIVEN_C, DYNAMIC_C, STATIC_C = (
+    (tl.constexpr(v) if tl is not None else v) for v in (GIVEN, DYNAMIC, STATIC))
 
 
 @jit
@@ -177,10 +180,10 @@ def _fp8_mm_kernel(
         k = k0 + rk
         k_ok = k < k_end
         a = tl.load(a_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if QUANT_A == DYNAMIC:  # as quant_fp8 over this row's group of BLOCK_K columns
+        if QUANT_A == DYNAMIC_C:  # as quant_fp8 over this row's group of BLOCK_K columns
             q, a_s = quant_rows_e4m3(a.to(tl.float32), fp8_max, eps)
             a = q.to(b_ptr.dtype.element_ty)
-        elif QUANT_A == STATIC:
+        elif QUANT_A == STATIC_C:
             a_s = tl.load(as_rows, mask=m_ok, other=0.0)
             q = tl.clamp(tl.math.div_rn(a.to(tl.float32), a_s[:, None]), -fp8_max, fp8_max)
             a = _round_to_e4m3(q).to(b_ptr.dtype.element_ty)
@@ -189,7 +192,7 @@ def _fp8_mm_kernel(
         if SCALE_AT_END:
             acc += part
         else:
-            if QUANT_A == GIVEN:
+            if QUANT_A == GIVEN_C:
                 a_s = tl.load(as_rows + (k0 // A_GROUP) * stride_ask, mask=m_ok, other=0.0)
             b_s = tl.load(bs_rows + (k0 // B_GROUP_K) * stride_bsk, mask=n_ok, other=0.0)
             acc += part * a_s[:, None] * b_s[None, :]

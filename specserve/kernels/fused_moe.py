@@ -54,6 +54,9 @@ from specserve.kernels.w4a16_gemm import dequantize_w4, scale_mode, w4_tile
 
 # weight formats of the grouped GEMMs
 DENSE, FP8_BLOCK, INT4 = 0, 1, 2
+# the same values as constexpr globals: @jit code may read only constexpr module globals
+DENSE_C, FP8_BLOCK_C, INT4_C = (
+    (tl.constexpr(v) if tl is not None else v) for v in (DENSE, FP8_BLOCK, INT4))
 
 
 @dataclass(frozen=True)
@@ -226,17 +229,17 @@ def _moe_gemm_kernel(
     b_ptrs = b_ptr + expert * stride_be + cols[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if WEIGHTS == FP8_BLOCK:  # scale rows of the gate (or only) part and of the up part
+    if WEIGHTS == FP8_BLOCK_C:  # scale rows of the gate (or only) part and of the up part
         s_gate = bs_ptr + expert * stride_bse + (cols // GROUP_N).to(tl.int64) * stride_bsn
         s_up = s_gate + up_scale_row * stride_bsn
-    if WEIGHTS == INT4:  # per-row packed words and group scales, [BLOCK_N, 1]
+    if WEIGHTS == INT4_C:  # per-row packed words and group scales, [BLOCK_N, 1]
         w_rows = b_ptr + expert * stride_be + cols.to(tl.int64)[:, None] * stride_bn
         s_rows = bs_ptr + expert * stride_bse + cols.to(tl.int64)[:, None] * stride_bsn
     for k0 in range(0, k, BLOCK_K):
         k_ok = offs_k < k - k0
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b_mask = k_ok[:, None] & col_ok[None, :]
-        if WEIGHTS == FP8_BLOCK:  # W8A8: the rows quantized per group of BLOCK_K = GROUP_K
+        if WEIGHTS == FP8_BLOCK_C:  # W8A8: the rows quantized per group of BLOCK_K = GROUP_K
             q, a_s = quant_rows_e4m3(a.to(tl.float32), fp8_max, eps)
             a8 = q.to(b_ptr.dtype.element_ty)
             b = tl.load(b_ptrs, mask=b_mask, other=0.0)  # [BLOCK_K, BLOCK_N] fp8
@@ -246,7 +249,7 @@ def _moe_gemm_kernel(
                 b_up = tl.load(b_ptrs + up_offset * stride_bn, mask=b_mask, other=0.0)
                 bu_s = tl.load(s_up + k0 // GROUP_K, mask=col_ok, other=0.0)
                 acc_up += tl.dot(a8, b_up) * a_s[:, None] * bu_s[None, :]
-        elif WEIGHTS == INT4:  # W4A16: nibbles decoded and scaled in registers
+        elif WEIGHTS == INT4_C:  # W4A16: nibbles decoded and scaled in registers
             w = w4_tile(w_rows, s_rows, col_ok, k0, k, GROUP_K, SCALES, False, BLOCK_N, BLOCK_K)
             acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc, input_precision=DOT_PRECISION)
             if SILU_MUL:

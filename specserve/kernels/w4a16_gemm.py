@@ -86,6 +86,9 @@ def _decode_e2m1(nib):
 
 # how a K step of BLOCK_K columns finds its scales (see scale_mode)
 PER_STEP, PER_GROUP, PER_COLUMN = 0, 1, 2
+# the same values as constexpr globals: @jit code may read only constexpr module globals
+PER_STEP_C, PER_GROUP_C, PER_COLUMN_C = (
+    (tl.constexpr(v) if tl is not None else v) for v in (PER_STEP, PER_GROUP, PER_COLUMN))
 
 
 def scale_mode(group: int, block_k: int) -> int:
@@ -117,10 +120,10 @@ def w4_tile(
         val = _decode_e2m1(nib)
     else:
         val = (nib - 8).to(tl.float32)
-    if SCALES == PER_STEP:  # the step lies in one group: one scale per row
+    if SCALES == PER_STEP_C:  # the step lies in one group: one scale per row
         sc = tl.load(s_rows + k0 // GROUP, mask=n_ok[:, None], other=0.0).to(tl.float32)
         w = val * sc
-    elif SCALES == PER_GROUP:  # BLOCK_K // GROUP whole groups: scale each group's slice
+    elif SCALES == PER_GROUP_C:  # BLOCK_K // GROUP whole groups: scale each group's slice
         g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
         sc = tl.load(
             s_rows + g[None, :], mask=n_ok[:, None] & (g * GROUP < K)[None, :], other=0.0
