@@ -12,7 +12,7 @@ import argparse
 import json
 
 import specserve.bench.log as log
-from specserve.bench.latency import write_log
+from specserve.bench.latency_report import write_log
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ import pytest
 from cli_run import run_cli
 from tiny_models import make_tiny_checkpoint
 
-from specserve.bench import floor, latency
+from specserve.bench import floor, hf_peer, latency
 from specserve.bench.log import read_results
 from specserve.models import presets
 
@@ -190,14 +190,14 @@ def _greedy(engine, prompt: list[int], n: int) -> list[int]:
 
 
 def test_hf_peer_shares_weights_and_matches_greedy_tokens(engine):
-    peer = floor.hf_peer_model(engine)
+    peer = hf_peer.hf_peer_model(engine)
     ours = {p.data_ptr() for p in engine.runner.model.parameters()}
     # every peer weight lies inside one of our tensors' storage (views: no second copy)
     storages = {p.untyped_storage().data_ptr() for p in engine.runner.model.parameters()}
     assert all(p.untyped_storage().data_ptr() in storages for p in peer.parameters())
     assert any(p.data_ptr() not in ours for p in peer.parameters())  # q/k/v, gate/up slices
     prompt = [random.Random(5).randrange(engine.model_config.vocab_size) for _ in range(20)]
-    hf = floor.measure_hf_generate(peer, prompt, 10, runs=1, warmup=0)
+    hf = hf_peer.measure_hf_generate(peer, prompt, 10, runs=1, warmup=0)
     engine.set_speculation(False)
     assert hf.token_ids == _greedy(engine, prompt, 10)
     assert len(hf.tok_s) == 1 and hf.tok_s[0] > 0
@@ -209,9 +209,9 @@ def test_hf_peer_of_a_checkpoint_with_qkv_bias(tmp_path):
     path = make_tiny_checkpoint(tmp_path / "qwen2", "qwen2", seed=4)
     llm = LLM(path, device="cpu")
     eng = llm.engine
-    peer = floor.hf_peer_model(eng)
+    peer = hf_peer.hf_peer_model(eng)
     prompt = [random.Random(6).randrange(eng.model_config.vocab_size) for _ in range(16)]
-    hf = floor.measure_hf_generate(peer, prompt, 8, runs=1, warmup=0)
+    hf = hf_peer.measure_hf_generate(peer, prompt, 8, runs=1, warmup=0)
     assert hf.token_ids == _greedy(eng, prompt, 8)
 
 
