@@ -65,6 +65,14 @@ if has moe; then
     --spec-synthetic-accept-len 3 --cuda-graph-max-bs 4 --label "kimi-k2-3l chain3 synthetic AL3" \
     --json-out "$out/kimi-chain3.json" > "$out/kimi-chain3.log" 2>&1
   echo "kimi-k2-3l chain3 rc=$?"; tail -10 "$out/kimi-chain3.log"
+  # the same at full depth (61 layers, 16 experts each: a token reads Kimi K2's ~32B active
+  # parameters), where the head's cost relative to the target step is the real model's
+  timeout 400 "${ss[@]}" bench latency "${moe[@]}" --model kimi-k2-61l-e16 --batch-sizes 1 \
+    --max-num-seqs 4 --floor --spec-algorithm eagle3 --spec-draft-model dummy --spec-num-steps 3 \
+    --spec-topk 1 --spec-synthetic-accept-len 3 --cuda-graph-max-bs 4 \
+    --label "kimi-k2-61l-e16 chain3 synthetic AL3" --json-out "$out/kimi61-chain3.json" \
+    > "$out/kimi61-chain3.log" 2>&1
+  echo "kimi-k2-61l-e16 chain3 rc=$?"; tail -10 "$out/kimi61-chain3.log"
 fi
 if has quant; then
   timeout 300 python -m pytest -q -m gpu -n 4 -rfE --tb=short -p no:cacheprovider \

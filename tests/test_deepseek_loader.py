@@ -175,6 +175,7 @@ def test_embedding_and_head_must_be_unambiguous(ckpt: str) -> None:
 
 @pytest.mark.parametrize("name,layers,experts,heads", [
     ("kimi-k2-3l", ["dense", "moe", "moe"], 384, 64),
+    ("kimi-k2-61l-e16", ["dense"] + ["moe"] * 60, 16, 64),
     ("deepseek-v3-4l", ["dense", "moe", "moe", "moe"], 256, 128),
 ])  # fmt: skip
 def test_cost_presets(name: str, layers: list[str], experts: int, heads: int) -> None:
@@ -192,3 +193,7 @@ def test_cost_presets(name: str, layers: list[str], experts: int, heads: int) ->
     moe = model.model.layers[1].mlp
     assert moe.experts.w13_weight.shape == (experts, 2 * 2048, 7168)
     assert moe.gate.weight.dtype == torch.float32
+    if len(layers) == 61:  # full depth: a token multiplies Kimi K2's ~32B activated parameters
+        from specserve.bench.floor import token_weight_params
+
+        assert 31e9 < token_weight_params(model) < 33.5e9

@@ -47,6 +47,13 @@ _KIMI_K2_3L = {
     "max_position_embeddings": 262144, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     "bos_token_id": 163584, "eos_token_id": 163585,
 }
+# Kimi K2 at full depth (61 layers: one dense, 60 MoE) with 16 routed experts per layer
+# instead of 384: a token reads what it reads in the real model (attention, the top 8 routed
+# experts, the shared expert, ~32B parameters), so at batch 1 the target step and a draft
+# head's cost relative to it are the real model's (the 3-layer preset makes any head look as
+# heavy as the target); larger batches touch fewer distinct experts than the real model's.
+# ~108 GB of bf16 weights
+_KIMI_K2_61L_E16 = {**_KIMI_K2_3L, "num_hidden_layers": 61, "n_routed_experts": 16}
 # DeepSeek-V3 per-layer dimensions (Kimi K2's but 128 heads, 256 routed experts in 8 groups
 # of which 4 are kept, its rope and vocabulary), 4 layers: one dense and three MoE; ~74 GB
 _DEEPSEEK_V3_4L = {
@@ -104,13 +111,15 @@ _KIMI_K25_INT4 = {  # Kimi K2.5 / K2 Thinking: INT4 routed experts only, groups 
     "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
                "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
 }
-PRESET_FORMATS: dict[str, dict[str, dict]] = {"kimi-k2-3l": {"w4a16": _KIMI_K25_INT4}}
+PRESET_FORMATS: dict[str, dict[str, dict]] = {"kimi-k2-3l": {"w4a16": _KIMI_K25_INT4},
+                                              "kimi-k2-61l-e16": {"w4a16": _KIMI_K25_INT4}}
 
 PRESETS: dict[str, dict] = {
     "llama-3.1-8b": _LLAMA_31_8B,
     "qwen3-8b": _QWEN3_8B,
     "tiny-llama": _TINY_LLAMA,
     "kimi-k2-3l": _KIMI_K2_3L,
+    "kimi-k2-61l-e16": _KIMI_K2_61L_E16,
     "deepseek-v3-4l": _DEEPSEEK_V3_4L,
     "glm-4.5-air-4l": _GLM_45_AIR_4L,
     "glm-5-3l": _GLM_5_3L,
