@@ -23,6 +23,7 @@ if str(REPO) not in sys.path:
 from interpreted import report, run_interpreted  # noqa: E402
 
 from specserve.kernels import exact_gemm as eg  # noqa: E402
+from specserve.kernels import mla_attention as mla  # noqa: E402
 from specserve.kernels import paged_attention as pa  # noqa: E402
 from specserve.kernels.dispatch import EXACT, set_exact  # noqa: E402
 
@@ -178,6 +179,101 @@ def test_exact_attention_plan_is_fixed(exact_on) -> None:
     assert len(block_ms) == 1
 
 
+def _mla_case(dtype: torch.dtype, seed: int, device: str = "cpu"):
+    """A paged latent cache (L 64 + R 16, 4 heads) with a 300-token request whose last 5
+    positions are new queries."""
+    g = torch.Generator().manual_seed(seed)
+    page_size, pages, heads, rank, rope = 4, 128, 4, 64, 16
+    cache = torch.randn(pages, page_size, rank + rope, generator=g).to(device, dtype)
+    table = torch.randperm(pages, generator=g).to(device, torch.int32)[None, :]
+    q_lat = torch.randn(5, heads, rank, generator=g).to(device, dtype)
+    q_pe = torch.randn(5, heads, rope, generator=g).to(device, dtype)
+    return cache, table, q_lat, q_pe, 300
+
+
+def check_mla_decode_equals_extend_and_verify(fn, device: str, dtype: torch.dtype) -> None:
+    """fn = mla_attention or mla_attention_ref: a query decoded alone == the same query inside
+    an extend, a chain verify and a tree verify (its ancestors only), and the same decode row
+    inside a batch of other requests, bitwise."""
+    cache, table, q_lat, q_pe, seq_len = _mla_case(dtype, 4, device)
+    n_new, scale = q_lat.shape[0], 0.125
+    qsl = torch.tensor([0, n_new], dtype=torch.int32, device=device)
+    lens = torch.tensor([seq_len], dtype=torch.int32, device=device)
+
+    def run(q, p, starts, seq_lens, tables, mask=None):
+        if fn is mla.mla_attention:
+            max_q = int((starts[1:] - starts[:-1]).max())
+            return fn(q, p, cache, starts, seq_lens, tables, max_q, scale, custom_mask=mask)
+        return fn(q, p, cache, starts, seq_lens, tables, scale, mask)
+
+    extend = run(q_lat, q_pe, qsl, lens, table)
+    chain = torch.tril(torch.ones(1, n_new, n_new, dtype=torch.bool, device=device))
+    verify = run(q_lat, q_pe, qsl, lens, table, chain)
+    tree = torch.eye(n_new, dtype=torch.bool, device=device)
+    tree[1, 0] = tree[2, 0] = tree[2, 1] = tree[3, 0] = tree[4, 3] = True
+    tree_out = run(q_lat, q_pe, qsl, lens, table, tree[None])
+    one = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    for i in range(n_new):
+        pos_len = torch.tensor([seq_len - n_new + i + 1], dtype=torch.int32, device=device)
+        decode = run(q_lat[i : i + 1], q_pe[i : i + 1], one, pos_len, table)[0]
+        assert torch.equal(decode, extend[i]), i
+        assert torch.equal(decode, verify[i]), i
+    # tree node 2 (ancestors 0, 1) at depth 2: its decode sees the prefix and nodes 0, 1
+    assert torch.equal(tree_out[2], verify[2])
+    g = torch.Generator().manual_seed(9)
+    others_lat = torch.randn(3, *q_lat.shape[1:], generator=g).to(device, dtype)
+    others_pe = torch.randn(3, *q_pe.shape[1:], generator=g).to(device, dtype)
+    batch_lat = torch.cat([others_lat[:1], q_lat[2:3], others_lat[1:]])
+    batch_pe = torch.cat([others_pe[:1], q_pe[2:3], others_pe[1:]])
+    tables = torch.stack([torch.randperm(table.shape[1], generator=g) for _ in range(4)])
+    tables[1] = table[0].cpu()
+    blens = torch.tensor([37, seq_len - n_new + 3, 500, 1], dtype=torch.int32, device=device)
+    starts = torch.arange(5, dtype=torch.int32, device=device)
+    batched = run(batch_lat, batch_pe, starts, blens, tables.to(device, torch.int32))
+    assert torch.equal(batched[1], extend[2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_torch_path_decode_equals_extend_and_verify(exact_on, dtype: torch.dtype) -> None:
+    check_mla_decode_equals_extend_and_verify(mla.mla_attention_ref, "cpu", dtype)
+
+
+def test_mla_absorption_and_router_are_row_invariant(exact_on) -> None:
+    """W_UK / W_UV per head (exact_bmm: one row at a time on the CPU) and the MoE router."""
+    from specserve.config import MoEConfig
+    from specserve.layers.moe import MoEGate
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(9, 4, 48, generator=g).to(torch.bfloat16)
+    w = torch.randn(4, 64, 48, generator=g).to(torch.bfloat16)
+    _row_alone_vs_batched(lambda t: eg.exact_bmm(t, w), x, 5)
+    ref = torch.bmm(x.float().transpose(0, 1), w.float().transpose(1, 2)).transpose(0, 1)
+    torch.testing.assert_close(eg.exact_bmm(x, w).float(), ref, atol=0.1, rtol=0.02)
+    gate = MoEGate(48, MoEConfig(num_experts=16, num_experts_per_tok=4, intermediate_size=8,
+                                 n_group=4, topk_group=2))
+    gate.weight.data.normal_(generator=g)
+    if gate.e_score_correction_bias is not None:
+        gate.e_score_correction_bias.data.normal_(generator=g)
+    h = torch.randn(11, 48, generator=g)
+    with torch.no_grad():
+        for part in (0, 1):
+            _row_alone_vs_batched(lambda t: gate(t)[part], h, 6)
+
+
+def test_exact_mla_takes_the_absorbed_form(exact_on) -> None:
+    from specserve.config import MLAConfig
+    from specserve.layers.attention_metadata import AttentionMetadata
+    from specserve.layers.mla import choose_form
+
+    mla_cfg = MLAConfig(q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
+                        qk_rope_head_dim=64, v_head_dim=128)
+    md = AttentionMetadata.__new__(AttentionMetadata)
+    md.custom_mask, md.query_lens_cpu, md.seq_lens_cpu = None, [2048], [2048]
+    assert choose_form(md, 16, mla_cfg) == "absorbed"  # a long prefill: compute when not exact
+    set_exact(False)
+    assert choose_form(md, 16, mla_cfg) == "compute"
+
+
 # --------------------------------------------------------------------------------------------
 # Triton kernels under the interpreter
 
@@ -254,7 +350,36 @@ def check_exact_attention(device: str = "cpu", dtype: torch.dtype = torch.float3
         set_exact(False)
 
 
-INTERPRETER_CHECKS = {"exact_gemm": check_exact_gemm, "exact_attention": check_exact_attention}
+def check_exact_bmm(device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+    g = torch.Generator().manual_seed(3)
+    w_uk = torch.randn(4, 40, 96, generator=g).to(device, dtype)  # [N, P, L] as in MLA
+    x = torch.randn(33, 4, 40, generator=g).to(device, dtype)
+    w = w_uk.transpose(1, 2)  # [N, L, P], strided: the layer passes this view
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(eg.exact_bgemm(x, w).float(), eg.exact_bmm_ref(x, w).float(),
+                               atol=tol, rtol=tol)
+    for m in (1, 6, 33):
+        _row_alone_vs_batched(lambda t: eg.exact_bgemm(t, w), x[:m], m - 1)
+
+
+def check_exact_mla(device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+    set_exact(True, max_positions=512)
+    try:
+        check_mla_decode_equals_extend_and_verify(mla.mla_attention, device, dtype)
+        cache, table, q_lat, q_pe, seq_len = _mla_case(dtype, 4, device)
+        qsl = torch.tensor([0, 5], dtype=torch.int32, device=device)
+        lens = torch.tensor([seq_len], dtype=torch.int32, device=device)
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(  # the exact plan still computes the attention
+            mla.mla_attention(q_lat, q_pe, cache, qsl, lens, table, 5, 0.125).float(),
+            mla.mla_attention_ref(q_lat, q_pe, cache, qsl, lens, table, 0.125).float(),
+            atol=tol, rtol=tol)
+    finally:
+        set_exact(False)
+
+
+INTERPRETER_CHECKS = {"exact_gemm": check_exact_gemm, "exact_attention": check_exact_attention,
+                      "exact_bmm": check_exact_bmm, "exact_mla": check_exact_mla}
 
 
 @pytest.fixture(scope="module")
@@ -287,6 +412,13 @@ def test_exact_attention_cuda_bf16() -> None:
     check_exact_attention("cuda", torch.bfloat16)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and triton")
+def test_exact_mla_cuda_bf16() -> None:
+    check_exact_bmm("cuda", torch.bfloat16)
+    check_exact_mla("cuda", torch.bfloat16)
+
+
 # --------------------------------------------------------------------------------------------
 # engine
 
@@ -296,15 +428,15 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, 500) for _ in range(rng.randint(2, 30))] for _ in range(n)]
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+@pytest.fixture(scope="module", params=["llama", "deepseek_v3"])
+def pair(request, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """A tiny target of each attention kind (GQA; MLA + MoE) with a random EAGLE-3 head."""
     from tiny_eagle import make_tiny_eagle3_head
     from tiny_models import make_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("exact")
-    target = make_tiny_checkpoint(
-        root / "target", family="llama", tokenizer=True, num_hidden_layers=4
-    )
+    layers = {"num_hidden_layers": 4} if request.param == "llama" else {}
+    target = make_tiny_checkpoint(root / "target", family=request.param, tokenizer=True, **layers)
     return target, make_tiny_eagle3_head(str(root / "head"), target, draft_vocab_size=128)
 
 

@@ -26,12 +26,16 @@ EXACT_TILE = (64, 32, 64, 4, 4)  # narrow N tiles: a one-row GEMM still fills th
 @jit
 def _exact_gemm_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, M, N, K,
-    stride_xm, stride_wn, stride_ym,
+    stride_xb, stride_xm, stride_wb, stride_wn, stride_wk, stride_yb, stride_ym,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    batch = tl.program_id(2).to(tl.int64)  # one product per batch index (exact_bmm)
+    x_ptr += batch * stride_xb
+    w_ptr += batch * stride_wb
+    y_ptr += batch * stride_yb
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -44,7 +48,7 @@ def _exact_gemm_kernel(
             other=0.0,
         )  # [BLOCK_M, BLOCK_K]
         w = tl.load(
-            w_ptr + rn.to(tl.int64)[None, :] * stride_wn + kk[:, None],
+            w_ptr + rn.to(tl.int64)[None, :] * stride_wn + kk[:, None] * stride_wk,
             mask=(rn < N)[None, :] & (kk < K)[:, None],
             other=0.0,
         )  # [BLOCK_K, BLOCK_N]
@@ -70,15 +74,55 @@ def exact_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
     y = x2.new_empty(m, n)
     if m == 0:
         return y.reshape(*shape[:-1], n)
+    _launch(x2[None], w[None], bias, y[None])
+    return y.reshape(*shape[:-1], n)
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+            y: torch.Tensor) -> None:
+    """y[b] = x[b] @ w[b]^T (+ bias) for x [B, M, K] (unit K stride), w [B, N, K] (any
+    strides), y [B, M, N] (unit N stride): the EXACT_TILE launch, one grid layer per b."""
+    (nb, m, k), n = x.shape, w.shape[1]
     bm, bn, bk, warps, stages = EXACT_TILE
-    _exact_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-        x2, w, bias if bias is not None else w, y, m, n, k,
-        x2.stride(0), w.stride(0), y.stride(0),
+    _exact_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), nb)](
+        x, w, bias if bias is not None else w, y, m, n, k,
+        x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), y.stride(0),
+        y.stride(1),
         HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
-    return y.reshape(*shape[:-1], n)
+
+
+def exact_bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Per head h: x[:, h] @ w[h]^T for x [T, H, K], w [H, N, K] (any strides) -> [T, H, N],
+    each (row, head) through the same reduction whatever T is: the M-invariant form of MLA's
+    per-head W_UK / W_UV products. Triton on CUDA (exact_bgemm); one row at a time elsewhere."""
+    return exact_bgemm(x, w) if use_triton(x, w) else rowwise_bmm(x, w)
+
+
+def exact_bgemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """exact_bmm with the EXACT_TILE launch, one grid layer per head (Triton)."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    y = x.new_empty(x.shape[0], x.shape[1], w.shape[1])
+    if x.shape[0]:
+        _launch(x.transpose(0, 1), w, None, y.transpose(0, 1))
+    return y
+
+
+def rowwise_bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """exact_bmm's CPU form: each row t through the same [H, 1, K] x [H, K, N] call."""
+    y = x.new_empty(x.shape[0], x.shape[1], w.shape[1])
+    wt = w.transpose(1, 2)
+    for t in range(x.shape[0]):
+        y[t] = torch.bmm(x[t][:, None], wt)[:, 0]
+    return y
+
+
+def exact_bmm_ref(x: torch.Tensor, w: torch.Tensor, block_k: int = 64) -> torch.Tensor:
+    """Reference of exact_bgemm: exact_gemm_ref per head."""
+    return torch.stack([exact_gemm_ref(x[:, h], w[h], None, block_k) for h in range(x.shape[1])],
+                       dim=1)
 
 
 def exact_gemm_ref(

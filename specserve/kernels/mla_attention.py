@@ -26,7 +26,7 @@ import math
 import torch
 
 from specserve.kernels.attention_tiles import _kv_range, _mask_scores, _normalize, _softmax_step
-from specserve.kernels.dispatch import jit, next_power_of_2, tl, triton  # noqa: F401
+from specserve.kernels.dispatch import EXACT, jit, next_power_of_2, tl, triton  # noqa: F401
 from specserve.kernels.split_kv import combine_splits, default_num_splits, split_buffers
 
 MIN_DOT = 16  # smallest tl.dot dimension on GPUs
@@ -44,7 +44,7 @@ def _mla_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, IS_DECODE: tl.constexpr, HAS_MASK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SPLIT_TOKENS: tl.constexpr,
 ):  # fmt: skip
     # a program owns (request, block of BLOCK_M queries, block of BLOCK_H heads, KV split);
     # its tile rows are those queries x heads, all reading the same latent rows
@@ -81,7 +81,7 @@ def _mla_attention_kernel(
 
     # KV positions this query block can see (kernels/attention_tiles.py)
     lo, hi, mask_start = _kv_range(seq_len, q_len, m_block, split, mask_width, BLOCK_M, BLOCK_N,
-                                   NUM_SPLITS, HAS_MASK, 0)  # fmt: skip
+                                   NUM_SPLITS, HAS_MASK, SPLIT_TOKENS)  # fmt: skip
 
     m_i = tl.full([BLOCK_M * BLOCK_H], float("-inf"), tl.float32)  # running max (log2 units)
     l_i = tl.zeros([BLOCK_M * BLOCK_H], tl.float32)
@@ -134,18 +134,24 @@ def mla_launch_plan(
     """(block_m, block_h, num_m_blocks, num_head_blocks, num_splits, block_n) of an attention
     launch, None arguments replaced by defaults. Tile rows = queries x heads, heads first (they
     share every latent row): at most `max_rows` (16 at the real latent width, whose fp32
-    accumulator is [rows, 512]; 64 for narrow latents) and at least MIN_DOT."""
+    accumulator is [rows, 512]; 64 for narrow latents) and at least MIN_DOT. Exact mode: the
+    same tile rows for every query length and EXACT.kv_splits splits of EXACT.kv_split_tokens
+    (a row's KV blocks and their order are those of the same row in any other launch)."""
     if max_rows is None:
         max_rows = 16 if rank >= 256 else 64
     block_h = min(next_power_of_2(num_heads), max_rows)
-    block_m = max(1, min(next_power_of_2(max_query_len), max_rows // block_h))
-    block_m = max(block_m, MIN_DOT // block_h)
+    if EXACT.on:  # one tile shape whatever the query length, a fixed split count (and length)
+        block_m = max(1, MIN_DOT // block_h)
+        num_splits = EXACT.kv_splits
+    else:
+        block_m = max(1, min(next_power_of_2(max_query_len), max_rows // block_h))
+        block_m = max(block_m, MIN_DOT // block_h)
     num_m_blocks = math.ceil(max_query_len / block_m)
     num_head_blocks = math.ceil(num_heads / block_h)
     if num_splits is None:
         num_splits = default_num_splits(bs * num_m_blocks * num_head_blocks, device)
     if block_n is None:
-        block_n = 32 if rank >= 256 else 16
+        block_n = 32 if rank >= 256 else 16  # divides EXACT.kv_split_tokens (256 * 2^i)
     return block_m, block_h, num_m_blocks, num_head_blocks, num_splits, block_n
 
 
@@ -207,6 +213,7 @@ def mla_attention(
         PAGE_SIZE=latent_cache.shape[1], NUM_SPLITS=num_splits, IS_DECODE=is_decode,
         HAS_MASK=custom_mask is not None,
         DOT_PRECISION="ieee" if q_lat.dtype == torch.float32 else None,  # keep fp32 exact
+        SPLIT_TOKENS=EXACT.kv_split_tokens if EXACT.on else 0,
         **launch,
     )  # fmt: skip
     if num_splits > 1:
@@ -253,7 +260,9 @@ def mla_attention_ref(
     custom_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference for `mla_attention` (absorbed form), dense per request in fp32.
-    q_lat [T, N, L], q_pe [T, N, R] -> o_lat [T, N, L]; tokens past the last request stay 0."""
+    q_lat [T, N, L], q_pe [T, N, R] -> o_lat [T, N, L]; tokens past the last request stay 0.
+    Exact mode: each query attends alone over exactly the rows it sees (as
+    backends/torch_ref.attend_rowwise), so decode, extend and verify agree bitwise."""
     rank = q_lat.shape[-1]
     out = q_lat.new_zeros(q_lat.shape)
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
@@ -263,13 +272,20 @@ def mla_attention_ref(
             continue
         rows = gather_latent(latent_cache, page_table[r], seq_len).float()  # [S, L + R]
         c, pe = rows[:, :rank], rows[:, rank:]
+        mask = visible_mask(
+            b - a, seq_len, None if custom_mask is None else custom_mask[r], q_lat.device
+        )
+        if EXACT.on:  # each query alone over the rows it sees, in position order
+            for i in range(b - a):
+                seen = mask[i].nonzero().squeeze(1)
+                s_i = (torch.einsum("hl,sl->hs", q_lat[a + i].float(), c[seen])
+                       + torch.einsum("hr,sr->hs", q_pe[a + i].float(), pe[seen])) * scale
+                out[a + i] = (s_i.softmax(-1) @ c[seen]).to(out.dtype)
+            continue
         scores = (
             torch.einsum("qhl,sl->hqs", q_lat[a:b].float(), c)
             + torch.einsum("qhr,sr->hqs", q_pe[a:b].float(), pe)
         ) * scale
-        mask = visible_mask(
-            b - a, seq_len, None if custom_mask is None else custom_mask[r], q_lat.device
-        )
         probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).nan_to_num(0.0)
         out[a:b] = torch.einsum("hqs,sl->qhl", probs, c).to(out.dtype)
     return out

@@ -25,7 +25,8 @@ expansion of its request's cached tokens once (L (P + V) per token and head) and
 decode, verify and short extends after a long context take the absorbed form (no expansion,
 the cache read once). A custom mask (tree verify), or a batch without host lengths (a
 CUDA-graph capture), always takes the absorbed form: its launches depend on no per-step host
-value. Attention output o [T, N, V] goes through o_proj (row-parallel: one all-reduce).
+value. So does every forward in exact mode (EngineConfig.exact), where the W_UK / W_UV products
+run M-invariant (kernels/exact_gemm.exact_bmm) and the kernel a fixed launch plan. Attention output o [T, N, V] goes through o_proj (row-parallel: one all-reduce).
 
 softmax scale = (P + R)^-0.5, times yarn_mscale(factor, mscale_all_dim)^2 under yarn (the
 correction for the attention factor yarn applies to cos/sin).
@@ -56,6 +57,8 @@ import torch
 
 from specserve.config import MLAConfig, ModelConfig
 from specserve.distributed.parallel_state import get_tp_size
+from specserve.kernels.dispatch import EXACT
+from specserve.kernels.exact_gemm import exact_bmm
 from specserve.kernels.mla_attention import uncached_layout
 from specserve.kv_cache.spec import KVCacheSpec
 from specserve.layers.attention import CachedAttention
@@ -151,7 +154,8 @@ def choose_form(md: AttentionMetadata, num_heads: int, mla: MLAConfig) -> str:
     """'compute' or 'absorbed' for this forward (see the module docstring): the form with
     fewer FLOPs per head, counting (query, key) pairs, the expansion of cached tokens (compute)
     and the q/o absorption of new tokens (absorbed)."""
-    if md.custom_mask is not None or md.query_lens_cpu is None or md.seq_lens_cpu is None:
+    if (md.custom_mask is not None or md.query_lens_cpu is None or md.seq_lens_cpu is None
+            or EXACT.on):  # exact mode: prefill, decode and verify share one form
         return "absorbed"
     rank, nope, rope, v = (
         mla.kv_lora_rank,
@@ -297,11 +301,15 @@ class MLAAttention(CachedAttention):
     def absorb(self, q_nope: torch.Tensor) -> torch.Tensor:
         """q_nope [T, N, P] -> q_lat = q_nope W_UK [T, N, L]."""
         w_uk, _ = self.absorb_weights()
+        if EXACT.on:  # M-invariant: a row's q_lat does not depend on the rows beside it
+            return exact_bmm(q_nope, w_uk.transpose(1, 2))
         return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
 
     def unabsorb(self, o_lat: torch.Tensor) -> torch.Tensor:
         """o_lat [T, N, L] -> o = o_lat W_UV^T [T, N, V]."""
         _, w_uv = self.absorb_weights()
+        if EXACT.on:
+            return exact_bmm(o_lat, w_uv)
         return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
     def output(self, o: torch.Tensor) -> torch.Tensor:

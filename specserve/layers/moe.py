@@ -25,7 +25,8 @@ from torch import nn
 from specserve.config import ModelConfig, MoEConfig
 from specserve.distributed.comm import all_reduce
 from specserve.distributed.parallel_state import get_tp_rank, get_tp_size
-from specserve.kernels.dispatch import use_triton
+from specserve.kernels.dispatch import EXACT, use_triton
+from specserve.kernels.exact_gemm import exact_linear
 from specserve.kernels.moe_routing import RoutingRule, grouped_topk, grouped_topk_ref
 from specserve.layers.linear import default_weight_loader, divide
 from specserve.layers.mlp import GatedMLP
@@ -132,7 +133,8 @@ class MoEGate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # x [T, H] -> weights fp32 [T, k], expert ids int32 [T, k]
-        logits = F.linear(x.float(), self.weight)  # [T, E] fp32
+        # [T, E] fp32; exact mode: M-invariant, so a token's routing ignores its batch
+        logits = (exact_linear if EXACT.on else F.linear)(x.float(), self.weight)
         if use_triton(logits):
             return grouped_topk(logits, self.e_score_correction_bias, self.rule)
         return grouped_topk_ref(logits, self.e_score_correction_bias, self.rule)
