@@ -257,7 +257,7 @@ def test_mla_absorption_and_router_are_row_invariant(exact_on) -> None:
     h = torch.randn(11, 48, generator=g)
     with torch.no_grad():
         for part in (0, 1):
-            _row_alone_vs_batched(lambda t: gate(t)[part], h, 6)
+            _row_alone_vs_batched(lambda t, part=part: gate(t)[part], h, 6)
 
 
 def test_exact_mla_takes_the_absorbed_form(exact_on) -> None:
