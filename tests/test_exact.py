@@ -350,6 +350,88 @@ def check_exact_attention(device: str = "cpu", dtype: torch.dtype = torch.float3
         set_exact(False)
 
 
+TREE_PARENTS = [-1, 0, 0, 1, 3, 2, 4]  # node 0 the root; parents precede children
+
+
+def _tree_mask(parents: list[int]) -> tuple[torch.Tensor, list[list[int]]]:
+    """[n, n] mask (ancestors and self) and each node's path, root first."""
+    n = len(parents)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    paths = []
+    for i in range(n):
+        path, j = [], i
+        while j >= 0:
+            path.append(j)
+            j = parents[j]
+        paths.append(path[::-1])
+        mask[i, path] = True
+    return mask, paths
+
+
+def _paged(rows: torch.Tensor, page_size: int, g: torch.Generator) -> tuple:
+    """rows [S, ...] laid out in pages of a random order: (cache [pages, page_size, ...],
+    page_table [1, pages] int32)."""
+    pages = -(-rows.shape[0] // page_size) + 3
+    cache = rows.new_zeros(pages * page_size, *rows.shape[1:])
+    perm = torch.randperm(pages, generator=g)
+    pos = torch.arange(rows.shape[0])
+    cache[perm[pos // page_size] * page_size + pos % page_size] = rows
+    table = perm.to(rows.device, torch.int32)[None, :]
+    return cache.view(pages, page_size, *rows.shape[1:]), table
+
+
+def _attend_rows(kind: str, kv: tuple, rows: list[int], queries: list[torch.Tensor],
+                 tree: torch.Tensor | None = None, ref: bool = False) -> torch.Tensor:
+    """Attention (paged or MLA, kernel or reference) of one request whose KV holds the given
+    rows of kv = (k_rows, v_rows or None) in order, in pages of 4 laid out at random."""
+    idx, q_len, dev, scale = torch.tensor(rows), queries[0].shape[0], queries[0].device, 0.25
+    cache, table = _paged(kv[0][idx], 4, torch.Generator().manual_seed(1))
+    lens = torch.tensor([len(rows)], dtype=torch.int32, device=dev)
+    qsl = torch.tensor([0, q_len], dtype=torch.int32, device=dev)
+    if kind == "mla":
+        if ref:
+            return mla.mla_attention_ref(*queries, cache, qsl, lens, table, scale, tree)
+        return mla.mla_attention(*queries, cache, qsl, lens, table, q_len, scale,
+                                 custom_mask=tree)
+    vc, _ = _paged(kv[1][idx], 4, torch.Generator().manual_seed(1))
+    if ref:
+        return pa.paged_attention_ref(*queries, cache, vc, qsl, lens, table, scale, tree)
+    return pa.paged_attention(*queries, cache, vc, qsl, lens, table, q_len, scale,
+                              custom_mask=tree)
+
+
+def check_exact_tree_attention(device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+    """Exact mode: each node of a tree verify == a decode of its token whose context is the
+    prefix then its path (what the accepted path's compacted KV holds), for paged attention and
+    MLA; the tree verify still equals the reference attention."""
+    set_exact(True, max_positions=512)
+    try:
+        g = torch.Generator().manual_seed(11)
+        mask, paths = _tree_mask(TREE_PARENTS)
+        n, prefix = len(TREE_PARENTS), 250  # the nodes past the first 256-token split
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        tree = mask[None].to(device)
+        for kind in ("paged", "mla"):
+            if kind == "paged":
+                kv = (torch.randn(prefix + n, 2, 16, generator=g).to(device, dtype),
+                      torch.randn(prefix + n, 2, 16, generator=g).to(device, dtype))
+                q = [torch.randn(n, 4, 16, generator=g).to(device, dtype)]
+            else:
+                kv = (torch.randn(prefix + n, 64 + 16, generator=g).to(device, dtype), None)
+                q = [torch.randn(n, 4, 64, generator=g).to(device, dtype),
+                     torch.randn(n, 4, 16, generator=g).to(device, dtype)]
+            everything = list(range(prefix + n))
+            verify = _attend_rows(kind, kv, everything, q, tree)
+            for i, path in enumerate(paths):
+                rows_i = list(range(prefix)) + [prefix + a for a in path]
+                decode = _attend_rows(kind, kv, rows_i, [t[i : i + 1] for t in q])
+                assert torch.equal(decode[0], verify[i]), (kind, i)
+            ref = _attend_rows(kind, kv, everything, q, tree, ref=True)
+            torch.testing.assert_close(verify.float(), ref.float(), atol=tol, rtol=tol)
+    finally:
+        set_exact(False)
+
+
 def check_exact_bmm(device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
     g = torch.Generator().manual_seed(3)
     w_uk = torch.randn(4, 40, 96, generator=g).to(device, dtype)  # [N, P, L] as in MLA
@@ -379,7 +461,8 @@ def check_exact_mla(device: str = "cpu", dtype: torch.dtype = torch.float32) -> 
 
 
 INTERPRETER_CHECKS = {"exact_gemm": check_exact_gemm, "exact_attention": check_exact_attention,
-                      "exact_bmm": check_exact_bmm, "exact_mla": check_exact_mla}
+                      "exact_bmm": check_exact_bmm, "exact_mla": check_exact_mla,
+                      "exact_tree_attention": check_exact_tree_attention}
 
 
 @pytest.fixture(scope="module")
@@ -417,6 +500,7 @@ def test_exact_attention_cuda_bf16() -> None:
 def test_exact_mla_cuda_bf16() -> None:
     check_exact_bmm("cuda", torch.bfloat16)
     check_exact_mla("cuda", torch.bfloat16)
+    check_exact_tree_attention("cuda", torch.bfloat16)
 
 
 # --------------------------------------------------------------------------------------------

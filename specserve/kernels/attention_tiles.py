@@ -39,13 +39,52 @@ def _kv_range(
         kv_end = tl.minimum(seq_len, seq_len - q_len + (m_block + 1) * BLOCK_M)
         mask_start = seq_len - q_len
     kv_end = tl.where(m_block * BLOCK_M < q_len, kv_end, 0)
+    lo, hi = _split_range(kv_end, split, BLOCK_N, NUM_SPLITS, SPLIT_TOKENS)
+    return lo, hi, mask_start
+
+
+@jit
+def _split_range(
+    kv_end,
+    split,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLIT_TOKENS: tl.constexpr,
+):
+    """[lo, hi): split `split` of the KV positions [0, kv_end), NUM_SPLITS equal splits in
+    whole BLOCK_N blocks, or splits of SPLIT_TOKENS each (exact mode)."""
     if SPLIT_TOKENS > 0:
         split_len = SPLIT_TOKENS
     else:
         split_len = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = split * split_len
-    hi = tl.minimum(lo + split_len, kv_end)
-    return lo, hi, mask_start
+    return lo, tl.minimum(lo + split_len, kv_end)
+
+
+@jit
+def _tree_path(
+    mask_ptr, req, qi, mask_width, stride_mr, stride_mi, stride_mj, BLOCK_W: tl.constexpr
+):
+    """Exact-mode tree verify, one query per program: query qi's path, the set nodes of its
+    mask row (its ancestors and itself; parents precede children, so node order is depth
+    order), as (on [BLOCK_W], depth of each node on it [BLOCK_W], its length)."""
+    w = tl.arange(0, BLOCK_W)
+    on = tl.load(mask_ptr + req * stride_mr + qi * stride_mi + w * stride_mj,
+                 mask=w < mask_width, other=0) != 0
+    ones = on.to(tl.int32)
+    return on, tl.cumsum(ones, 0) - 1, tl.sum(ones, 0)
+
+
+@jit
+def _path_positions(n, mask_start, on, depth, BLOCK_W: tl.constexpr):
+    """Physical KV positions of the virtual positions n [BLOCK_N] of a tree query that reads
+    its context as a decode of the same token would: the prefix [0, mask_start) as it is, then
+    its path in depth order at mask_start + depth (the nodes sit at mask_start + node)."""
+    w = tl.arange(0, BLOCK_W)
+    k = n - mask_start  # depth along the path (< 0: the prefix)
+    hit = on[None, :] & (depth[None, :] == k[:, None])  # [BLOCK_N, BLOCK_W]
+    node = tl.sum(tl.where(hit, w[None, :], 0), 1)
+    return tl.where(k < 0, n, mask_start + node)
 
 
 @jit

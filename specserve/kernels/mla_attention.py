@@ -25,7 +25,15 @@ import math
 
 import torch
 
-from specserve.kernels.attention_tiles import _kv_range, _mask_scores, _normalize, _softmax_step
+from specserve.kernels.attention_tiles import (
+    _kv_range,
+    _mask_scores,
+    _normalize,
+    _path_positions,
+    _softmax_step,
+    _split_range,
+    _tree_path,
+)
 from specserve.kernels.dispatch import EXACT, jit, next_power_of_2, tl, triton  # noqa: F401
 from specserve.kernels.split_kv import combine_splits, default_num_splits, split_buffers
 
@@ -44,7 +52,8 @@ def _mla_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, IS_DECODE: tl.constexpr, HAS_MASK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, SPLIT_TOKENS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SPLIT_TOKENS: tl.constexpr, EXACT_TREE: tl.constexpr,
+    BLOCK_W: tl.constexpr,
 ):  # fmt: skip
     # a program owns (request, block of BLOCK_M queries, block of BLOCK_H heads, KV split);
     # its tile rows are those queries x heads, all reading the same latent rows
@@ -62,9 +71,13 @@ def _mla_attention_kernel(
 
     # tile row i <-> (query qi, head): i = (qi - m_block * BLOCK_M) * BLOCK_H + head % BLOCK_H
     rows = tl.arange(0, BLOCK_M * BLOCK_H)
-    qi = m_block * BLOCK_M + rows // BLOCK_H
     head = head_block * BLOCK_H + rows % BLOCK_H
-    row_ok = (qi < q_len) & (head < num_heads)
+    if EXACT_TREE:  # one query per program, in tile slot 0 as a decode's (exact mode)
+        qi = m_block + 0 * rows
+        row_ok = (rows < BLOCK_H) & (qi < q_len) & (head < num_heads)
+    else:
+        qi = m_block * BLOCK_M + rows // BLOCK_H
+        row_ok = (qi < q_len) & (head < num_heads)
     token = (q_start + qi).to(tl.int64)
     dl = tl.arange(0, BLOCK_L)
     dr = tl.arange(0, BLOCK_R)
@@ -80,8 +93,15 @@ def _mla_attention_kernel(
     )  # [ROWS, BLOCK_R]
 
     # KV positions this query block can see (kernels/attention_tiles.py)
-    lo, hi, mask_start = _kv_range(seq_len, q_len, m_block, split, mask_width, BLOCK_M, BLOCK_N,
-                                   NUM_SPLITS, HAS_MASK, SPLIT_TOKENS)  # fmt: skip
+    if EXACT_TREE:  # the query's context in a decode's order: prefix, then its path
+        mask_start = seq_len - mask_width
+        on, depth, path_len = _tree_path(mask_ptr, req, m_block, mask_width, stride_mr,
+                                         stride_mi, stride_mj, BLOCK_W)
+        kv_end = tl.where(m_block < q_len, mask_start + path_len, 0)
+        lo, hi = _split_range(kv_end, split, BLOCK_N, NUM_SPLITS, SPLIT_TOKENS)
+    else:
+        lo, hi, mask_start = _kv_range(seq_len, q_len, m_block, split, mask_width, BLOCK_M,
+                                       BLOCK_N, NUM_SPLITS, HAS_MASK, SPLIT_TOKENS)
 
     m_i = tl.full([BLOCK_M * BLOCK_H], float("-inf"), tl.float32)  # running max (log2 units)
     l_i = tl.zeros([BLOCK_M * BLOCK_H], tl.float32)
@@ -89,8 +109,12 @@ def _mla_attention_kernel(
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < hi
-        page = tl.load(page_table_ptr + req * stride_tab + n // PAGE_SIZE, mask=n_ok, other=0)
-        base = page.to(tl.int64) * stride_cp + (n % PAGE_SIZE) * stride_cs  # [BLOCK_N]
+        if EXACT_TREE:
+            pos = _path_positions(n, mask_start, on, depth, BLOCK_W)
+        else:
+            pos = n
+        page = tl.load(page_table_ptr + req * stride_tab + pos // PAGE_SIZE, mask=n_ok, other=0)
+        base = page.to(tl.int64) * stride_cp + (pos % PAGE_SIZE) * stride_cs  # [BLOCK_N]
         c = tl.load(
             cache_ptr + base[:, None] + dl[None, :],
             mask=n_ok[:, None] & (dl[None, :] < rank),
@@ -104,8 +128,11 @@ def _mla_attention_kernel(
         qk = tl.dot(q_lat, tl.trans(c), input_precision=DOT_PRECISION)
         qk += tl.dot(q_pe, tl.trans(pe), input_precision=DOT_PRECISION)
         qk = qk * scale_log2  # [ROWS, BLOCK_N]
-        qk = _mask_scores(qk, n, n_ok, qi, row_ok, mask_start, mask_ptr, req, stride_mr,
-                          stride_mi, stride_mj, HAS_MASK)  # fmt: skip
+        if EXACT_TREE:  # every virtual position below hi is on the path
+            qk = tl.where(n_ok[None, :], qk, float("-inf"))
+        else:
+            qk = _mask_scores(qk, n, n_ok, qi, row_ok, mask_start, mask_ptr, req, stride_mr,
+                              stride_mi, stride_mj, HAS_MASK)  # fmt: skip
         p, alpha, l_i, m_i = _softmax_step(qk, m_i, l_i)
         acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT_PRECISION)
 
@@ -130,13 +157,15 @@ def mla_launch_plan(
     num_splits: int | None = None,
     block_n: int | None = None,
     max_rows: int | None = None,
+    masked: bool = False,
 ) -> tuple:
     """(block_m, block_h, num_m_blocks, num_head_blocks, num_splits, block_n) of an attention
     launch, None arguments replaced by defaults. Tile rows = queries x heads, heads first (they
     share every latent row): at most `max_rows` (16 at the real latent width, whose fp32
     accumulator is [rows, 512]; 64 for narrow latents) and at least MIN_DOT. Exact mode: the
     same tile rows for every query length and EXACT.kv_splits splits of EXACT.kv_split_tokens
-    (a row's KV blocks and their order are those of the same row in any other launch)."""
+    (a row's KV blocks and their order are those of the same row in any other launch); under a
+    custom mask one query per program, reading its path as a decode would (EXACT_TREE)."""
     if max_rows is None:
         max_rows = 16 if rank >= 256 else 64
     block_h = min(next_power_of_2(num_heads), max_rows)
@@ -147,6 +176,8 @@ def mla_launch_plan(
         block_m = max(1, min(next_power_of_2(max_query_len), max_rows // block_h))
         block_m = max(block_m, MIN_DOT // block_h)
     num_m_blocks = math.ceil(max_query_len / block_m)
+    if EXACT.on and masked:
+        num_m_blocks = max_query_len
     num_head_blocks = math.ceil(num_heads / block_h)
     if num_splits is None:
         num_splits = default_num_splits(bs * num_m_blocks * num_head_blocks, device)
@@ -185,9 +216,9 @@ def mla_attention(
     assert q_lat.stride(-1) == 1 and q_pe.stride(-1) == 1 and latent_cache.stride(-1) == 1
     is_decode = query_start_loc is None
     assert not is_decode or (max_query_len == 1 and num_tokens == bs and custom_mask is None)
-    plan = mla_launch_plan(
-        bs, max_query_len, num_heads, rank, q_lat.device, num_splits, block_n, max_rows
-    )
+    plan = mla_launch_plan(bs, max_query_len, num_heads, rank, q_lat.device, num_splits,
+                           block_n, max_rows, masked=custom_mask is not None)
+    exact_tree = EXACT.on and custom_mask is not None
     block_m, block_h, num_m_blocks, num_head_blocks, num_splits, block_n = plan
     assert block_n >= MIN_DOT and block_n == next_power_of_2(block_n)
     if out is None:
@@ -213,7 +244,8 @@ def mla_attention(
         PAGE_SIZE=latent_cache.shape[1], NUM_SPLITS=num_splits, IS_DECODE=is_decode,
         HAS_MASK=custom_mask is not None,
         DOT_PRECISION="ieee" if q_lat.dtype == torch.float32 else None,  # keep fp32 exact
-        SPLIT_TOKENS=EXACT.kv_split_tokens if EXACT.on else 0,
+        SPLIT_TOKENS=EXACT.kv_split_tokens if EXACT.on else 0, EXACT_TREE=exact_tree,
+        BLOCK_W=next_power_of_2(custom_mask.shape[-1]) if exact_tree else 1,
         **launch,
     )  # fmt: skip
     if num_splits > 1:

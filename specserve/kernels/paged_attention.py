@@ -29,7 +29,15 @@ import math
 
 import torch
 
-from specserve.kernels.attention_tiles import _kv_range, _mask_scores, _normalize, _softmax_step
+from specserve.kernels.attention_tiles import (
+    _kv_range,
+    _mask_scores,
+    _normalize,
+    _path_positions,
+    _softmax_step,
+    _split_range,
+    _tree_path,
+)
 from specserve.kernels.dispatch import EXACT, jit, next_power_of_2, tl, triton  # noqa: F401
 from specserve.kernels.split_kv import (  # noqa: F401  (MAX_SPLITS, _split_counters: API/tests)
     MAX_SPLITS,
@@ -65,7 +73,7 @@ def _paged_attention_kernel(
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr, FUSED_COMBINE: tl.constexpr,
     IS_DECODE: tl.constexpr, HAS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SPLIT_TOKENS: tl.constexpr,
+    SPLIT_TOKENS: tl.constexpr, EXACT_TREE: tl.constexpr, BLOCK_W: tl.constexpr,
 ):  # fmt: skip
     req = tl.program_id(0) // num_m_blocks
     m_block = tl.program_id(0) % num_m_blocks
@@ -81,9 +89,13 @@ def _paged_attention_kernel(
 
     # tile row i <-> (query qi, head g of the group): i = (qi - m_block * BLOCK_M) * BLOCK_G + g
     rows = tl.arange(0, BLOCK_M * BLOCK_G)
-    qi = m_block * BLOCK_M + rows // BLOCK_G  # [ROWS] query index within the request
+    if EXACT_TREE:  # one query per program, in tile slot 0 as a decode's (exact mode)
+        qi = m_block + 0 * rows
+        row_ok = (rows < BLOCK_G) & (rows % BLOCK_G < GROUP) & (qi < q_len)
+    else:
+        qi = m_block * BLOCK_M + rows // BLOCK_G  # [ROWS] query index within the request
+        row_ok = (qi < q_len) & (rows % BLOCK_G < GROUP)
     head = kv_head * GROUP + rows % BLOCK_G  # [ROWS]
-    row_ok = (qi < q_len) & (rows % BLOCK_G < GROUP)
     token = (q_start + qi).to(tl.int64)  # [ROWS] row of q / out
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
@@ -94,8 +106,15 @@ def _paged_attention_kernel(
     )  # [ROWS, BLOCK_D]
 
     # KV positions this query block can see (kernels/attention_tiles.py)
-    lo, hi, mask_start = _kv_range(seq_len, q_len, m_block, split, mask_width, BLOCK_M, BLOCK_N,
-                                   NUM_SPLITS, HAS_MASK, SPLIT_TOKENS)
+    if EXACT_TREE:  # the query's context in a decode's order: prefix, then its path
+        mask_start = seq_len - mask_width
+        on, depth, path_len = _tree_path(mask_ptr, req, m_block, mask_width, stride_mr,
+                                         stride_mi, stride_mj, BLOCK_W)
+        kv_end = tl.where(m_block < q_len, mask_start + path_len, 0)
+        lo, hi = _split_range(kv_end, split, BLOCK_N, NUM_SPLITS, SPLIT_TOKENS)
+    else:
+        lo, hi, mask_start = _kv_range(seq_len, q_len, m_block, split, mask_width, BLOCK_M,
+                                       BLOCK_N, NUM_SPLITS, HAS_MASK, SPLIT_TOKENS)
 
     m_i = tl.full([BLOCK_M * BLOCK_G], float("-inf"), tl.float32)  # running max (log2 units)
     l_i = tl.zeros([BLOCK_M * BLOCK_G], tl.float32)  # running softmax denominator
@@ -103,23 +122,30 @@ def _paged_attention_kernel(
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] logical KV positions
         n_ok = n < hi
-        page = tl.load(page_table_ptr + req * stride_pt + n // PAGE_SIZE, mask=n_ok, other=0)
-        base = page.to(tl.int64) * stride_kp + (n % PAGE_SIZE) * stride_ks + kv_head * stride_kh
+        if EXACT_TREE:
+            pos = _path_positions(n, mask_start, on, depth, BLOCK_W)
+        else:
+            pos = n
+        page = tl.load(page_table_ptr + req * stride_pt + pos // PAGE_SIZE, mask=n_ok, other=0)
+        base = page.to(tl.int64) * stride_kp + (pos % PAGE_SIZE) * stride_ks + kv_head * stride_kh
         k = tl.load(
             k_cache_ptr + base[:, None] + d[None, :],
             mask=n_ok[:, None] & (d[None, :] < HEAD_DIM),
             other=0.0,
         )  # [BLOCK_N, BLOCK_D]
         # V is issued before the scores are computed: both loads are in flight together
-        base_v = page.to(tl.int64) * stride_vp + (n % PAGE_SIZE) * stride_vs + kv_head * stride_vh
+        base_v = page.to(tl.int64) * stride_vp + (pos % PAGE_SIZE) * stride_vs + kv_head * stride_vh
         v = tl.load(
             v_cache_ptr + base_v[:, None] + dv[None, :],
             mask=n_ok[:, None] & (dv[None, :] < HEAD_DIM_V),
             other=0.0,
         )  # [BLOCK_N, BLOCK_DV]
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [ROWS, BLOCK_N]
-        qk = _mask_scores(qk, n, n_ok, qi, row_ok, mask_start, mask_ptr, req, stride_mr,
-                          stride_mi, stride_mj, HAS_MASK)
+        if EXACT_TREE:  # every virtual position below hi is on the path
+            qk = tl.where(n_ok[None, :], qk, float("-inf"))
+        else:
+            qk = _mask_scores(qk, n, n_ok, qi, row_ok, mask_start, mask_ptr, req, stride_mr,
+                              stride_mi, stride_mj, HAS_MASK)
         p, alpha, l_i, m_i = _softmax_step(qk, m_i, l_i)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
 
@@ -183,7 +209,7 @@ def launch_plan(bs: int, max_query_len: int, group: int, num_kv_heads: int, mask
     9.0 us; scripts/bench_attention.py, experiments/2026-11-30-attention-sweep.json)."""
     block_g = next_power_of_2(group)
     if EXACT.on:
-        return exact_launch_plan(bs, max_query_len, group, num_kv_heads)
+        return exact_launch_plan(bs, max_query_len, group, num_kv_heads, masked)
     block_m = min(next_power_of_2(max_query_len), max(1, TARGET_ROWS // block_g))
     block_m = max(block_m, MIN_DOT // block_g, 1)
     num_m_blocks = math.ceil(max_query_len / block_m)
@@ -199,14 +225,16 @@ def launch_plan(bs: int, max_query_len: int, group: int, num_kv_heads: int, mask
     return block_m, num_m_blocks, num_splits, block_n, num_warps, num_stages
 
 
-def exact_launch_plan(bs: int, max_query_len: int, group: int, num_kv_heads: int) -> tuple:
+def exact_launch_plan(bs: int, max_query_len: int, group: int, num_kv_heads: int,
+                      masked: bool = False) -> tuple:
     """The exact-mode plan: one tile shape (MIN_DOT rows, KV blocks of EXACT_BLOCK_N, 4 warps,
     2 stages) for decode, extend and verify alike, and a split count fixed by the engine (each
     split EXACT.kv_split_tokens long, enough of them for the longest context): a query row's
     KV blocks, their reduction order and the combine's are those of the same row in any
-    other launch."""
+    other launch. Under a custom mask (tree verify) each program takes one query, which reads
+    its path at the positions a decode of the same token would (EXACT_TREE)."""
     block_m = max(MIN_DOT // next_power_of_2(group), 1)
-    num_m_blocks = math.ceil(max_query_len / block_m)
+    num_m_blocks = max_query_len if masked else math.ceil(max_query_len / block_m)
     return block_m, num_m_blocks, EXACT.kv_splits, EXACT_BLOCK_N, 4, 2
 
 
@@ -263,6 +291,8 @@ def paged_attention(
     assert custom_mask is None or custom_mask.dtype == torch.bool
     mask = custom_mask.view(torch.uint8) if custom_mask is not None else page_table
     mask_strides = custom_mask.stride() if custom_mask is not None else (0, 0, 0)
+    mask_width = custom_mask.shape[-1] if custom_mask is not None else 0
+    exact_tree = EXACT.on and custom_mask is not None
     launch: dict[str, int] = {}  # only what was asked: None keeps Triton's defaults
     if num_warps is not None:
         launch["num_warps"] = num_warps
@@ -271,7 +301,7 @@ def paged_attention(
     _paged_attention_kernel[(bs * num_m_blocks, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, mid_o, mid_lse, counters,
         seq_lens if is_decode else query_start_loc, seq_lens, page_table, mask,
-        scale * LOG2E, num_m_blocks, custom_mask.shape[-1] if custom_mask is not None else 0,
+        scale * LOG2E, num_m_blocks, mask_width,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         page_table.stride(0), *mask_strides,
@@ -283,6 +313,7 @@ def paged_attention(
         IS_DECODE=is_decode, HAS_MASK=custom_mask is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,  # keep fp32 exact
         SPLIT_TOKENS=EXACT.kv_split_tokens if EXACT.on else 0,
+        EXACT_TREE=exact_tree, BLOCK_W=next_power_of_2(mask_width) if exact_tree else 1,
         **launch,
     )  # fmt: skip
     if num_splits > 1 and not fused:
