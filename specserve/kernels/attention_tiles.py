@@ -62,17 +62,24 @@ def _split_range(
 
 
 @jit
-def _tree_path(
-    mask_ptr, req, qi, mask_width, stride_mr, stride_mi, stride_mj, BLOCK_W: tl.constexpr
-):
-    """Exact-mode tree verify, one query per program: query qi's path, the set nodes of its
-    mask row (its ancestors and itself; parents precede children, so node order is depth
-    order), as (on [BLOCK_W], depth of each node on it [BLOCK_W], its length)."""
+def _tree_range(
+    mask_ptr, req, m_block, q_len, seq_len, split, mask_width, stride_mr, stride_mi, stride_mj,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_TOKENS: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):  # fmt: skip
+    """Exact-mode tree verify, one query (m_block) per program: (lo, hi, mask_start, on,
+    depth). The query reads its context as a decode of its token would: the prefix [0,
+    mask_start), then its path (the set nodes of its mask row, its ancestors and itself:
+    parents precede children, so node order is depth order) at virtual positions mask_start +
+    depth; [lo, hi) is this split of that virtual range, `on` / `depth` [BLOCK_W] the path."""
+    mask_start = seq_len - mask_width
     w = tl.arange(0, BLOCK_W)
-    on = tl.load(mask_ptr + req * stride_mr + qi * stride_mi + w * stride_mj,
+    on = tl.load(mask_ptr + req * stride_mr + m_block * stride_mi + w * stride_mj,
                  mask=w < mask_width, other=0) != 0
     ones = on.to(tl.int32)
-    return on, tl.cumsum(ones, 0) - 1, tl.sum(ones, 0)
+    kv_end = tl.where(m_block < q_len, mask_start + tl.sum(ones, 0), 0)
+    lo, hi = _split_range(kv_end, split, BLOCK_N, NUM_SPLITS, SPLIT_TOKENS)
+    return lo, hi, mask_start, on, tl.cumsum(ones, 0) - 1
 
 
 @jit

@@ -31,8 +31,7 @@ from specserve.kernels.attention_tiles import (
     _normalize,
     _path_positions,
     _softmax_step,
-    _split_range,
-    _tree_path,
+    _tree_range,
 )
 from specserve.kernels.dispatch import EXACT, jit, next_power_of_2, tl, triton  # noqa: F401
 from specserve.kernels.split_kv import combine_splits, default_num_splits, split_buffers
@@ -94,11 +93,9 @@ def _mla_attention_kernel(
 
     # KV positions this query block can see (kernels/attention_tiles.py)
     if EXACT_TREE:  # the query's context in a decode's order: prefix, then its path
-        mask_start = seq_len - mask_width
-        on, depth, path_len = _tree_path(mask_ptr, req, m_block, mask_width, stride_mr,
-                                         stride_mi, stride_mj, BLOCK_W)
-        kv_end = tl.where(m_block < q_len, mask_start + path_len, 0)
-        lo, hi = _split_range(kv_end, split, BLOCK_N, NUM_SPLITS, SPLIT_TOKENS)
+        lo, hi, mask_start, on, depth = _tree_range(
+            mask_ptr, req, m_block, q_len, seq_len, split, mask_width, stride_mr, stride_mi,
+            stride_mj, BLOCK_N, NUM_SPLITS, SPLIT_TOKENS, BLOCK_W)
     else:
         lo, hi, mask_start = _kv_range(seq_len, q_len, m_block, split, mask_width, BLOCK_M,
                                        BLOCK_N, NUM_SPLITS, HAS_MASK, SPLIT_TOKENS)
