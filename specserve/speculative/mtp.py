@@ -45,7 +45,8 @@ def mtp_kv_specs(config: ModelConfig) -> list[KVCacheSpec]:
 
     small = dataclasses.replace(config, num_layers=1)
     decoder = find_decoder_model(build_model(small, torch.float32, "meta"))
-    return [decoder.attention_factory(config.num_layers, "mtp").kv_spec]
+    return [m.kv_spec for m in attention_modules(decoder.attention_factory(config.num_layers,
+                                                                           "mtp"))]
 
 
 class MTPProposer(Eagle3Proposer):

@@ -1,0 +1,170 @@
+"""MTP / NextN drafting (speculative/mtp.py) on tiny DeepSeek-V3 (MLA + MoE) and GLM-4.5 (GQA +
+MoE) checkpoints carrying an MTP layer (tests/tiny_mtp.py), fp32 on the CPU:
+  - the proposer's draft logits for a chain of k steps, over the first cycles of a request
+    (the prefill extend, then extends over accepted tokens), equal a plain-torch reference of
+    the MTP math (transformers' own decoder layer as the block);
+  - greedy output with MTP speculation equals plain decoding for 8 prompts under continuous
+    batching with chunked prefill and a forced preemption (and with prefix caching);
+  - a checkpoint lacking the layer, or a config declaring none, is refused naming what is
+    missing; the speculative config takes mtp without a model and refuses one.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from tiny_models import make_tiny_checkpoint, record_preemptions
+from tiny_mtp import make_mtp_checkpoint, reference_chain
+
+from specserve.config import CacheConfig, SchedulerConfig
+from specserve.llm import LLM
+from specserve.sampling_params import SamplingParams
+from specserve.spec_config import speculative_config
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+FAMILIES = ["deepseek_v3", "glm4_moe"]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory) -> dict[str, tuple[str, torch.nn.Module]]:
+    root = tmp_path_factory.mktemp("mtp")
+    return {
+        # DeepSeek-V3 ships shared_head.head and embed_tokens copies: here the embedding copy
+        # equals the target's (shared after loading) and the head differs (kept)
+        "deepseek_v3": make_mtp_checkpoint(str(root / "ds"), "deepseek_v3", own_head=True),
+        "glm4_moe": make_mtp_checkpoint(str(root / "glm"), "glm4_moe"),
+    }
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(rng.randint(1, 40))] for _ in range(n)]
+
+
+def _mtp(k: int = 3, **extra) -> dict:
+    return {"method": "mtp", "num_speculative_tokens": k, **extra}
+
+
+@pytest.fixture(scope="module")
+def plain(ckpts) -> dict[str, list[list[int]]]:
+    """Plain greedy tokens of the 8 prompts, per family (a pool that never preempts)."""
+    out = {}
+    for name, (path, _) in ckpts.items():
+        llm = LLM(path, device="cpu", dtype="float32")
+        out[name] = [o.token_ids for o in llm.generate(_prompts(8), GREEDY)]
+    return out
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_draft_logits_equal_the_reference(ckpts, name: str) -> None:
+    path, hf4 = ckpts[name]
+    k = 3
+    llm = LLM(path, device="cpu", dtype="float32", speculative_config=_mtp(k),
+              enforce_eager=True)
+    proposer = llm.engine.drafter.proposer
+    head = proposer.head
+    if name == "deepseek_v3":  # the equal embedding copy is shared, the own head kept
+        assert not hasattr(head, "embed_tokens") and hasattr(head.shared_head, "head")
+    else:
+        assert not hasattr(head, "embed_tokens") and not hasattr(head.shared_head, "head")
+    cycles: list[tuple[int, list[torch.Tensor]]] = []
+    propose, logits_of = proposer.propose, head.compute_logits
+
+    def spy_propose(shape, state, root_pos, *args):
+        cycles.append((int(root_pos[0]), []))
+        return propose(shape, state, root_pos, *args)
+
+    def spy_logits(out):
+        logits = logits_of(out)
+        if cycles:
+            cycles[-1][1].append(logits[0].clone())
+        return logits
+
+    proposer.propose, head.compute_logits = spy_propose, spy_logits
+    prompt = [5, 17, 99, 3, 250, 41, 7, 300, 12]
+    out = llm.generate([prompt], GREEDY)[0]
+    seq = prompt + out.token_ids
+    assert len(cycles) >= 3 and cycles[0][0] == len(prompt)
+    for root, logits in cycles[:3]:
+        assert len(logits) == k
+        want = reference_chain(path, hf4, seq[: root + 1], k)
+        got = torch.stack(logits)
+        assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_mtp_greedy_equals_plain_under_batching_and_preemption(ckpts, plain, name) -> None:
+    path, _ = ckpts[name]
+    llm = LLM(path, device="cpu", dtype="float32", speculative_config=_mtp(3),
+              cache=CacheConfig(page_size=4, num_pages=40),
+              scheduler=SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=8))
+    preempted = record_preemptions(llm.engine.scheduler)
+    outs = llm.generate(_prompts(8), GREEDY)
+    assert preempted, "the pool was sized to force at least one preemption"
+    assert [o.token_ids for o in outs] == plain[name]
+    assert all(o.spec_cycles > 0 for o in outs)
+    assert llm.engine.drafter.counters.num_drafts > 0
+    assert llm.engine.allocator.num_free == llm.engine.allocator.num_total
+
+
+def test_mtp_tree_and_prefix_caching_equal_plain(ckpts, plain) -> None:
+    """A tree (topk 2) over the MLA target, with prefix caching on and every prompt run
+    twice: the second wave reads the MTP layer's KV from cached pages."""
+    path, _ = ckpts["deepseek_v3"]
+    llm = LLM(path, device="cpu", dtype="float32",
+              speculative_config=_mtp(3, topk=2, num_draft_tokens=6),
+              cache=CacheConfig(page_size=4, num_pages=200, enable_prefix_caching=True))
+    assert llm.engine.prefix_cache is not None
+    for _ in range(2):
+        outs = llm.generate(_prompts(8), GREEDY)
+        assert [o.token_ids for o in outs] == plain["deepseek_v3"]
+    assert sum(o.num_cached_tokens for o in outs) > 0
+    assert llm.engine.allocator.num_free == llm.engine.allocator.num_total
+
+
+@pytest.mark.parametrize("drop", ["hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"])
+def test_checkpoint_lacking_an_mtp_tensor_is_refused(tmp_path, drop: str) -> None:
+    path, _ = make_mtp_checkpoint(str(tmp_path / "c"), "deepseek_v3", drop=drop)
+    with pytest.raises(ValueError, match=f"lacks the MTP tensor model.layers.3.{drop}"):
+        LLM(path, device="cpu", dtype="float32", speculative_config=_mtp())
+
+
+def test_missing_block_tensor_and_config_without_mtp_are_refused(tmp_path) -> None:
+    path, _ = make_mtp_checkpoint(str(tmp_path / "c"), "deepseek_v3",
+                                  drop="self_attn.kv_b_proj.weight")
+    with pytest.raises(ValueError, match=r"missing tensors: self_attn\.kv_b_proj\.weight.*"
+                                         r"below model\.layers\.3\."):
+        LLM(path, device="cpu", dtype="float32", speculative_config=_mtp())
+    plain_ckpt = make_tiny_checkpoint(tmp_path / "p", "deepseek_v3", tokenizer=True)
+    with pytest.raises(ValueError, match="no MTP layer \\(num_nextn_predict_layers is absent"):
+        LLM(plain_ckpt, device="cpu", dtype="float32", speculative_config=_mtp())
+
+
+def test_speculative_config_takes_mtp_without_a_model() -> None:
+    spec = speculative_config('{"method": "mtp", "num_speculative_tokens": 2}')
+    assert (spec.algorithm, spec.num_steps, spec.draft_model) == ("mtp", 2, "")
+    assert "the target's MTP layer" in spec.describe()
+    with pytest.raises(ValueError, match="'model': '/x': mtp drafts with the target's own"):
+        speculative_config({"method": "mtp", "model": "/x"})
+    with pytest.raises(ValueError, match="unknown key 'n_predict'"):
+        speculative_config({"method": "mtp", "n_predict": 1})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FAMILIES)
+def test_tp2_mtp_equals_plain(ckpts, plain, name: str) -> None:
+    """The gloo TP runtime: the MTP layer's attention and experts split over 2 ranks like
+    the target's layers give the tokens of TP 1."""
+    from specserve.config import ParallelConfig
+
+    llm = LLM(ckpts[name][0], device="cpu", dtype="float32", speculative_config=_mtp(3),
+              parallel=ParallelConfig(tp_size=2))
+    try:
+        outs = llm.generate(_prompts(8)[:4], GREEDY)
+    finally:
+        llm.close()
+    assert [o.token_ids for o in outs] == plain[name][:4]
+    assert all(o.spec_cycles > 0 for o in outs)
