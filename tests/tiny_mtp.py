@@ -11,6 +11,7 @@ layer (`hf4.model.layers[3]`) and writes the rest in plain torch.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -63,6 +64,13 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
+@functools.cache
+def _hf_target(path: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
 @torch.no_grad()
 def reference_chain(path: str, hf4: torch.nn.Module, tokens: list[int], k: int) -> torch.Tensor:
     """The k chained draft logits [k, V] of a cycle whose root token is tokens[-1] at position
@@ -70,12 +78,10 @@ def reference_chain(path: str, hf4: torch.nn.Module, tokens: list[int], k: int) 
     tokens[:P]; MTP inputs (h_i, t_{i+1}) at positions 0..P-1 give logits 1; step s feeds the
     layer its own output at position P + s - 2 with the drafted token, at position P + s - 1.
     Every position is recomputed causally from scratch (no KV cache)."""
-    from transformers import AutoModelForCausalLM
-
-    target = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    target = _hf_target(path)
     mtp = {n[len(PREFIX):]: t for n, t in load_file(os.path.join(path, "model.safetensors")).items()
            if n.startswith(PREFIX)}
-    cfg, eps = hf4.config, hf4.config.rms_norm_eps
+    eps = hf4.config.rms_norm_eps
     head_w = mtp.get("shared_head.head.weight", target.lm_head.weight)
     embed_w = mtp.get("embed_tokens.weight", target.model.embed_tokens.weight)
     block, rotary = hf4.model.layers[3], hf4.model.rotary_emb
@@ -99,5 +105,4 @@ def reference_chain(path: str, hf4: torch.nn.Module, tokens: list[int], k: int) 
         out.append(logits)
         feats.append(y[-1])
         toks.append(int(logits.argmax()))
-    del cfg
     return torch.stack(out)
