@@ -181,3 +181,63 @@ def test_tp2_mtp_equals_plain(ckpts, plain, name: str) -> None:
         llm.close()
     assert [o.token_ids for o in outs] == plain[name][:4]
     assert all(o.spec_cycles > 0 for o in outs)
+
+
+@pytest.fixture(scope="module")
+def sampling(ckpts):
+    """The DeepSeek-V3 checkpoint, the engine settings of test_spec_sampling and its plain
+    samples."""
+    from test_spec_sampling import N, _samples
+
+    kw = dict(device="cpu", dtype="float32", cache=CacheConfig(page_size=8, num_pages=4096),
+              scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=4096,
+                                        max_waiting=N))
+    path = ckpts["deepseek_v3"][0]
+    return path, kw, _samples(LLM(path, **kw))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafts", ["mtp", "fixed"])
+def test_sampled_mtp_matches_plain_distribution(sampling, drafts: str) -> None:
+    """test_spec_sampling's chi-square test with the MTP drafter: its own drafts (random
+    weights: never in the target's top-6 here, so every cycle takes the rejection path), and
+    fixed drafts the target often accepts (the MTP layer still extends over every emitted
+    token)."""
+    from collections import Counter
+
+    from test_spec_sampling import _chi2_two_sample, _critical_999, _fixed_proposals, _samples
+
+    path, kw, plain = sampling
+    llm = LLM(path, speculative_config=_mtp(3), enforce_eager=True, **kw)
+    if drafts == "fixed":
+        _fixed_proposals(llm, plain)
+    got = _samples(llm)
+    counters = llm.engine.drafter.counters
+    assert counters.num_drafts >= len(got)
+    if drafts == "fixed":
+        assert counters.num_accepted_tokens > 0, "drafts were never accepted"
+    for pos in (1, 2):
+        stat, dof = _chi2_two_sample(Counter(s[pos] for s in plain),
+                                     Counter(s[pos] for s in got))
+        assert dof >= 2
+        assert stat < _critical_999(dof), (pos, stat, dof)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("spec", [dict(), dict(topk=2, num_draft_tokens=6)])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_cuda_graphs_equal_eager_and_plain(ckpts, name: str, spec: dict) -> None:
+    """fp32 on the GPU (Triton backend): the speculative cycle captured as CUDA graphs with
+    the MTP layer inside gives the eager engine's tokens, and plain decoding's."""
+    path = ckpts[name][0]
+    outs = {}
+    for eager in (True, False, None):  # None: plain decoding (graphs)
+        llm = LLM(path, device="cuda", dtype="float32", enforce_eager=bool(eager),
+                  cache=CacheConfig(page_size=16, num_pages=256),
+                  speculative_config=None if eager is None else _mtp(3, **spec))
+        outs[eager] = [o.token_ids for o in llm.generate(_prompts(8)[:6], GREEDY)]
+        if eager is False:
+            assert llm.engine.drafter.num_graphs > 0
+        llm.close()
+    assert outs[True] == outs[False] == outs[None]
