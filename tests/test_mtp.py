@@ -166,21 +166,39 @@ def test_speculative_config_takes_mtp_without_a_model() -> None:
         speculative_config({"method": "mtp", "n_predict": 1})
 
 
+def _drafts_spy(llm: LLM) -> list[list[int]]:
+    """Every tree the (rank-0) proposer drafts, as token lists."""
+    proposer, trees = llm.engine.drafter.proposer, []
+    propose = proposer.propose
+
+    def spy(*args):
+        tree = propose(*args)
+        trees.extend(tree.tokens.tolist())
+        return tree
+
+    proposer.propose = spy
+    return trees
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", FAMILIES)
-def test_tp2_mtp_equals_plain(ckpts, plain, name: str) -> None:
+def test_tp2_mtp_equals_tp1(ckpts, plain, name: str) -> None:
     """The gloo TP runtime: the MTP layer's attention and experts split over 2 ranks like
-    the target's layers give the tokens of TP 1."""
+    the target's layers draft what TP 1 drafts, and the tokens are plain decoding's."""
     from specserve.config import ParallelConfig
 
-    llm = LLM(ckpts[name][0], device="cpu", dtype="float32", speculative_config=_mtp(3),
-              parallel=ParallelConfig(tp_size=2))
-    try:
-        outs = llm.generate(_prompts(8)[:4], GREEDY)
-    finally:
-        llm.close()
-    assert [o.token_ids for o in outs] == plain[name][:4]
-    assert all(o.spec_cycles > 0 for o in outs)
+    drafts = {}
+    for tp in (1, 2):
+        llm = LLM(ckpts[name][0], device="cpu", dtype="float32", speculative_config=_mtp(3),
+                  parallel=ParallelConfig(tp_size=tp), enforce_eager=True,
+                  scheduler=SchedulerConfig(max_num_seqs=1))
+        drafts[tp] = _drafts_spy(llm)
+        try:
+            outs = llm.generate(_prompts(8)[:3], GREEDY)
+        finally:
+            llm.close()
+        assert [o.token_ids for o in outs] == plain[name][:3]
+    assert len(drafts[1]) > 20 and drafts[1] == drafts[2]
 
 
 @pytest.fixture(scope="module")
