@@ -166,6 +166,21 @@ def test_speculative_config_takes_mtp_without_a_model() -> None:
         speculative_config({"method": "mtp", "n_predict": 1})
 
 
+def test_cli_generate_with_mtp_and_the_one_line_refusal(ckpts, capsys) -> None:
+    from cli_run import run_cli
+
+    from specserve import defaults
+
+    flag = ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}']
+    rc, err = run_cli(["generate", "--model", ckpts["glm4_moe"][0], *flag, "--max-tokens", "4",
+                       "--device", "cpu", "--dtype", "float32", "hi"], capsys)
+    assert rc == 0, err
+    rc, err = run_cli(["generate", "--model", str(defaults.tiny_code_path()), *flag, "hi"],
+                      capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert "has no MTP layer (num_nextn_predict_layers is absent)" in err
+
+
 def _drafts_spy(llm: LLM) -> list[list[int]]:
     """Every tree the (rank-0) proposer drafts, as token lists."""
     proposer, trees = llm.engine.drafter.proposer, []

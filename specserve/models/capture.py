@@ -134,6 +134,10 @@ class AuxHiddenCapture:
 
     def _output(self, layer_id: int) -> Any:
         def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+            if not torch.is_tensor(output):
+                raise TypeError(f"{type(module).__name__}'s forward returns "
+                                f"{type(output).__name__}: capturing the final hidden state "
+                                "needs a model returning the hidden states [T, H]")
             if self.enabled:
                 self._states[layer_id] = output
 
