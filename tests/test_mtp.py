@@ -138,6 +138,21 @@ def test_mtp_tree_and_prefix_caching_equal_plain(ckpts, plain) -> None:
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_total
 
 
+def test_random_weights_draft_with_a_random_mtp_layer(ckpts) -> None:
+    """--load-format dummy (cost benchmarks, the *-mtp presets): a random MoE MTP layer,
+    nothing read from the files; the tokens are still plain decoding's."""
+    path = ckpts["deepseek_v3"][0]
+    outs = {}
+    for spec in (None, _mtp(2)):
+        llm = LLM(path, device="cpu", dtype="float32", load_format="dummy",
+                  speculative_config=spec)
+        outs[spec is None] = [o.token_ids for o in llm.generate(_prompts(8)[:3], GREEDY)]
+    head = llm.engine.drafter.proposer.head
+    assert head.mlp.__class__.__name__ == "DeepseekMoE"
+    assert llm.engine.drafter.proposer.prefix_cache_key.endswith("random seed 1")
+    assert outs[True] == outs[False]
+
+
 @pytest.mark.parametrize("drop", ["hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"])
 def test_checkpoint_lacking_an_mtp_tensor_is_refused(tmp_path, drop: str) -> None:
     path, _ = make_mtp_checkpoint(str(tmp_path / "c"), "deepseek_v3", drop=drop)

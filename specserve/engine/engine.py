@@ -112,9 +112,8 @@ class Engine:
         if config.spec.algorithm == "mtp" and proposer is None:
             from specserve.speculative.mtp import check_mtp_target
 
-            # the MTP layer's weights (one decoder layer) are not in the estimate below
-            check_mtp_target(config.spec, None if config.load_format == "dummy"
-                             else self.model_path, self.model_config)
+            draft_config = check_mtp_target(config.spec, None if config.load_format == "dummy"
+                                            else self.model_path, self.model_config)
         elif config.spec.enabled and proposer is None:
             from specserve.speculative.eagle3 import load_draft_config
 

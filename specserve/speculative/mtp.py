@@ -30,11 +30,18 @@ from specserve.speculative.eagle3 import Eagle3Proposer
 from specserve.speculative.proposer import DraftShape
 
 
-def check_mtp_target(spec: SpecConfig, model_path: str | None, config: ModelConfig) -> None:
+def check_mtp_target(spec: SpecConfig, model_path: str | None,
+                     config: ModelConfig) -> ModelConfig:
     """Before the engine builds: the target declares an MTP layer and (unless its weights are
-    random) its files hold the layer's tensors; ValueError in one line naming what is missing."""
+    random) its files hold the layer's tensors; ValueError in one line naming what is missing.
+    Returns a config whose parameter count is the layer's block (for the memory check: one
+    decoder layer, MoE when the target has experts; no embedding or head of its own)."""
     DraftShape.from_config(spec)  # validates the tree size
     check_mtp_checkpoint(model_path, config)
+    moe = config.moe and dataclasses.replace(config.moe, first_k_dense_replace=0,
+                                             moe_layer_freq=1, mlp_layer_types=None)
+    return dataclasses.replace(config, num_layers=1, vocab_size=0, tie_word_embeddings=True,
+                               moe=moe, quantization=None)
 
 
 def mtp_kv_specs(config: ModelConfig) -> list[KVCacheSpec]:
