@@ -1,5 +1,5 @@
-"""MTP / NextN drafting (speculative/mtp.py) on tiny DeepSeek-V3 (MLA + MoE) and GLM-4.5 (GQA +
-MoE) checkpoints carrying an MTP layer (tests/tiny_mtp.py), fp32 on the CPU:
+"""MTP / NextN drafting (speculative/mtp.py) on tiny DeepSeek-V3 (MLA + MoE), GLM-4.5 (GQA +
+MoE) and GLM-4.7-Flash (MLA, per-layer mlp_layer_types) checkpoints carrying an MTP layer (tests/tiny_mtp.py), fp32 on the CPU:
   - the proposer's draft logits for a chain of k steps, over the first cycles of a request
     (the prefill extend, then extends over accepted tokens), equal a plain-torch reference of
     the MTP math (transformers' own decoder layer as the block);
@@ -25,6 +25,7 @@ from specserve.spec_config import speculative_config
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 FAMILIES = ["deepseek_v3", "glm4_moe"]
+ALL = [*FAMILIES, "glm4_moe_lite"]  # + GLM-4.7-Flash: MLA, mlp_layer_types, no MTP entry
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +36,7 @@ def ckpts(tmp_path_factory) -> dict[str, tuple[str, torch.nn.Module]]:
         # equals the target's (shared after loading) and the head differs (kept)
         "deepseek_v3": make_mtp_checkpoint(str(root / "ds"), "deepseek_v3", own_head=True),
         "glm4_moe": make_mtp_checkpoint(str(root / "glm"), "glm4_moe"),
+        "glm4_moe_lite": make_mtp_checkpoint(str(root / "lite"), "glm4_moe_lite"),
     }
 
 
@@ -57,7 +59,7 @@ def plain(ckpts) -> dict[str, list[list[int]]]:
     return out
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", ALL)
 def test_draft_logits_equal_the_reference(ckpts, name: str) -> None:
     """Every cycle of one request: the real chain's k logits against the reference. The tree
     the cycle verifies is an oracle's (the plain continuation, right for the first
@@ -109,7 +111,7 @@ def test_draft_logits_equal_the_reference(ckpts, name: str) -> None:
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", ALL)
 def test_mtp_greedy_equals_plain_under_batching_and_preemption(ckpts, plain, name) -> None:
     path, _ = ckpts[name]
     llm = LLM(path, device="cpu", dtype="float32", speculative_config=_mtp(3),

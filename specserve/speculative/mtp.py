@@ -38,10 +38,15 @@ def check_mtp_target(spec: SpecConfig, model_path: str | None,
     decoder layer, MoE when the target has experts; no embedding or head of its own)."""
     DraftShape.from_config(spec)  # validates the tree size
     check_mtp_checkpoint(model_path, config)
+    return dataclasses.replace(_one_layer(config), vocab_size=0, tie_word_embeddings=True,
+                               quantization=None)
+
+
+def _one_layer(config: ModelConfig) -> ModelConfig:
+    """The target's config cut to one decoder layer, MoE when the target has experts."""
     moe = config.moe and dataclasses.replace(config.moe, first_k_dense_replace=0,
                                              moe_layer_freq=1, mlp_layer_types=None)
-    return dataclasses.replace(config, num_layers=1, vocab_size=0, tie_word_embeddings=True,
-                               moe=moe, quantization=None)
+    return dataclasses.replace(config, num_layers=1, moe=moe)
 
 
 def mtp_kv_specs(config: ModelConfig) -> list[KVCacheSpec]:
@@ -50,8 +55,7 @@ def mtp_kv_specs(config: ModelConfig) -> list[KVCacheSpec]:
     device."""
     from specserve.models.loader import build_model
 
-    small = dataclasses.replace(config, num_layers=1)
-    decoder = find_decoder_model(build_model(small, torch.float32, "meta"))
+    decoder = find_decoder_model(build_model(_one_layer(config), torch.float32, "meta"))
     return [m.kv_spec for m in attention_modules(decoder.attention_factory(config.num_layers,
                                                                            "mtp"))]
 
