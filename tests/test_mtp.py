@@ -125,19 +125,42 @@ def test_mtp_greedy_equals_plain_under_batching_and_preemption(ckpts, plain, nam
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_total
 
 
+def _drafts_spy(llm: LLM) -> list[list[int]]:
+    """Every tree the (rank-0) proposer drafts, as token lists."""
+    proposer, trees = llm.engine.drafter.proposer, []
+    propose = proposer.propose
+
+    def spy(*args):
+        tree = propose(*args)
+        trees.extend(tree.tokens.tolist())
+        return tree
+
+    proposer.propose = spy
+    return trees
+
+
+@pytest.mark.slow
 def test_mtp_tree_and_prefix_caching_equal_plain(ckpts, plain) -> None:
-    """A tree (topk 2) over the MLA target, with prefix caching on and every prompt run
-    twice: the second wave reads the MTP layer's KV from cached pages."""
+    """A tree (topk 2) over the MLA target, every prompt run twice, prefix caching off and
+    on: the second wave's requests start on cached pages holding the MTP layer's KV, and
+    draft exactly the trees they draft without caching (one request at a time)."""
     path, _ = ckpts["deepseek_v3"]
-    llm = LLM(path, device="cpu", dtype="float32",
-              speculative_config=_mtp(3, topk=2, num_draft_tokens=6),
-              cache=CacheConfig(page_size=4, num_pages=200, enable_prefix_caching=True))
-    assert llm.engine.prefix_cache is not None
-    for _ in range(2):
-        outs = llm.generate(_prompts(8), GREEDY)
-        assert [o.token_ids for o in outs] == plain["deepseek_v3"]
-    assert sum(o.num_cached_tokens for o in outs) > 0
-    assert llm.engine.allocator.num_free == llm.engine.allocator.num_total
+    drafts, cached = {}, {}
+    for caching in (False, True):
+        llm = LLM(path, device="cpu", dtype="float32",
+                  speculative_config=_mtp(3, topk=2, num_draft_tokens=6),
+                  cache=CacheConfig(page_size=4, num_pages=200, enable_prefix_caching=caching),
+                  scheduler=SchedulerConfig(max_num_seqs=1))
+        assert (llm.engine.prefix_cache is not None) == caching
+        drafts[caching] = _drafts_spy(llm)
+        for _ in range(2):
+            outs = llm.generate(_prompts(8)[:4], GREEDY)
+            assert [o.token_ids for o in outs] == plain["deepseek_v3"][:4]
+        cached[caching] = sum(o.num_cached_tokens for o in outs)
+        assert llm.engine.allocator.num_free == llm.engine.allocator.num_total
+    assert cached[False] == 0 and cached[True] > 30
+    assert llm.engine.drafter.proposer.prefix_cache_key == f"mtp layer 3 of {path}"
+    assert len(drafts[True]) > 50 and drafts[True] == drafts[False]
 
 
 def test_random_weights_draft_with_a_random_mtp_layer(ckpts) -> None:
@@ -196,20 +219,6 @@ def test_cli_generate_with_mtp_and_the_one_line_refusal(ckpts, capsys) -> None:
                       capsys)
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
     assert "has no MTP layer (num_nextn_predict_layers is absent)" in err
-
-
-def _drafts_spy(llm: LLM) -> list[list[int]]:
-    """Every tree the (rank-0) proposer drafts, as token lists."""
-    proposer, trees = llm.engine.drafter.proposer, []
-    propose = proposer.propose
-
-    def spy(*args):
-        tree = propose(*args)
-        trees.extend(tree.tokens.tolist())
-        return tree
-
-    proposer.propose = spy
-    return trees
 
 
 @pytest.mark.slow
