@@ -2,7 +2,7 @@
 # The GPU checks and benchmarks in one invocation (an H200 or any CUDA machine):
 #   bash scripts/gpu_suite.sh OUT_DIR [steps]
 # steps: any of tests,profile,plain,spec,moe,match,serve,mla,quant,comm,prefix,default,exact,glm,
-# policy (default: all but profile, quant, comm, exact and policy). Results and logs go to OUT_DIR;
+# policy,mtp (default: all but profile, quant, comm, exact, policy and mtp). Results and logs go to OUT_DIR;
 # benchmark rows are appended to experiments/ (LOG.md, results.jsonl, PNGs).
 set -u
 out=${1:-out}; steps=${2:-tests,plain,spec,moe,match,serve,mla,prefix,default,glm}
@@ -261,5 +261,25 @@ if has policy; then
       --accept-rate "$rate" --output-len 96 --min-requests 8 --out "$out/policy-$rate" \
       --log --exp-dir experiments > "$out/policy-$rate.log" 2>&1
     echo "policy rate $rate rc=$?"; grep -v "^ " "$out/policy-$rate.log" | grep -v INFO | tail -14
+  done
+fi
+if has mtp; then
+  # MTP drafting (the target's own MTP layer): the GPU tests (CUDA-graph cycles == plain), then
+  # cost at real per-layer dims with random weights: DeepSeek-V3 (MLA + MoE MTP layer) and
+  # GLM-4.5-Air (GQA), chain 1 and chain 3 at synthetic acceptance 0.8 against plain decoding
+  # (bench latency's speculative efficiency: spec tok/s / (accept length x plain tok/s))
+  timeout 300 python -m pytest -q -m gpu -rfE --tb=short -p no:cacheprovider tests/test_mtp.py \
+    > "$out/mtp_tests.log" 2>&1
+  echo "mtp tests rc=$?"; tail -4 "$out/mtp_tests.log"
+  for preset in deepseek-v3-4l-mtp glm-4.5-air-4l-mtp; do
+    for k in 1 3; do
+      timeout 300 "${ss[@]}" bench latency --model "$preset" --load-format dummy \
+        --speculative-config "{\"method\": \"mtp\", \"num_speculative_tokens\": $k}" \
+        --spec-synthetic-accept-rate 0.8 --output-len 64 --runs 3 --warmup 1 --context-len 1024 \
+        --batch-sizes 1,16 --max-num-seqs 16 --max-model-len 2048 --log --exp-dir experiments \
+        --label "$preset mtp chain$k" --json-out "$out/$preset-mtp$k.json" \
+        > "$out/$preset-mtp$k.log" 2>&1
+      echo "$preset mtp chain$k rc=$?"; tail -10 "$out/$preset-mtp$k.log"
+    done
   done
 fi

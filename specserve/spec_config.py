@@ -32,7 +32,7 @@ METHODS: dict[str, SpecMethod] = {
         SpecMethod("eagle", False, "an EAGLE-1/2 head"),
         SpecMethod("draft_model", False, "a small model of the target's vocabulary"),
         SpecMethod("medusa", False, "Medusa heads"),
-        SpecMethod("mtp", False, ""),
+        SpecMethod("mtp", True, ""),  # the target's own MTP / NextN layer (no draft model)
         SpecMethod("ngram", False, ""),
         SpecMethod("suffix", False, ""),
     )
@@ -172,10 +172,14 @@ class SpecConfig:
                     "or choose a method",
                 )
             return
-        if not self.draft_model:
+        if not self.draft_model and method.draft:
             raise ConfigError(
                 SpecConfig, "draft_model", f"is required by {self.algorithm}: {method.draft}"
             )
+        if self.draft_model and self.algorithm == "mtp":
+            raise ConfigError(SpecConfig, "draft_model",
+                              f"{self.draft_model!r}: mtp drafts with the target's own "
+                              "MTP/NextN layer, read from the target's files; drop it")
         if self.synthetic_accept_len > self.num_steps + 1:
             raise ConfigError(
                 SpecConfig,
@@ -210,9 +214,10 @@ class SpecConfig:
         if not self.enabled:
             return "speculation off"
         shape = "chain" if self.topk == 1 else f"tree topk {self.topk}"
+        head = "the target's MTP layer" if self.algorithm == "mtp" else self.draft_model
         text = (
             f"speculation {self.algorithm} ({shape}, {self.num_steps} draft steps, "
-            f"{self.verify_tokens} tokens verified per cycle; head {self.draft_model})"
+            f"{self.verify_tokens} tokens verified per cycle; head {head})"
         )
         if self.mode_names or self.policy != "static":
             text += f"; policy {self.policy}, modes {', '.join(self.mode_names) or '-'}"

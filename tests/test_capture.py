@@ -8,7 +8,12 @@ from tiny_models import PagedSession, make_hf_model, make_tiny_checkpoint
 from torch import nn
 
 from specserve.config import ModelConfig
-from specserve.models.capture import AuxHiddenCapture, default_aux_layer_ids, find_decoder_layers
+from specserve.models.capture import (
+    AuxHiddenCapture,
+    default_aux_layer_ids,
+    final_hidden_id,
+    find_decoder_layers,
+)
 from specserve.models.loader import load_model
 
 NUM_LAYERS = 8
@@ -116,5 +121,23 @@ def test_disable_enable_and_bad_ids(setup: dict) -> None:
         torch.testing.assert_close(capture.pop(), setup["refs"][0], atol=1e-5, rtol=1e-5)
     finally:
         capture.remove()
-    with pytest.raises(ValueError, match=r"\[0, 8\)"):
-        AuxHiddenCapture(model, [2, 8])
+    with pytest.raises(ValueError, match=r"\[0, 8\]"):
+        AuxHiddenCapture(model, [2, 9])
+
+
+def test_final_hidden_state_id(setup: dict) -> None:
+    """Id N (one past the last layer) is the model's final, post-norm hidden state:
+    transformers' last_hidden_state, next to the layer inputs it is captured with."""
+    model = setup["model"]
+    capture = AuxHiddenCapture(model, [final_hidden_id(model), 2])
+    try:
+        hidden = PagedSession(model).step({0: setup["prompts"][0]}, logits=False)[0]
+        got = capture.pop()
+    finally:
+        capture.remove()
+    with torch.no_grad():
+        want = setup["hf"].model(torch.tensor([setup["prompts"][0]])).last_hidden_state[0]
+    H = want.shape[-1]
+    torch.testing.assert_close(got[:, H:], want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[:, H:], hidden)
+    torch.testing.assert_close(got[:, :H], setup["refs"][0][:, :H], atol=1e-5, rtol=1e-5)

@@ -19,8 +19,9 @@ from specserve.config_flags import ConfigError, add_cli_args, build, cli_values,
 from specserve.spec_config import SpecConfig, build_spec_config, parse_speculative_config
 
 SPEC_JSON_HELP = (
-    "speculative decoding as a JSON object, vLLM's shape: method (eagle3), model (the draft "
-    "head), num_speculative_tokens (draft steps), and the tree fields topk and "
+    "speculative decoding as a JSON object, vLLM's shape: method (eagle3; mtp: the target's "
+    "own MTP layer, no model), model (the draft head), num_speculative_tokens (draft steps), "
+    "and the tree fields topk and "
     'num_draft_tokens; e.g. \'{"method": "eagle3", "model": "PATH", '
     '"num_speculative_tokens": 3}\'. The --spec-* flags set the same fields'
 )

@@ -101,6 +101,11 @@ def build_local_worker(config: EngineConfig, model_path: str | None,
         if len(draft_kv) != proposer.num_kv_layers:
             raise ValueError("a proposer with KV layers of its own lists their KVCacheSpecs as "
                              "`kv_specs` (one per layer)")
+    elif config.spec.algorithm == "mtp":
+        from specserve.speculative.mtp import MTPProposer, mtp_kv_specs
+
+        draft_kv = mtp_kv_specs(model_config)
+        proposer = functools.partial(MTPProposer, config.spec, model_path)
     elif config.spec.enabled:
         from specserve.models.eagle3 import eagle3_kv_specs
         from specserve.speculative.eagle3 import load_draft_config

@@ -7,6 +7,10 @@ the stream exists only after the layer's first all-reduce + norm). Any other lay
 forward pre-hook reading its call: `hidden_states=` alone, or `(positions, hidden,
 residual)` where residual None means `hidden` is the whole stream, else hidden + residual.
 
+Id len(layers), one past the last decoder layer, is the model's FINAL hidden state: what its
+forward returns, after the final norm, the state its LM head reads (a forward hook on the
+model itself; the MTP drafter's feature).
+
 CUDA graphs: the hooks only record tensors. Call `pop()` inside the captured region, right
 after the forward, and keep its result as a graph output: replay refills it.
 """
@@ -25,6 +29,11 @@ from specserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
     """Low, middle and high capture layers: (2, N // 2, N - 3)."""
     return (2, num_layers // 2, num_layers - 3)
+
+
+def final_hidden_id(model: nn.Module) -> int:
+    """The capture id of the model's final hidden state (its forward's output)."""
+    return len(find_decoder_layers(model))
 
 
 def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -95,10 +104,10 @@ class AuxHiddenCapture:
     def __init__(self, model: nn.Module, layer_ids: Sequence[int]) -> None:
         layers = find_decoder_layers(model)
         ids = tuple(sorted(layer_ids))
-        if not ids or ids[0] < 0 or ids[-1] >= len(layers):
+        if not ids or ids[0] < 0 or ids[-1] > len(layers):
             raise ValueError(
-                f"aux layer ids {tuple(layer_ids)} must lie in [0, {len(layers)}) for a model "
-                f"with {len(layers)} decoder layers"
+                f"aux layer ids {tuple(layer_ids)} must lie in [0, {len(layers)}] for a model "
+                f"with {len(layers)} decoder layers ({len(layers)}: its final hidden state)"
             )
         self.layer_ids = ids
         self.enabled = True
@@ -106,7 +115,9 @@ class AuxHiddenCapture:
         self._observed: list[nn.Module] = []
         self._handles = []
         for i in sorted(set(ids)):
-            if hasattr(layers[i], "observe_stream"):
+            if i == len(layers):  # the final hidden state: the model's own output
+                self._handles.append(model.register_forward_hook(self._output(i)))
+            elif hasattr(layers[i], "observe_stream"):
                 layers[i].observe_stream = self._record(i)
                 self._observed.append(layers[i])
             else:
@@ -120,6 +131,17 @@ class AuxHiddenCapture:
                 self._states[layer_id] = stream
 
         return record
+
+    def _output(self, layer_id: int) -> Any:
+        def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+            if not torch.is_tensor(output):
+                raise TypeError(f"{type(module).__name__}'s forward returns "
+                                f"{type(output).__name__}: capturing the final hidden state "
+                                "needs a model returning the hidden states [T, H]")
+            if self.enabled:
+                self._states[layer_id] = output
+
+        return hook
 
     def _hook(self, layer_id: int) -> Any:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:

@@ -78,6 +78,10 @@ class DecoderModel(nn.Module):
             for i in range(config.num_layers)
         )  # fmt: skip
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # the family's attention factory and the layers' name prefix: an MTP / NextN layer
+        # (speculative/mtp.py) builds its decoder block's attention the same way
+        self.attention_factory = attention
+        self.layer_prefix = f"{prefix}.layers"
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None  # [T, H]
@@ -124,8 +128,8 @@ class CausalLM(nn.Module):
             if layer not in self._mtp_skipped:
                 self._mtp_skipped.add(layer)
                 log.info(
-                    "skipping the weights of MTP/NextN layer %d (model.layers.%d; not "
-                    "used for drafting yet)",
+                    "skipping the weights of MTP/NextN layer %d (model.layers.%d; the "
+                    "mtp drafter loads them itself)",
                     layer,
                     self.config.num_layers + layer,
                 )

@@ -124,6 +124,9 @@ PRESETS: dict[str, dict] = {
     "glm-4.5-air-4l": _GLM_45_AIR_4L,
     "glm-5-3l": _GLM_5_3L,
     "glm-5-3l-dense": _GLM_5_3L_DENSE,
+    # with the MTP layer the released checkpoints ship (random weights: speculative method mtp)
+    "deepseek-v3-4l-mtp": {**_DEEPSEEK_V3_4L, "num_nextn_predict_layers": 1},
+    "glm-4.5-air-4l-mtp": {**_GLM_45_AIR_4L, "num_nextn_predict_layers": 1},
 }
 
 

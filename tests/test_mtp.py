@@ -1,0 +1,302 @@
+"""MTP / NextN drafting (speculative/mtp.py) on tiny DeepSeek-V3 (MLA + MoE), GLM-4.5 (GQA +
+MoE) and GLM-4.7-Flash (MLA, per-layer mlp_layer_types) checkpoints carrying an MTP layer (tests/tiny_mtp.py), fp32 on the CPU:
+  - the proposer's draft logits for a chain of k steps, over the first cycles of a request
+    (the prefill extend, then extends over accepted tokens), equal a plain-torch reference of
+    the MTP math (transformers' own decoder layer as the block);
+  - greedy output with MTP speculation equals plain decoding for 8 prompts under continuous
+    batching with chunked prefill and a forced preemption (and with prefix caching);
+  - a checkpoint lacking the layer, or a config declaring none, is refused naming what is
+    missing; the speculative config takes mtp without a model and refuses one.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from tiny_models import make_tiny_checkpoint, record_preemptions
+from tiny_mtp import make_mtp_checkpoint, reference_chain
+
+from specserve.config import CacheConfig, SchedulerConfig
+from specserve.llm import LLM
+from specserve.sampling_params import SamplingParams
+from specserve.spec_config import speculative_config
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+FAMILIES = ["deepseek_v3", "glm4_moe"]
+ALL = [*FAMILIES, "glm4_moe_lite"]  # + GLM-4.7-Flash: MLA, mlp_layer_types, no MTP entry
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory) -> dict[str, tuple[str, torch.nn.Module]]:
+    root = tmp_path_factory.mktemp("mtp")
+    return {
+        # DeepSeek-V3 ships shared_head.head and embed_tokens copies: here the embedding copy
+        # equals the target's (shared after loading) and the head differs (kept)
+        "deepseek_v3": make_mtp_checkpoint(str(root / "ds"), "deepseek_v3", own_head=True),
+        "glm4_moe": make_mtp_checkpoint(str(root / "glm"), "glm4_moe"),
+        "glm4_moe_lite": make_mtp_checkpoint(str(root / "lite"), "glm4_moe_lite"),
+    }
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(rng.randint(1, 40))] for _ in range(n)]
+
+
+def _mtp(k: int = 3, **extra) -> dict:
+    return {"method": "mtp", "num_speculative_tokens": k, **extra}
+
+
+@pytest.fixture(scope="module")
+def plain(ckpts) -> dict[str, list[list[int]]]:
+    """Plain greedy tokens of the 8 prompts, per family (a pool that never preempts)."""
+    out = {}
+    for name, (path, _) in ckpts.items():
+        llm = LLM(path, device="cpu", dtype="float32")
+        out[name] = [o.token_ids for o in llm.generate(_prompts(8), GREEDY)]
+    return out
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_draft_logits_equal_the_reference(ckpts, name: str) -> None:
+    """Every cycle of one request: the real chain's k logits against the reference. The tree
+    the cycle verifies is an oracle's (the plain continuation, right for the first
+    c % (k + 1) tokens of cycle c): random MTP weights are almost never accepted, and the
+    layer's KV and state after accepting 0..k tokens are what later cycles read."""
+    from specserve.speculative.tree import TreeAccumulator
+
+    path, hf4 = ckpts[name]
+    k = 3
+    prompt = [5, 17, 99, 3, 250, 41, 7, 300, 12]
+    seq = prompt + LLM(path, device="cpu", dtype="float32").generate([prompt], GREEDY)[0].token_ids
+    llm = LLM(path, device="cpu", dtype="float32", speculative_config=_mtp(k),
+              enforce_eager=True)
+    proposer = llm.engine.drafter.proposer
+    head = proposer.head
+    if name == "deepseek_v3":  # the equal embedding copy is shared, the own head kept
+        assert not hasattr(head, "embed_tokens") and hasattr(head.shared_head, "head")
+    else:
+        assert not hasattr(head, "embed_tokens") and not hasattr(head.shared_head, "head")
+    cycles: list[tuple[int, list[torch.Tensor]]] = []
+    propose, logits_of = proposer.propose, head.compute_logits
+
+    def oracle(shape, state, root_pos, root_tokens, *args):
+        root = int(root_pos[0])
+        cycles.append((root, []))
+        propose(shape, state, root_pos, root_tokens, *args)  # the real drafts: logits spied
+        right = len(cycles) % (k + 1)
+        ids = [seq[root + d] if d <= right else (seq[root + d] + 1) % 512
+               for d in range(1, k + 1)]
+        acc = TreeAccumulator(torch.zeros(1, 1), torch.tensor([ids[:1]]), None)
+        for t in ids[1:]:
+            acc.extend(torch.zeros(1, 1, 1), torch.tensor([[[t]]]))
+        return acc.build(root_tokens, shape.num_draft_tokens)
+
+    def spy_logits(out):
+        logits = logits_of(out)
+        cycles[-1][1].append(logits[0].clone())
+        return logits
+
+    proposer.propose, head.compute_logits = oracle, spy_logits
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=13, ignore_eos=True))
+    assert prompt + out[0].token_ids == seq[:len(prompt) + 13]
+    assert llm.engine.drafter.counters.accepted_per_pos[k - 1] > 0  # whole chains accepted
+    assert len(cycles) >= 5 and cycles[0][0] == len(prompt)
+    for root, logits in cycles:
+        want = reference_chain(path, hf4, seq[: root + 1], k)
+        got = torch.stack(logits)
+        assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_mtp_greedy_equals_plain_under_batching_and_preemption(ckpts, plain, name) -> None:
+    path, _ = ckpts[name]
+    llm = LLM(path, device="cpu", dtype="float32", speculative_config=_mtp(3),
+              cache=CacheConfig(page_size=4, num_pages=40),
+              scheduler=SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=8))
+    preempted = record_preemptions(llm.engine.scheduler)
+    outs = llm.generate(_prompts(8), GREEDY)
+    assert preempted, "the pool was sized to force at least one preemption"
+    assert [o.token_ids for o in outs] == plain[name]
+    assert all(o.spec_cycles > 0 for o in outs)
+    assert llm.engine.allocator.num_free == llm.engine.allocator.num_total
+
+
+def _drafts_spy(llm: LLM) -> list[list[int]]:
+    """Every tree the (rank-0) proposer drafts, as token lists."""
+    proposer, trees = llm.engine.drafter.proposer, []
+    propose = proposer.propose
+
+    def spy(*args):
+        tree = propose(*args)
+        trees.extend(tree.tokens.tolist())
+        return tree
+
+    proposer.propose = spy
+    return trees
+
+
+@pytest.mark.slow
+def test_mtp_tree_and_prefix_caching_equal_plain(ckpts, plain) -> None:
+    """A tree (topk 2) over the MLA target, every prompt run twice, prefix caching off and
+    on: the second wave's requests start on cached pages holding the MTP layer's KV, and
+    draft exactly the trees they draft without caching (one request at a time)."""
+    path, _ = ckpts["deepseek_v3"]
+    drafts, cached = {}, {}
+    for caching in (False, True):
+        llm = LLM(path, device="cpu", dtype="float32",
+                  speculative_config=_mtp(3, topk=2, num_draft_tokens=6),
+                  cache=CacheConfig(page_size=4, num_pages=200, enable_prefix_caching=caching),
+                  scheduler=SchedulerConfig(max_num_seqs=1))
+        assert (llm.engine.prefix_cache is not None) == caching
+        drafts[caching] = _drafts_spy(llm)
+        for _ in range(2):
+            outs = llm.generate(_prompts(8)[:4], GREEDY)
+            assert [o.token_ids for o in outs] == plain["deepseek_v3"][:4]
+        cached[caching] = sum(o.num_cached_tokens for o in outs)
+        assert llm.engine.allocator.num_free == llm.engine.allocator.num_total
+    assert cached[False] == 0 and cached[True] > 30
+    assert llm.engine.drafter.proposer.prefix_cache_key == f"mtp layer 3 of {path}"
+    assert len(drafts[True]) > 50 and drafts[True] == drafts[False]
+
+
+def test_random_weights_draft_with_a_random_mtp_layer(ckpts) -> None:
+    """--load-format dummy (cost benchmarks, the *-mtp presets): a random MoE MTP layer,
+    nothing read from the files; the tokens are still plain decoding's."""
+    path = ckpts["deepseek_v3"][0]
+    outs = {}
+    for spec in (None, _mtp(2)):
+        llm = LLM(path, device="cpu", dtype="float32", load_format="dummy",
+                  speculative_config=spec)
+        outs[spec is None] = [o.token_ids for o in llm.generate(_prompts(8)[:3], GREEDY)]
+    head = llm.engine.drafter.proposer.head
+    assert head.mlp.__class__.__name__ == "DeepseekMoE"
+    assert llm.engine.drafter.proposer.prefix_cache_key.endswith("random seed 1")
+    assert outs[True] == outs[False]
+
+
+@pytest.mark.parametrize("drop", ["hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"])
+def test_checkpoint_lacking_an_mtp_tensor_is_refused(tmp_path, drop: str) -> None:
+    path, _ = make_mtp_checkpoint(str(tmp_path / "c"), "deepseek_v3", drop=drop)
+    with pytest.raises(ValueError, match=f"lacks the MTP tensor model.layers.3.{drop}"):
+        LLM(path, device="cpu", dtype="float32", speculative_config=_mtp())
+
+
+def test_missing_block_tensor_and_config_without_mtp_are_refused(tmp_path) -> None:
+    path, _ = make_mtp_checkpoint(str(tmp_path / "c"), "deepseek_v3",
+                                  drop="self_attn.kv_b_proj.weight")
+    with pytest.raises(ValueError, match=r"missing tensors: self_attn\.kv_b_proj\.weight.*"
+                                         r"below model\.layers\.3\."):
+        LLM(path, device="cpu", dtype="float32", speculative_config=_mtp())
+    plain_ckpt = make_tiny_checkpoint(tmp_path / "p", "deepseek_v3", tokenizer=True)
+    with pytest.raises(ValueError, match="no MTP layer \\(num_nextn_predict_layers is absent"):
+        LLM(plain_ckpt, device="cpu", dtype="float32", speculative_config=_mtp())
+
+
+def test_speculative_config_takes_mtp_without_a_model() -> None:
+    spec = speculative_config('{"method": "mtp", "num_speculative_tokens": 2}')
+    assert (spec.algorithm, spec.num_steps, spec.draft_model) == ("mtp", 2, "")
+    assert "the target's MTP layer" in spec.describe()
+    with pytest.raises(ValueError, match="'model': '/x': mtp drafts with the target's own"):
+        speculative_config({"method": "mtp", "model": "/x"})
+    with pytest.raises(ValueError, match="unknown key 'n_predict'"):
+        speculative_config({"method": "mtp", "n_predict": 1})
+
+
+def test_cli_generate_with_mtp_and_the_one_line_refusal(ckpts, capsys) -> None:
+    from cli_run import run_cli
+
+    from specserve import defaults
+
+    flag = ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}']
+    rc, err = run_cli(["generate", "--model", ckpts["glm4_moe"][0], *flag, "--max-tokens", "4",
+                       "--device", "cpu", "--dtype", "float32", "hi"], capsys)
+    assert rc == 0, err
+    rc, err = run_cli(["generate", "--model", str(defaults.tiny_code_path()), *flag, "hi"],
+                      capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert "has no MTP layer (num_nextn_predict_layers is absent)" in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FAMILIES)
+def test_tp2_mtp_equals_tp1(ckpts, plain, name: str) -> None:
+    """The gloo TP runtime: the MTP layer's attention and experts split over 2 ranks like
+    the target's layers draft what TP 1 drafts, and the tokens are plain decoding's."""
+    from specserve.config import ParallelConfig
+
+    drafts = {}
+    for tp in (1, 2):
+        llm = LLM(ckpts[name][0], device="cpu", dtype="float32", speculative_config=_mtp(3),
+                  parallel=ParallelConfig(tp_size=tp), enforce_eager=True,
+                  scheduler=SchedulerConfig(max_num_seqs=1))
+        drafts[tp] = _drafts_spy(llm)
+        try:
+            outs = llm.generate(_prompts(8)[:3], GREEDY)
+        finally:
+            llm.close()
+        assert [o.token_ids for o in outs] == plain[name][:3]
+    assert len(drafts[1]) > 20 and drafts[1] == drafts[2]
+
+
+@pytest.fixture(scope="module")
+def sampling(ckpts):
+    """The DeepSeek-V3 checkpoint, the engine settings of test_spec_sampling and its plain
+    samples."""
+    from test_spec_sampling import N, _samples
+
+    kw = dict(device="cpu", dtype="float32", cache=CacheConfig(page_size=8, num_pages=4096),
+              scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=4096,
+                                        max_waiting=N))
+    path = ckpts["deepseek_v3"][0]
+    return path, kw, _samples(LLM(path, **kw))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafts", ["mtp", "fixed"])
+def test_sampled_mtp_matches_plain_distribution(sampling, drafts: str) -> None:
+    """test_spec_sampling's chi-square test with the MTP drafter: its own drafts (random
+    weights: never in the target's top-6 here, so every cycle takes the rejection path), and
+    fixed drafts the target often accepts (the MTP layer still extends over every emitted
+    token)."""
+    from collections import Counter
+
+    from test_spec_sampling import _chi2_two_sample, _critical_999, _fixed_proposals, _samples
+
+    path, kw, plain = sampling
+    llm = LLM(path, speculative_config=_mtp(3), enforce_eager=True, **kw)
+    if drafts == "fixed":
+        _fixed_proposals(llm, plain)
+    got = _samples(llm)
+    counters = llm.engine.drafter.counters
+    assert counters.num_drafts >= len(got)
+    if drafts == "fixed":
+        assert counters.num_accepted_tokens > 0, "drafts were never accepted"
+    for pos in (1, 2):
+        stat, dof = _chi2_two_sample(Counter(s[pos] for s in plain),
+                                     Counter(s[pos] for s in got))
+        assert dof >= 2
+        assert stat < _critical_999(dof), (pos, stat, dof)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("spec", [dict(), dict(topk=2, num_draft_tokens=6)])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_cuda_graphs_equal_eager_and_plain(ckpts, name: str, spec: dict) -> None:
+    """fp32 on the GPU (Triton backend): the speculative cycle captured as CUDA graphs with
+    the MTP layer inside gives the eager engine's tokens, and plain decoding's."""
+    path = ckpts[name][0]
+    outs = {}
+    for eager in (True, False, None):  # None: plain decoding (graphs)
+        llm = LLM(path, device="cuda", dtype="float32", enforce_eager=bool(eager),
+                  cache=CacheConfig(page_size=16, num_pages=256),
+                  speculative_config=None if eager is None else _mtp(3, **spec))
+        outs[eager] = [o.token_ids for o in llm.generate(_prompts(8)[:6], GREEDY)]
+        if eager is False:
+            assert llm.engine.drafter.num_graphs > 0
+        llm.close()
+    assert outs[True] == outs[False] == outs[None]
