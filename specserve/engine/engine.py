@@ -109,7 +109,7 @@ class Engine:
             self.max_model_len = window
         self.config = config.replace(scheduler={"max_model_len": self.max_model_len})
         draft_config = None
-        if config.spec.enabled and proposer is None:
+        if config.spec.algorithm == "eagle3" and proposer is None:
             from specserve.speculative.eagle3 import load_draft_config
 
             draft_config = load_draft_config(config.spec, self.model_config)
