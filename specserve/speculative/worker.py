@@ -184,10 +184,14 @@ class SpecWorker:
 
     def _can_speculate(self, step: StepInput, i: int, mode: DraftMode) -> bool:
         """A decode that may speculate, whose proposer covers [0, P) (or can be caught up)
-        and whose pages hold the mode's verify nodes and draft scratch."""
+        and whose pages hold the mode's verify nodes and draft scratch. A one-token prefill
+        chunk (a prompt's last token after a cached prefix) is no decode: the scheduler
+        reserved it no lookahead and takes one token from it, so it runs plain even where
+        its page would hold the nodes and a state-free proposer could draft."""
         start = int(step.starts[i])
         return bool(
             step.speculate[i]
+            and step.is_decode[i]
             and step.num_new_tokens[i] == 1
             and step.samples[i]
             and step.page_counts[i] * self.runner.page_size >= start + 1 + mode.lookahead

@@ -1,0 +1,96 @@
+"""The model-free drafters (ngram: chain on the device; suffix: host-built tree) are lossless
+through the whole engine: greedy output == plain decoding, token for token, on the bundled
+tiny-code model, 8 code prompts under continuous batching (staggered arrivals, 4 running at
+most), a KV pool small enough to force preemptions, and prefix caching on.
+
+The prompts include the worker's one-token-chunk-after-a-cached-prefix path: requests whose
+prompt is an earlier request's prompt plus its first output tokens are admitted on its cached
+pages with a single token left to run (checked: such rows occur, and for the state-free
+suffix proposer they speculate).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tiny_models import record_preemptions
+
+from specserve import defaults
+from specserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from specserve.engine.engine import Engine
+from specserve.llm import LLM
+from specserve.sampling_params import SamplingParams
+from specserve.spec_config import speculative_config
+
+TINY = defaults.tiny_code_path()
+MAX_TOKENS = 24
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+PAGE = 8  # >= 1 + lookahead: a one-token chunk's page holds a cycle's verify nodes
+METHODS = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 3, "topk": 2,
+               "num_draft_tokens": 6},
+}
+
+
+@pytest.fixture(scope="module")
+def workload() -> tuple[list[list[int]], list[list[int]]]:
+    """(prompts, plain greedy outputs): six slices of this repo's source, then two prompts
+    that extend the first one by 1 and by 9 of its output tokens (page-aligned cached prefix,
+    one token left: 16 + 1 and 24 + 1)."""
+    llm = LLM(TINY, device="cpu", dtype="float32", enable_prefix_caching=False)
+    text = Path(__file__).read_text() + Path(defaults.__file__).read_text()
+    ids = llm.engine.tokenizer.encode(text, add_special_tokens=False)
+    prompts = [ids[:16]] + [ids[40 * i : 40 * i + 12 + 5 * i] for i in range(1, 6)]
+    first = llm.generate([prompts[0]], GREEDY)[0].token_ids
+    prompts += [prompts[0] + first[:1], prompts[0] + first[:9]]
+    outs = llm.generate(prompts, GREEDY)
+    return prompts, [o.token_ids for o in outs]
+
+
+def _run(spec: SpecConfig, prompts: list[list[int]]) -> tuple[dict, Engine, list, list]:
+    engine = Engine(EngineConfig(
+        model=TINY, device="cpu", dtype="float32", spec=spec,
+        cache=CacheConfig(page_size=PAGE, num_pages=18, enable_prefix_caching=True),
+        scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=4)))
+    preempted = record_preemptions(engine.scheduler)
+    one_token_after_cache = []  # (request id, speculated) of such rows
+    execute = engine.executor.execute
+
+    def spy(step):
+        out = execute(step)
+        for r, rid in enumerate(step.request_ids):
+            if step.from_cache[r] and step.num_new_tokens[r] == 1:
+                one_token_after_cache.append((rid, bool(out.num_drafted and out.num_drafted[r] > 0)))
+        return out
+
+    engine.executor.execute = spy
+    arrivals = {0: [0, 1], 3: [2], 5: [3, 4], 9: [5], 30: [6], 34: [7]}  # step -> prompts
+    outputs: dict[int, list[int]] = {}
+    for step in range(2000):
+        for i in arrivals.get(step, []):
+            engine.add_request(str(i), prompts[i], GREEDY)
+            outputs[i] = []
+        for out in engine.step():
+            outputs[int(out.request_id)].extend(out.new_token_ids)
+        if step > max(arrivals) and not engine.has_unfinished():
+            break
+    return outputs, engine, preempted, one_token_after_cache
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_drafter_greedy_equals_plain_with_preemption_and_prefix_cache(workload, method) -> None:
+    prompts, plain = workload
+    got, engine, preempted, one_token = _run(speculative_config(METHODS[method]), prompts)
+    for i, want in enumerate(plain):
+        assert got[i] == want, (method, i)
+    c = engine.drafter.counters
+    assert c.num_drafts > 20 and c.num_accepted_tokens > 10, c
+    assert preempted, "the pool was sized to force preemptions"
+    assert engine.prefix_cache is not None and one_token, "no one-token chunk after a cache hit"
+    # a prefill chunk owns no lookahead slots: it never runs a cycle, even with a state-free
+    # proposer (suffix) whose page would hold the verify nodes
+    assert not any(spec for _, spec in one_token), one_token
+    assert engine.allocator.num_free == engine.allocator.num_total
+    assert not engine.drafter.covered and not engine.drafter.state, "per-request state leaked"
