@@ -94,3 +94,46 @@ def test_drafter_greedy_equals_plain_with_preemption_and_prefix_cache(workload, 
     assert not any(spec for _, spec in one_token), one_token
     assert engine.allocator.num_free == engine.allocator.num_total
     assert not engine.drafter.covered and not engine.drafter.state, "per-request state leaked"
+
+
+def test_server_speculates_with_ngram_and_labels_its_counters(workload) -> None:
+    """`serve` with speculative_config ngram: greedy completion tokens == plain, and the
+    acceptance counters on /metrics carry method="ngram"."""
+    import httpx
+    import openai
+    from prometheus_client.parser import text_string_to_metric_families
+    from test_server import LiveServer
+
+    prompts, plain = workload
+    config = EngineConfig(model=TINY, device="cpu", dtype="float32", enforce_eager=True,
+                          spec=speculative_config(METHODS["ngram"]))
+    server = LiveServer(config)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0)
+        reply = client.completions.create(model=TINY, prompt=prompts[2], max_tokens=MAX_TOKENS,
+                                          temperature=0, extra_body={"ignore_eos": True})
+        assert reply.choices[0].text == server.async_engine.engine.tokenizer.decode(plain[2])
+        text = httpx.get(server.url + "/metrics").text
+    finally:
+        server.stop()
+    drafts = {tuple(s.labels.items()): s.value for f in text_string_to_metric_families(text)
+              for s in f.samples if s.name == "specserve:spec_decode_num_drafts_total"}
+    assert list(drafts) == [(("method", "ngram"),)] and drafts[(("method", "ngram"),)] > 0
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_offline_api_with_decode_overlap_on(workload, method: str) -> None:
+    """LLM(..., speculative_config={vLLM's keys}) with --decode-overlap on: ngram launches the
+    next cycle from the device outputs (its history is updated inside the cycle) and stays
+    lossless; suffix builds trees on the host, so the worker turns overlap off for it."""
+    prompts, plain = workload
+    llm = LLM(TINY, device="cpu", dtype="float32", decode_overlap="on",
+              speculative_config=METHODS[method])
+    outs = llm.generate(prompts[:4], GREEDY)
+    assert [o.token_ids for o in outs] == plain[:4]
+    drafter = llm.engine.drafter
+    if method == "ngram":
+        assert drafter.overlap and drafter.cycles_launched_ahead > 5
+    else:
+        assert not drafter.overlap and drafter.cycles_launched == 0
+        assert not any(m.cycles.overlap for m in drafter.modes.values())
