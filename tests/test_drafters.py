@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from tiny_models import record_preemptions
 
 from specserve import defaults
@@ -121,15 +122,24 @@ def test_server_speculates_with_ngram_and_labels_its_counters(workload) -> None:
     assert list(drafts) == [(("method", "ngram"),)] and drafts[(("method", "ngram"),)] > 0
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("method", list(METHODS))
-def test_offline_api_with_decode_overlap_on(workload, method: str) -> None:
+def test_offline_api_with_decode_overlap_on(workload, method: str, device: str) -> None:
     """LLM(..., speculative_config={vLLM's keys}) with --decode-overlap on: ngram launches the
     next cycle from the device outputs (its history is updated inside the cycle) and stays
-    lossless; suffix builds trees on the host, so the worker turns overlap off for it."""
+    lossless; suffix builds trees on the host, so the worker turns overlap off for it. On
+    CUDA every cycle is a graph replay (static inputs: ngram's page table, suffix's tree)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
     prompts, plain = workload
-    llm = LLM(TINY, device="cpu", dtype="float32", decode_overlap="on",
+    llm = LLM(TINY, device=device, dtype="float32", decode_overlap="on",
               speculative_config=METHODS[method])
+    if device == "cuda":
+        assert llm.engine.drafter.num_graphs > 0
     outs = llm.generate(prompts[:4], GREEDY)
+    if device == "cuda":  # plain decoding on the same device
+        ref = LLM(TINY, device=device, dtype="float32", enable_prefix_caching=False)
+        plain = [o.token_ids for o in ref.generate(prompts[:4], GREEDY)]
     assert [o.token_ids for o in outs] == plain[:4]
     drafter = llm.engine.drafter
     if method == "ngram":
