@@ -154,7 +154,10 @@ class SpecWorker:
         self.proposer.release(request_id)
 
     def release_all(self) -> None:
-        for rid in list(self.covered):
+        ids = set(self.covered)
+        if self.host_drafts:  # a state-free proposer keeping host history of its own
+            ids |= set(self.proposer.requests)
+        for rid in sorted(ids):
             self.release(rid)
 
     def discard_launched(self, keep: DraftMode | None = None) -> None:
