@@ -209,6 +209,9 @@ def test_model_free_drafters_from_flags_and_json() -> None:
                   '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3}']):
         spec = _config(*argv).spec
         assert (spec.algorithm, spec.draft_model, spec.lookup_range) == ("ngram", "", (1, 3))
+    from specserve.cli.preflight import check_engine_config
+
+    check_engine_config(_config(*argv))  # no draft model path to check
     spec = _config("--model", TINY, "--spec-algorithm", "suffix", "--spec-topk", "2",
                    "--spec-num-draft-tokens", "6", "--spec-suffix-min-token-prob", "0.3").spec
     assert (spec.algorithm, spec.verify_tokens, spec.suffix_settings) == ("suffix", 6,
