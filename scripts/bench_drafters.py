@@ -85,8 +85,27 @@ def spec_config(method: str, args: argparse.Namespace) -> dict | None:
     return spec
 
 
-def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
+def time_host_work(proposer) -> dict:
+    """Wrap a host-drafting proposer's per-step host calls with timers: {name: [s, calls]}."""
+    spent: dict = {}
+    for name in ("host_states", "observe"):
+        fn, spent[name] = getattr(proposer, name), [0.0, 0]
+
+        def timed(*a, _fn=fn, _acc=spent[name]):
+            t0 = time.perf_counter()
+            out = _fn(*a)
+            _acc[0] += time.perf_counter() - t0
+            _acc[1] += 1
+            return out
+
+        setattr(proposer, name, timed)
+    return spent
+
+
+def run(llm: LLM, prompts: list[list[int]], max_tokens: int, host: dict | None = None) -> dict:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for acc in (host or {}).values():
+        acc[:] = [0.0, 0]
     drafter = llm.engine.drafter
     before = (drafter.counters.num_drafts, drafter.counters.num_accepted_tokens,
               list(drafter.counters.accepted_per_pos)) if drafter else (0, 0, [])
@@ -102,6 +121,8 @@ def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
         row["accept_length"] = 1 + accepted / max(cycles, 1)
         row["per_position"] = [(a - b) / max(cycles, 1)
                                for a, b in zip(c.accepted_per_pos, before[2] + [0] * 99)]
+    for name, (sec, calls) in (host or {}).items():  # ms per call (one call per step)
+        row[f"{name}_ms"] = 1e3 * sec / max(calls, 1)
     return row
 
 
@@ -134,6 +155,9 @@ def main(argv: list[str] | None = None) -> dict:
     for method in args.methods.split(","):
         llm = LLM(model, load_format=args.load_format, device=args.device, dtype=args.dtype,
                   speculative_config=spec_config(method, args))
+        host = None
+        if llm.engine.drafter is not None and llm.engine.drafter.host_drafts:
+            host = time_host_work(llm.engine.drafter.proposer)
         tok = llm.engine.tokenizer
         chat = args.chat == "on" or (args.chat == "auto" and tok is not None
                                      and bool(tok.hf.chat_template))
@@ -144,7 +168,8 @@ def main(argv: list[str] | None = None) -> dict:
             else:
                 prompts = copy_prompts(tok, bs, args.max_prompt_tokens, chat)
             run(llm, [q[: len(q) // 2] for q in prompts], 8)  # warm-up: other prefixes
-            row = {"method": method, "batch_size": bs, **run(llm, prompts, args.max_tokens)}
+            row = {"method": method, "batch_size": bs,
+                   **run(llm, prompts, args.max_tokens, host)}
             if method == "plain":
                 plain_out[bs] = row["outputs"]
             elif bs in plain_out and not args.synthetic_accept_rate:
@@ -152,7 +177,9 @@ def main(argv: list[str] | None = None) -> dict:
             rows.append(row)
             print(f"{method:7s} bs {bs:3d}  {row['tok_s']:8.1f} tok/s  accept length "
                   f"{row.get('accept_length', 1.0):.2f}  same as plain "
-                  f"{row.get('same_as_plain', '-')}", flush=True)
+                  f"{row.get('same_as_plain', '-')}"
+                  + "".join(f"  {k} {v:.3f}" for k, v in row.items() if k.endswith("_ms")),
+                  flush=True)
         llm.close()
     report = {"model": args.model, "device": args.device, "args": vars(args) | {"out": None},
               "rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows]}
