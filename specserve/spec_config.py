@@ -3,9 +3,9 @@
 `SpecConfig` is what the engine reads. `speculative_config(...)` builds one from vLLM's
 `--speculative-config` / `speculative_config=` shape ({"method", "model",
 "num_speculative_tokens", ...}) or from this engine's own field names, refusing unknown keys
-and methods not implemented yet. A new method (ngram, suffix, mtp, ...) plugs in by turning
-its `SpecMethod` entry `implemented` and giving the engine its drafter; its own keys join
-`KEYS`.
+and methods not implemented yet. A new method (mtp, ...) plugs in by turning its `SpecMethod`
+entry `implemented` and giving the engine its drafter (speculative/methods.py); its own keys
+join `KEYS` (and `METHOD_KEYS`, which refuses them for other methods).
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ def test_ngram_match_equals_naive_loop(lo: int, hi: int, vocab: int) -> None:
 
 
 def test_ngram_prefers_longest_then_most_recent() -> None:
-    # 9 8 follows "1 2" twice (most recent: 5 6 after "0 1 2"? no: "3 1 2 5 6" is later)
+    # the context ends "0 1 2": "0 1 2" occurred once (then 9 8), "1 2" also later (then 5 6)
     seq = [0, 1, 2, 9, 8, 3, 1, 2, 5, 6, 0, 1, 2]
     drafts, found = ngram_match(torch.tensor([seq]), torch.tensor([len(seq)]), 2, 1, 3)
     assert drafts[0].tolist() == [9, 8] == naive_ngram(seq, 2, 1, 3)  # "0 1 2" beats "1 2"

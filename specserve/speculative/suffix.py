@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from specserve.speculative.proposer import DraftShape, draft_shapes
-from specserve.speculative.tree import DraftTree, _ancestor_mask
 from specserve.speculative.suffix_index import OutputCache, SequenceIndex, draft_tree, match
+from specserve.speculative.tree import DraftTree, _ancestor_mask
 from specserve.speculative.verify import VerifyResult
 from specserve.worker.step_input import StepInput
 
