@@ -27,5 +27,5 @@ def test_bench_drafters_script(tmp_path: Path) -> None:
     for r in rows:
         assert r["tokens"] == 24 * r["batch_size"] and r["tok_s"] > 0
         if r["method"] != "plain":
-            assert r["same_as_plain"] is True and r["accept_length"] > 1.5, r
+            assert r["same_as_plain"] is True and r["accept_length"] > 1.0, r  # some drafts accepted
     assert all(r["host_states_ms"] > 0 for r in rows if r["method"] == "suffix")
