@@ -20,6 +20,7 @@ from tiny_models import record_preemptions
 from specserve import defaults
 from specserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from specserve.engine.engine import Engine
+from specserve.engine.spec_policy import ScriptedPolicy
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
 from specserve.spec_config import speculative_config
@@ -50,11 +51,14 @@ def workload() -> tuple[list[list[int]], list[list[int]]]:
     return prompts, [o.token_ids for o in outs]
 
 
-def _run(spec: SpecConfig, prompts: list[list[int]]) -> tuple[dict, Engine, list, list]:
+def _run(spec: SpecConfig, prompts: list[list[int]],
+         pattern: list[str | None] | None = None) -> tuple[dict, Engine, list, list]:
     engine = Engine(EngineConfig(
         model=TINY, device="cpu", dtype="float32", spec=spec,
         cache=CacheConfig(page_size=PAGE, num_pages=18, enable_prefix_caching=True),
         scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=4)))
+    if pattern is not None:
+        engine.spec_policy = ScriptedPolicy(pattern)
     preempted = record_preemptions(engine.scheduler)
     one_token_after_cache = []  # (request id, speculated) of such rows
     execute = engine.executor.execute
@@ -80,21 +84,36 @@ def _run(spec: SpecConfig, prompts: list[list[int]]) -> tuple[dict, Engine, list
     return outputs, engine, preempted, one_token_after_cache
 
 
+@pytest.mark.parametrize("switching", [False, True], ids=["static", "on-off"])
 @pytest.mark.parametrize("method", list(METHODS))
-def test_drafter_greedy_equals_plain_with_preemption_and_prefix_cache(workload, method) -> None:
+def test_drafter_greedy_equals_plain_with_preemption_and_prefix_cache(
+        workload, method: str, switching: bool) -> None:
+    """on-off: speculation scripted on 3 steps, off 4, on 1, off 2 (ngram's history is then
+    caught up over the tokens plain steps made; suffix indexes them as they come)."""
     prompts, plain = workload
-    got, engine, preempted, one_token = _run(speculative_config(METHODS[method]), prompts)
+    mode = "chain3" if method == "ngram" else "tree2x3x6"
+    pattern = [mode] * 3 + [None] * 4 + [mode] + [None] * 2 if switching else None
+    got, engine, preempted, one_token = _run(speculative_config(METHODS[method]), prompts,
+                                             pattern)
     for i, want in enumerate(plain):
         assert got[i] == want, (method, i)
     c = engine.drafter.counters
     assert c.num_drafts > 20 and c.num_accepted_tokens > 10, c
     assert preempted, "the pool was sized to force preemptions"
-    assert engine.prefix_cache is not None and one_token, "no one-token chunk after a cache hit"
+    assert engine.prefix_cache is not None
+    # (switching off, ngram's history lags behind and the pages past it are not cached)
+    assert one_token or switching, "no one-token chunk after a cache hit"
     # a prefill chunk owns no lookahead slots: it never runs a cycle, even with a state-free
     # proposer (suffix) whose page would hold the verify nodes
     assert not any(spec for _, spec in one_token), one_token
     assert engine.allocator.num_free == engine.allocator.num_total
     assert not engine.drafter.covered and not engine.drafter.state, "per-request state leaked"
+    if switching:
+        assert c.mode_steps["off"] > 10 and c.mode_steps[mode] > 10, c.mode_steps
+        assert method == "suffix" or c.num_catch_ups > 5, c
+    if method == "suffix":
+        assert not engine.drafter.proposer.requests, "host histories leaked"
+        assert engine.drafter.proposer.cache.entries, "no output reached the output cache"
 
 
 def test_server_speculates_with_ngram_and_labels_its_counters(workload) -> None:
@@ -147,3 +166,16 @@ def test_offline_api_with_decode_overlap_on(workload, method: str, device: str) 
     else:
         assert not drafter.overlap and drafter.cycles_launched == 0
         assert not any(m.cycles.overlap for m in drafter.modes.values())
+
+
+@pytest.mark.slow
+def test_drafters_under_tensor_parallelism(workload) -> None:
+    """TP 2 (a gloo worker process): every rank runs the drafter (ngram's device history,
+    suffix's host trees built from the same inputs) and the tokens are plain's."""
+    prompts, plain = workload
+    for method in METHODS:
+        with LLM(TINY, device="cpu", dtype="float32", tensor_parallel_size=2,
+                 speculative_config=METHODS[method]) as llm:
+            outs = llm.generate(prompts[:3], GREEDY)
+            assert [o.token_ids for o in outs] == plain[:3], method
+            assert llm.engine.drafter.counters.num_accepted_tokens > 0
