@@ -2,7 +2,8 @@
 # The GPU checks and benchmarks in one invocation (an H200 or any CUDA machine):
 #   bash scripts/gpu_suite.sh OUT_DIR [steps]
 # steps: any of tests,profile,plain,spec,moe,match,serve,mla,quant,comm,prefix,default,exact,glm,
-# policy,mtp (default: all but profile, quant, comm, exact, policy and mtp). Results and logs go to OUT_DIR;
+# policy,mtp,drafters (default: all but profile, quant, comm, exact, policy, mtp and drafters).
+# Results and logs go to OUT_DIR;
 # benchmark rows are appended to experiments/ (LOG.md, results.jsonl, PNGs).
 set -u
 out=${1:-out}; steps=${2:-tests,plain,spec,moe,match,serve,mla,prefix,default,glm}
@@ -282,4 +283,20 @@ if has mtp; then
       echo "$preset mtp chain$k rc=$?"; tail -10 "$out/$preset-mtp$k.log"
     done
   done
+fi
+if has drafters; then
+  # model-free drafters (ngram on the device, suffix on the host): their GPU tests (CUDA
+  # graphs, overlap), then the copy-workload benchmark. The default model copies for real; the
+  # dummy 8B weights copy nothing, so there acceptance is synthetic (rate 0.6) and the rows
+  # give each drafter's own cost per cycle at bs 1 and 16 against plain.
+  timeout 300 python -m pytest -q -m gpu -rfE --tb=short -p no:cacheprovider \
+    tests/test_drafters.py > "$out/drafters_tests.log" 2>&1
+  echo "drafters tests rc=$?"; tail -4 "$out/drafters_tests.log"
+  timeout 300 python scripts/bench_drafters.py --model default --device cuda --batch-sizes 1,16 \
+    --max-tokens 256 --out "$out/drafters-default.json" > "$out/drafters-default.log" 2>&1
+  echo "drafters default rc=$?"; grep -v INFO "$out/drafters-default.log" | tail -8
+  timeout 400 python scripts/bench_drafters.py --model llama-3.1-8b --load-format dummy \
+    --device cuda --batch-sizes 1,16 --synthetic-accept-rate 0.6 --max-tokens 256 \
+    --max-prompt-tokens 1024 --out "$out/drafters-llama8b.json" > "$out/drafters-llama8b.log" 2>&1
+  echo "drafters llama8b rc=$?"; grep -v INFO "$out/drafters-llama8b.log" | tail -8
 fi

@@ -3,9 +3,9 @@
 `SpecConfig` is what the engine reads. `speculative_config(...)` builds one from vLLM's
 `--speculative-config` / `speculative_config=` shape ({"method", "model",
 "num_speculative_tokens", ...}) or from this engine's own field names, refusing unknown keys
-and methods not implemented yet. A new method (ngram, suffix, mtp, ...) plugs in by turning
-its `SpecMethod` entry `implemented` and giving the engine its drafter; its own keys join
-`KEYS`.
+and methods not implemented yet. A new method (mtp, ...) plugs in by turning its `SpecMethod`
+entry `implemented` and giving the engine its drafter (speculative/methods.py); its own keys
+join `KEYS` (and `METHOD_KEYS`, which refuses them for other methods).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ METHODS: dict[str, SpecMethod] = {
         SpecMethod("draft_model", False, "a small model of the target's vocabulary"),
         SpecMethod("medusa", False, "Medusa heads"),
         SpecMethod("mtp", True, ""),  # the target's own MTP / NextN layer (no draft model)
-        SpecMethod("ngram", False, ""),
-        SpecMethod("suffix", False, ""),
+        SpecMethod("ngram", True, ""),
+        SpecMethod("suffix", True, ""),
     )
 }
 IMPLEMENTED = tuple(name for name, m in METHODS.items() if m.implemented)
@@ -117,6 +117,24 @@ class SpecConfig:
         choices=("static", "adaptive"),
         flags=("--spec-policy", "--speculative-policy"),
     )
+    prompt_lookup_max: int | None = option(
+        None, "ngram: longest n-gram of the context's end looked up in the prompt + output "
+        "(vLLM's name)", min=1, help_default="4 with method ngram")
+    prompt_lookup_min: int | None = option(
+        None, "ngram: shortest n-gram tried when no longer one matches", min=1,
+        help_default="1 with method ngram")
+    suffix_max_match_len: int | None = option(
+        None, "suffix: longest context suffix matched against the request's tokens and the "
+        "cached outputs (host work per token indexed grows with it)", min=1,
+        help_default="8 with method suffix")
+    suffix_max_cached_requests: int | None = option(
+        None, "suffix: finished requests whose outputs the global structure keeps (LRU; 0 = "
+        "no global structure; vLLM's suffix_decoding_max_cached_requests)", min=0,
+        help_default="1000 with method suffix")
+    suffix_min_token_prob: float | None = option(
+        None, "suffix: a node is drafted only when the share of matched occurrences that "
+        "continue with its path is at least this (vLLM's suffix_decoding_min_token_prob)",
+        min=0.0, max=1.0, help_default="0.1 with method suffix")
     modes: str = option(
         "",
         "draft modes the adaptive policy may choose besides the configured one, e.g. "
@@ -158,6 +176,7 @@ class SpecConfig:
                 f"must be in [2, {most}] for topk "
                 f"{self.topk} and {self.num_steps} steps, got {self.verify_tokens}",
             )
+        self._check_method_keys()
         if not self.enabled:
             if self.policy != "static":
                 raise ConfigError(SpecConfig, "policy",
@@ -172,20 +191,55 @@ class SpecConfig:
                     "or choose a method",
                 )
             return
-        if not self.draft_model and method.draft:
+        if method.draft and not self.draft_model:
             raise ConfigError(
                 SpecConfig, "draft_model", f"is required by {self.algorithm}: {method.draft}"
             )
-        if self.draft_model and self.algorithm == "mtp":
+        if not method.draft and self.draft_model:
+            why = ("drafts with the target's own MTP/NextN layer, read from the target's files"
+                   if self.algorithm == "mtp" else "takes no draft model")
             raise ConfigError(SpecConfig, "draft_model",
-                              f"{self.draft_model!r}: mtp drafts with the target's own "
-                              "MTP/NextN layer, read from the target's files; drop it")
+                              f"{self.draft_model!r}: method {self.algorithm} {why}; drop it")
         if self.synthetic_accept_len > self.num_steps + 1:
             raise ConfigError(
                 SpecConfig,
                 "synthetic_accept_len",
                 f"must be <= num_steps + 1 = {self.num_steps + 1}, got {self.synthetic_accept_len}",
             )
+
+    def _check_method_keys(self) -> None:
+        """Method-specific keys: refused for other methods; ngram drafts chains only."""
+        for name, owner in METHOD_KEYS.items():
+            if getattr(self, name) is not None and self.algorithm != owner:
+                raise ConfigError(SpecConfig, name, f"applies to method {owner} only, not "
+                                  f"{self.algorithm!r}")
+        if self.algorithm == "ngram":
+            lo, hi = self.lookup_range
+            if lo > hi:
+                raise ConfigError(SpecConfig, "prompt_lookup_min",
+                                  f"{lo} is above prompt_lookup_max {hi}")
+            for name in [mode_name(self.topk, self.num_steps, self.verify_tokens),
+                         *self.mode_names]:
+                topk, steps, tokens = parse_mode(name)
+                if topk != 1 or tokens != steps + 1:
+                    raise ConfigError(SpecConfig, "modes" if name in self.mode_names else "topk",
+                                      f"ngram drafts a chain: mode {name} is a tree (use topk "
+                                      "1 and no num_draft_tokens; chainS modes)")
+
+    @property
+    def lookup_range(self) -> tuple[int, int]:
+        """ngram: (prompt_lookup_min, prompt_lookup_max) with their defaults."""
+        hi = self.prompt_lookup_max or max(4, self.prompt_lookup_min or 1)
+        return self.prompt_lookup_min or 1, hi
+
+    @property
+    def suffix_settings(self) -> tuple[int, int, float]:
+        """suffix: (max match length, cached requests, min token probability), defaults in."""
+        return (
+            8 if self.suffix_max_match_len is None else self.suffix_max_match_len,
+            1000 if self.suffix_max_cached_requests is None else self.suffix_max_cached_requests,
+            0.1 if self.suffix_min_token_prob is None else self.suffix_min_token_prob,
+        )
 
     @property
     def enabled(self) -> bool:
@@ -217,8 +271,14 @@ class SpecConfig:
         head = "the target's MTP layer" if self.algorithm == "mtp" else self.draft_model
         text = (
             f"speculation {self.algorithm} ({shape}, {self.num_steps} draft steps, "
-            f"{self.verify_tokens} tokens verified per cycle; head {head})"
+            f"{self.verify_tokens} tokens verified per cycle; "
+            + (f"head {head})" if head else "no draft model)")
         )
+        if self.algorithm == "ngram":
+            text += " prompt lookup n in [{}, {}]".format(*self.lookup_range)
+        if self.algorithm == "suffix":
+            text += " suffix match <= {}, {} cached outputs, min prob {}".format(
+                *self.suffix_settings)
         if self.mode_names or self.policy != "static":
             text += f"; policy {self.policy}, modes {', '.join(self.mode_names) or '-'}"
         if self.synthetic_accept_len:
@@ -229,11 +289,22 @@ class SpecConfig:
         return text
 
 
+# fields that only one method reads (None: unset)
+METHOD_KEYS: dict[str, str] = {
+    "prompt_lookup_max": "ngram",
+    "prompt_lookup_min": "ngram",
+    "suffix_max_match_len": "suffix",
+    "suffix_max_cached_requests": "suffix",
+    "suffix_min_token_prob": "suffix",
+}
+
 # speculative-config key -> SpecConfig field: vLLM's names, then this engine's own
 KEYS: dict[str, str] = {
     "method": "algorithm",
     "model": "draft_model",
     "num_speculative_tokens": "num_steps",
+    "suffix_decoding_max_cached_requests": "suffix_max_cached_requests",
+    "suffix_decoding_min_token_prob": "suffix_min_token_prob",
     **{f.name: f.name for f in fields(SpecConfig)},
 }
 

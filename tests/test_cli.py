@@ -105,7 +105,14 @@ BAD = [
     (["--model", "/no/such/model"], "--model '/no/such/model': no such file or directory"),
     (["--spec-draft-model", "/no/such/head"], "--spec-draft-model '/no/such/head': no such"),
     (["--spec-draft-model", str(ROOT)], "holds no config.json"),
-    (["--spec-algorithm", "ngram"], "--spec-algorithm 'ngram' is not implemented yet"),
+    (["--spec-algorithm", "medusa"], "--spec-algorithm 'medusa' is not implemented yet"),
+    (["--spec-algorithm", "ngram", "--spec-draft-model", "dummy"], "method ngram takes no draft"),
+    (["--spec-algorithm", "eagle3", "--spec-prompt-lookup-max", "3"],
+     "--spec-prompt-lookup-max applies to method ngram only"),
+    (["--speculative-config", '{"method": "ngram", "topk": 2, "num_draft_tokens": 4}'],
+     "--speculative-config 'topk': ngram drafts a chain"),
+    (["--speculative-config", '{"method": "suffix", "suffix_max_match_len": 0}'],
+     "--speculative-config 'suffix_max_match_len': must be >= 1"),
     (["--spec-algorithm", "medusa2"], "'medusa2' is not a speculative method"),
     (["--spec-algorithm", "none", "--spec-draft-model", "dummy"], "speculation is off"),
     (["--model", TINY, "--spec-num-steps", "5"], "--spec-num-steps needs speculation on"),
@@ -118,8 +125,8 @@ BAD = [
     (["--speculative-config", "[1]"], "--speculative-config must be a JSON object"),
     (["--speculative-config", '{"method": "eagle3", "foo": 1}'], "unknown key 'foo'"),
     (
-        ["--speculative-config", '{"method": "suffix"}'],
-        "--speculative-config 'method': 'suffix' is not implemented yet; implemented: eagle3",
+        ["--speculative-config", '{"method": "medusa"}'],
+        "--speculative-config 'method': 'medusa' is not implemented yet; implemented: eagle3, ",
     ),
     (
         ["--speculative-config", '{"num_speculative_tokens": 0}'],
@@ -193,6 +200,22 @@ def test_default_is_the_bundled_pair_with_eagle3() -> None:
     assert not _config("--model", TINY).spec.enabled  # a model of your own: plain
     tuned = _config("--spec-num-steps", "5", "--spec-topk", "2", "--spec-num-draft-tokens", "8")
     assert (tuned.spec.num_steps, tuned.spec.topk, tuned.spec.verify_tokens) == (5, 2, 8)
+
+
+def test_model_free_drafters_from_flags_and_json() -> None:
+    """ngram and suffix need no draft model (not even the default model's bundled head)."""
+    for argv in (["--spec-algorithm", "ngram", "--spec-prompt-lookup-max", "3"],
+                 ["--model", TINY, "--speculative-config",
+                  '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3}']):
+        spec = _config(*argv).spec
+        assert (spec.algorithm, spec.draft_model, spec.lookup_range) == ("ngram", "", (1, 3))
+    from specserve.cli.preflight import check_engine_config
+
+    check_engine_config(_config(*argv))  # no draft model path to check
+    spec = _config("--model", TINY, "--spec-algorithm", "suffix", "--spec-topk", "2",
+                   "--spec-num-draft-tokens", "6", "--spec-suffix-min-token-prob", "0.3").spec
+    assert (spec.algorithm, spec.verify_tokens, spec.suffix_settings) == ("suffix", 6,
+                                                                          (8, 1000, 0.3))
 
 
 def test_draft_model_alone_turns_eagle3_on() -> None:

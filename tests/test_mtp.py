@@ -200,7 +200,7 @@ def test_speculative_config_takes_mtp_without_a_model() -> None:
     spec = speculative_config('{"method": "mtp", "num_speculative_tokens": 2}')
     assert (spec.algorithm, spec.num_steps, spec.draft_model) == ("mtp", 2, "")
     assert "the target's MTP layer" in spec.describe()
-    with pytest.raises(ValueError, match="'model': '/x': mtp drafts with the target's own"):
+    with pytest.raises(ValueError, match="'model': '/x': method mtp drafts with the target's own"):
         speculative_config({"method": "mtp", "model": "/x"})
     with pytest.raises(ValueError, match="unknown key 'n_predict'"):
         speculative_config({"method": "mtp", "n_predict": 1})

@@ -119,7 +119,9 @@ def test_llm_takes_vllm_keywords() -> None:
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(speculative_config={"method": "ngram"}), "'ngram' is not implemented yet"),
+        (dict(speculative_config={"method": "medusa"}), "'medusa' is not implemented yet"),
+        (dict(speculative_config={"method": "ngram", "prompt_lookup_min": 0}),
+         "'prompt_lookup_min': must be >= 1"),
         (dict(speculative_config={"num_speculative_tokens": 3}), "needs 'method'"),
         (dict(speculative_config={"method": "eagle3"}), "draft_model is required by eagle3"),
         (

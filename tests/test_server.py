@@ -297,11 +297,12 @@ def test_spec_counter_deltas_reach_metrics(offline: Engine,
     def value(name: str, **labels: str) -> float:
         return engine.registry.get_sample_value(name, labels) or 0.0
 
-    assert value("specserve:spec_decode_num_drafts_total") == 5
-    assert value("specserve:spec_decode_num_draft_tokens_total") == 15
-    assert value("specserve:spec_decode_num_accepted_tokens_total") == 7
-    per_pos = [value("specserve:spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
-               for i in range(3)]
+    method = offline.config.spec.algorithm  # the speculation counters' label
+    assert value("specserve:spec_decode_num_drafts_total", method=method) == 5
+    assert value("specserve:spec_decode_num_draft_tokens_total", method=method) == 15
+    assert value("specserve:spec_decode_num_accepted_tokens_total", method=method) == 7
+    per_pos = [value("specserve:spec_decode_num_accepted_tokens_per_pos_total", method=method,
+                     position=str(i)) for i in range(3)]
     assert per_pos == [4, 2, 1]
     steps = {m: value("specserve:spec_decode_mode_steps_total", mode=m) for m in ("off", "chain3")}
     assert steps == {"off": 6, "chain3": 5}

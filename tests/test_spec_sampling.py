@@ -108,3 +108,21 @@ def test_sampled_speculation_matches_plain_distribution(setup, spec: dict) -> No
                                      Counter(s[pos] for s in got))
         assert dof >= 2
         assert stat < _critical_999(dof), (pos, stat, dof)
+
+
+@pytest.mark.parametrize("spec", [dict(algorithm="ngram", num_steps=3),
+                                  dict(algorithm="suffix", num_steps=3, topk=2,
+                                       num_draft_tokens=6)], ids=["ngram", "suffix"])
+def test_sampled_model_free_drafters_match_plain_distribution(setup, spec: dict) -> None:
+    """The real n-gram and suffix proposers (no patched drafts): n-gram drafts its filler (the
+    root repeated) or a prompt match; suffix drafts from the outputs of the requests that
+    finished before (its output cache), which the target often accepts."""
+    target, _, kw, plain = setup
+    llm = LLM(target, speculative_config=spec, enforce_eager=True, **kw)
+    got = _samples(llm)
+    assert llm.engine.drafter.counters.num_accepted_tokens > 50, "drafts were rarely accepted"
+    for pos in (1, 2):
+        stat, dof = _chi2_two_sample(Counter(s[pos] for s in plain),
+                                     Counter(s[pos] for s in got))
+        assert dof >= 2
+        assert stat < _critical_999(dof), (pos, stat, dof)

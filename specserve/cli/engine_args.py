@@ -19,11 +19,14 @@ from specserve.config_flags import ConfigError, add_cli_args, build, cli_values,
 from specserve.spec_config import SpecConfig, build_spec_config, parse_speculative_config
 
 SPEC_JSON_HELP = (
-    "speculative decoding as a JSON object, vLLM's shape: method (eagle3; mtp: the target's "
-    "own MTP layer, no model), model (the draft head), num_speculative_tokens (draft steps), "
-    "and the tree fields topk and "
-    'num_draft_tokens; e.g. \'{"method": "eagle3", "model": "PATH", '
-    '"num_speculative_tokens": 3}\'. The --spec-* flags set the same fields'
+    "speculative decoding as a JSON object, vLLM's shape: method (eagle3 | mtp | ngram | "
+    "suffix; mtp: the target's own MTP layer), model (the EAGLE-3 head), "
+    "num_speculative_tokens (draft steps), the tree fields topk and num_draft_tokens, ngram's "
+    "prompt_lookup_max / prompt_lookup_min, suffix's suffix_max_match_len / "
+    "suffix_max_cached_requests / suffix_min_token_prob; e.g. "
+    '\'{"method": "eagle3", "model": "PATH", "num_speculative_tokens": 3}\' or '
+    '\'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}\'. The '
+    "--spec-* flags set the same fields"
 )
 
 
@@ -76,7 +79,8 @@ def _spec_from_args(
                 )
             values[name], keys[name] = value, key
     values.update(flags)
-    if default_model and "draft_model" not in values and values.get("algorithm") != "none":
+    if default_model and "draft_model" not in values and values.get("algorithm",
+                                                                    "eagle3") == "eagle3":
         draft = defaults.default_draft_path()
         if draft:
             values = {"algorithm": "eagle3", **values, "draft_model": draft}

@@ -46,7 +46,7 @@ def check_engine_config(config: EngineConfig, dummy_ok: bool = False) -> None:
     if config.tokenizer:
         check_path("--tokenizer", config.tokenizer, "a tokenizer directory")
     draft = config.spec.draft_model
-    if config.spec.enabled and draft and draft != "dummy":  # mtp takes none
+    if config.spec.enabled and draft and draft != "dummy":  # mtp, ngram, suffix take none
         check_path("--spec-draft-model", draft, "an EAGLE-3 head directory", "config.json")
     if config.chat_template:
         from specserve.tokenizer import read_chat_template

@@ -114,7 +114,7 @@ class Engine:
 
             draft_config = check_mtp_target(config.spec, None if config.load_format == "dummy"
                                             else self.model_path, self.model_config)
-        elif config.spec.enabled and proposer is None:
+        elif config.spec.algorithm == "eagle3" and proposer is None:
             from specserve.speculative.eagle3 import load_draft_config
 
             draft_config = load_draft_config(config.spec, self.model_config)

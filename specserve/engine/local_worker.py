@@ -8,7 +8,6 @@ weights and of the KV pool and runs every StepInput itself.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -102,19 +101,18 @@ def build_local_worker(config: EngineConfig, model_path: str | None,
             raise ValueError("a proposer with KV layers of its own lists their KVCacheSpecs as "
                              "`kv_specs` (one per layer)")
     elif config.spec.algorithm == "mtp":
-        from specserve.speculative.mtp import MTPProposer, mtp_kv_specs
+        from specserve.speculative.mtp import mtp_kv_specs
 
         draft_kv = mtp_kv_specs(model_config)
-        proposer = functools.partial(MTPProposer, config.spec, model_path)
-    elif config.spec.enabled:
+    elif config.spec.algorithm == "eagle3":
         from specserve.models.eagle3 import eagle3_kv_specs
         from specserve.speculative.eagle3 import load_draft_config
 
         draft_kv = eagle3_kv_specs(load_draft_config(config.spec, model_config))
     runner = ModelRunner(config, model_config, model_path, draft_kv)
     if proposer is None and config.spec.enabled:
-        from specserve.speculative.eagle3 import Eagle3Proposer
+        from specserve.speculative.methods import proposer_factory
 
-        proposer = functools.partial(Eagle3Proposer, config.spec)
+        proposer = proposer_factory(config.spec, model_path)
     drafter = SpecWorker(config.spec, runner, proposer(runner)) if proposer is not None else None
     return LocalWorker(runner, drafter)

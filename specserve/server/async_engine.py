@@ -62,7 +62,7 @@ class AsyncEngine:
         self.request_timeout_s = request_timeout_s  # 0 = no per-request deadline
         self._busy_since: float | None = None  # set while a step or command runs
         self.registry = CollectorRegistry()  # one per server: /metrics renders it
-        self.metrics = EngineMetrics(self.registry)
+        self.metrics = EngineMetrics(self.registry, engine.config.spec.algorithm)
         self.max_waiting = max_waiting or engine.config.scheduler.max_waiting
         self._idle_wait_s = idle_wait_s
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()

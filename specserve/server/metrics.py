@@ -56,8 +56,10 @@ def _counter(name: str, doc: str, registry: CollectorRegistry, labels: tuple = (
 class EngineMetrics:
     """All server metrics, registered on one registry (one per server; tests use their own)."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, spec_method: str = "eagle3") -> None:
+        """spec_method labels the speculation counters (`method`: the engine's drafter)."""
         r = registry
+        self.spec_method = spec_method
         self.request_success = _counter(
             REQUEST_SUCCESS, "Finished requests by finish reason.", r, ("finished_reason",)
         )
@@ -77,15 +79,19 @@ class EngineMetrics:
         self.num_running = Gauge(NUM_RUNNING, "Requests running on the engine.", registry=r)
         self.num_waiting = Gauge(NUM_WAITING, "Requests waiting to be scheduled.", registry=r)
         self.kv_cache_usage = Gauge(KV_CACHE_USAGE, "KV cache usage, 0..1.", registry=r)
-        self.spec_num_drafts = _counter(SPEC_NUM_DRAFTS, "Draft-verify cycles.", r)
-        self.spec_num_draft_tokens = _counter(SPEC_NUM_DRAFT_TOKENS, "Draft tokens proposed.", r)
+        # speculation counters, labelled by method: children of this engine's method
+        method = ("method",)
+        self.spec_num_drafts = _counter(SPEC_NUM_DRAFTS, "Draft-verify cycles.", r,
+                                        method).labels(spec_method)
+        self.spec_num_draft_tokens = _counter(SPEC_NUM_DRAFT_TOKENS, "Draft tokens proposed.", r,
+                                              method).labels(spec_method)
         self.spec_num_accepted = _counter(
-            SPEC_NUM_ACCEPTED, "Draft tokens accepted (bonus token excluded).", r
-        )
+            SPEC_NUM_ACCEPTED, "Draft tokens accepted (bonus token excluded).", r, method
+        ).labels(spec_method)
         self._seen: dict[str, Any] = {}  # the engine's cumulative counts already counted
-        self.spec_accepted_per_pos = _counter(
-            SPEC_ACCEPTED_PER_POS, "Draft tokens accepted at each draft position.", r, ("position",)
-        )
+        self._per_pos = _counter(
+            SPEC_ACCEPTED_PER_POS, "Draft tokens accepted at each draft position.", r,
+            ("method", "position"))
         self.prefix_cache_queries = _counter(
             PREFIX_CACHE_QUERIES, "Prefix cache queries, in tokens looked up.", r
         )
@@ -96,6 +102,9 @@ class EngineMetrics:
             SPEC_MODE_STEPS, "Engine steps per speculation mode chosen ('off': plain).", r,
             ("mode",)
         )
+
+    def spec_accepted_per_pos(self, pos: int) -> Counter:
+        return self._per_pos.labels(method=self.spec_method, position=str(pos))
 
     def record_request(
         self,
@@ -143,7 +152,7 @@ class EngineMetrics:
         for pos in range(max(accepted)):
             # requests whose accepted run reaches draft position pos
             hits = sum(1 for a in accepted if a > pos)
-            self.spec_accepted_per_pos.labels(position=str(pos)).inc(hits)
+            self.spec_accepted_per_pos(pos).inc(hits)
 
     def observe_engine_stats(self, stats: dict[str, Any]) -> None:
         """Engine.stats() after a step or command: the gauges, and the counters the engine
@@ -173,7 +182,7 @@ class EngineMetrics:
         for pos, value in enumerate(per_pos):
             delta = value - (before[pos] if pos < len(before) else 0)
             if delta > 0:
-                self.spec_accepted_per_pos.labels(position=str(pos)).inc(delta)
+                self.spec_accepted_per_pos(pos).inc(delta)
         seen["accepted_per_pos"] = per_pos
         for mode, value in (stats.get("mode_steps") or {}).items():
             key = f"mode_steps/{mode}"

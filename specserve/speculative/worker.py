@@ -112,7 +112,13 @@ class SpecWorker:
         self.state: dict[str, torch.Tensor] = {}
         self.covered: dict[str, int] = {}
         self.pending: dict[str, list[int]] = {}
-        self.overlap = runner.overlap
+        # a proposer whose trees the host builds from the previous cycle's tokens
+        # (`host_drafts`, e.g. suffix decoding) cannot launch a cycle ahead: overlap off
+        self.host_drafts = bool(getattr(proposer, "host_drafts", False))
+        self.overlap = runner.overlap and not self.host_drafts
+        if self.host_drafts:
+            for m in self.modes.values():
+                m.cycles.overlap = False
         # overlap: the next cycle is launched before this one is read; its requests keep the
         # slots it may write, up to W + lookahead past their valid KV
         self.keep_ahead = 0
@@ -148,7 +154,10 @@ class SpecWorker:
         self.proposer.release(request_id)
 
     def release_all(self) -> None:
-        for rid in list(self.covered):
+        ids = set(self.covered)
+        if self.host_drafts:  # a state-free proposer keeping host history of its own
+            ids |= set(self.proposer.requests)
+        for rid in sorted(ids):
             self.release(rid)
 
     def discard_launched(self, keep: DraftMode | None = None) -> None:
@@ -178,10 +187,14 @@ class SpecWorker:
 
     def _can_speculate(self, step: StepInput, i: int, mode: DraftMode) -> bool:
         """A decode that may speculate, whose proposer covers [0, P) (or can be caught up)
-        and whose pages hold the mode's verify nodes and draft scratch."""
+        and whose pages hold the mode's verify nodes and draft scratch. A one-token prefill
+        chunk (a prompt's last token after a cached prefix) is no decode: the scheduler
+        reserved it no lookahead and takes one token from it, so it runs plain even where
+        its page would hold the nodes and a state-free proposer could draft."""
         start = int(step.starts[i])
         return bool(
             step.speculate[i]
+            and step.is_decode[i]
             and step.num_new_tokens[i] == 1
             and step.samples[i]
             and step.page_counts[i] * self.runner.page_size >= start + 1 + mode.lookahead
@@ -229,6 +242,8 @@ class SpecWorker:
             self._record(step, range(step.bs))
             out = self.runner.execute(step)
             out.draft_computed = self._draft_computed(step)
+            if self.host_drafts:
+                self.proposer.observe(step, out.token_ids)
             return out
         self.runner.discard_launched()
         tokens: list[list[int]] = [[] for _ in range(step.bs)]
@@ -245,7 +260,7 @@ class SpecWorker:
             # requests finishing their prefill here speculate next step: no launch ahead
             joining = bool(step.samples[others].any()) if others else False
             emitted, new_state = mode.cycles.speculate(
-                rows, lambda: self._states(rows.request_ids), launch_next=not joining
+                rows, lambda: self._states(rows, mode.shape), launch_next=not joining
             )
             proposed = mode.shape.num_draft_tokens - 1
             for j, (i, rid) in enumerate(zip(decodes, rows.request_ids)):
@@ -255,6 +270,8 @@ class SpecWorker:
                 self._count(m - 1, proposed)
         else:
             mode.cycles.discard_launched()
+        if self.host_drafts:
+            self.proposer.observe(step, tokens)
         return StepOutput(tokens, computed, drafted, self._draft_computed(step))
 
     def _restore_cached(self, step: StepInput) -> None:
@@ -272,7 +289,10 @@ class SpecWorker:
             return None
         return [self.covered.get(rid, 0) for rid in step.request_ids]
 
-    def _states(self, request_ids: list[str]) -> torch.Tensor:
+    def _states(self, rows: StepInput, shape: DraftShape) -> torch.Tensor:
+        request_ids = rows.request_ids
+        if self.host_drafts:
+            return self.proposer.host_states(shape, rows)
         if self.proposer.state_dim == 0:
             return torch.zeros(
                 len(request_ids), 0, dtype=self.proposer.state_dtype, device=self.runner.device

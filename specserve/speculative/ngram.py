@@ -1,0 +1,169 @@
+"""Prompt-lookup n-gram drafting (method "ngram"), on the device, with no draft model.
+
+Rule (vLLM's prompt lookup): for n from prompt_lookup_max down to prompt_lookup_min, find the
+most recent earlier occurrence of the context's last n tokens in the request's prompt +
+output; the first n with one wins and the draft chain is the k tokens that followed it
+(fewer when the sequence ends first; the rest of the chain is filler the target rejects or,
+if right, accepts: verification is lossless whatever is drafted).
+
+Token history. The proposer keeps one int64 per KV slot of the pool (`TokenHistory`): the slot
+of position i holds t_{i+1}, the token after it, i.e. the same (f_i, t_{i+1}) pairing the
+worker feeds every proposer, so the history lives in the request's pages: prefill chunks and
+catch-ups write it in `extend`, cycles in `extend_accepted` (a device scatter), and a prefix
+cache hit brings it along with the target's KV (prefix_cache_key; pages are keyed by the next
+token too). A request's history is read through its page table, positions [0, P) for a root
+at P: the sequence t_1 .. t_P (the prompt's first token is not in it).
+
+Cost per cycle: one gather of page_table width * page_size slots per row and prompt_lookup_max
+compare-and passes over it, O(context) with static shapes (graph-capturable), no host work.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.speculative.cycle import kv_slots
+from specserve.speculative.proposer import DraftShape
+from specserve.speculative.tree import DraftTree
+from specserve.speculative.verify import VerifyResult
+
+
+def ngram_match(seq: torch.Tensor, length: torch.Tensor, k: int, lo: int,
+                hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """seq [bs, L] token ids (entries at or past length ignored), length [bs] <= L. For each
+    row: the k tokens after the most recent earlier occurrence of its last n tokens, for the
+    largest n in [lo, hi] with one. Returns drafts [bs, k] (-1 past the sequence's end or
+    without a match) and num_found [bs] (the drafts that are real tokens).
+
+    An occurrence ending at index e (e < length - 1: at least one token follows) matches n
+    tokens iff seq[e - i] == seq[length - 1 - i] for i < n; matching n + 1 adds one compare to
+    matching n, so prompt_lookup_max passes over [bs, L] cover every n."""
+    bs, L = seq.shape
+    dev = seq.device
+    idx = torch.arange(L, device=dev)
+    seq = torch.where(idx < length[:, None], seq, -1)
+    # left-padded copy: shifted[:, e] = seq[e - i] (-2 before the start: matches nothing)
+    padded = torch.cat([torch.full((bs, hi), -2, dtype=seq.dtype, device=dev), seq], dim=1)
+    eq = torch.ones(bs, L, dtype=torch.bool, device=dev)
+    usable = idx < (length - 1)[:, None]  # [bs, L] ends with a token after them
+    best_end = torch.full((bs,), -1, dtype=torch.long, device=dev)
+    for i in range(hi):
+        at = length - 1 - i  # [bs] index of the suffix's token i from the end
+        tail = seq.gather(1, at.clamp(min=0)[:, None])  # [bs, 1]
+        tail = torch.where(at[:, None] >= 0, tail, -3)  # shorter than n: matches nothing
+        eq &= padded[:, hi - i : hi - i + L] == tail
+        n = i + 1
+        if n >= lo:
+            end = torch.where(eq & usable, idx, -1).amax(dim=1)  # most recent, this n
+            best_end = torch.where(end >= 0, end, best_end)  # longer n overrides shorter
+    take = best_end[:, None] + 1 + torch.arange(k, device=dev)  # [bs, k]
+    real = (best_end[:, None] >= 0) & (take < length[:, None])
+    drafts = torch.where(real, seq.gather(1, take.clamp(max=L - 1)), -1)
+    return drafts, real.sum(dim=1)
+
+
+def chain_tree(root_tokens: torch.Tensor, drafts: torch.Tensor) -> DraftTree:
+    """root [bs] + drafts [bs, k] -> the chain root -> d_1 -> ... -> d_k as a DraftTree."""
+    bs, k = drafts.shape
+    dev = drafts.device
+    n = k + 1
+    ids = torch.arange(n, device=dev)
+    return DraftTree(
+        tokens=torch.cat([root_tokens.long()[:, None], drafts.long()], dim=1),
+        parents=(ids - 1).expand(bs, n).contiguous(),
+        depth=ids.expand(bs, n).contiguous(),
+        mask=(ids[None, :] <= ids[:, None]).expand(bs, n, n).contiguous(),
+        scores=torch.zeros(bs, n, device=dev),
+        max_depth=k,
+    )
+
+
+class TokenHistory:
+    """One int64 per KV slot of the pool (the token after each position), plus a dump slot
+    that masked writes go to."""
+
+    def __init__(self, runner) -> None:
+        self.page_size = runner.page_size
+        num_slots = (runner.num_pages + 1) * runner.page_size  # the spare page included
+        self.tokens = torch.full((num_slots + 1,), -1, dtype=torch.long, device=runner.device)
+        self.dump = num_slots
+        self.device = runner.device
+
+    def write_host(self, starts: list[int], page_tables: list[list[int]],
+                   next_tokens: list[list[int]]) -> None:
+        """Positions starts[r] .. starts[r] + len(next_tokens[r]) - 1 of row r get its tokens."""
+        ps = self.page_size
+        slots = [
+            pages[p // ps] * ps + p % ps
+            for a, pages, toks in zip(starts, page_tables, next_tokens)
+            for p in range(a, a + len(toks))
+        ]
+        if slots:
+            values = [t for toks in next_tokens for t in toks]
+            self.tokens[torch.tensor(slots, device=self.device)] = torch.tensor(
+                values, dtype=torch.long, device=self.device)
+
+    def write_emitted(self, result: VerifyResult, window: torch.Tensor,
+                      valid: torch.Tensor) -> None:
+        """A cycle's emitted tokens e_1 .. e_m follow positions P .. P + m - 1 (window [bs, L]:
+        the slots of P ..); fixed shapes: the other columns write the dump slot."""
+        w = min(result.emitted.shape[1], window.shape[1])
+        cols = torch.arange(w, device=window.device)
+        keep = (cols < result.num_emitted[:, None]) & valid[:, None]
+        slots = torch.where(keep, window[:, :w], self.dump)
+        self.tokens.index_put_((slots.reshape(-1),), result.emitted[:, :w].reshape(-1))
+
+    def read(self, page_table: torch.Tensor, root_pos: torch.Tensor,
+             root_tokens: torch.Tensor) -> torch.Tensor:
+        """[bs, page_table width * page_size] tokens t_1 .. t_P of each row (the root token
+        written at index P - 1 from root_tokens; past P: stale values the matcher masks)."""
+        bs = page_table.shape[0]
+        span = torch.arange(page_table.shape[1] * self.page_size, device=page_table.device)
+        seq = self.tokens[kv_slots(page_table, span.expand(bs, -1), self.page_size)]
+        at = (root_pos - 1).clamp(min=0)[:, None]
+        return seq.scatter(1, at, root_tokens.long()[:, None])
+
+
+class NgramProposer:
+    needs_target_features = False
+    aux_layer_ids: tuple[int, ...] = ()
+    keeps_state = True  # the history in the pages covers a prefix of the positions
+    state_dim = 0
+    state_dtype = torch.long
+    num_kv_layers = 0
+    kv_specs: tuple = ()
+    # the pages hold t_{i+1} at position i: a function of the tokens alone
+    prefix_cache_key = "next-token history"
+
+    def __init__(self, spec, runner) -> None:  # spec: SpecConfig
+        self.lo, self.hi = spec.lookup_range
+        self.history = TokenHistory(runner)
+
+    def scratch_slots(self, shape: DraftShape) -> int:
+        return 0
+
+    def propose(self, shape: DraftShape, state: torch.Tensor, root_pos: torch.Tensor,
+                root_tokens: torch.Tensor, page_table: torch.Tensor,
+                valid: torch.Tensor) -> DraftTree:
+        assert shape.topk == 1, "ngram drafts chains"
+        seq = self.history.read(page_table, root_pos, root_tokens)
+        length = torch.where(valid, root_pos, 0)
+        drafts, _ = ngram_match(seq, length, shape.num_steps, self.lo, self.hi)
+        # filler where nothing matched: the root token (any token is verified losslessly)
+        drafts = torch.where(drafts >= 0, drafts, root_tokens.long()[:, None])
+        return chain_tree(root_tokens, drafts)
+
+    def extend_accepted(self, shape: DraftShape, result: VerifyResult,
+                        feats: torch.Tensor | None, root_pos: torch.Tensor,
+                        page_table: torch.Tensor, valid: torch.Tensor,
+                        window: torch.Tensor) -> torch.Tensor:
+        self.history.write_emitted(result, window, valid)
+        return torch.zeros(root_pos.shape[0], 0, dtype=self.state_dtype, device=root_pos.device)
+
+    def extend(self, starts: list[int], page_tables: list[list[int]],
+               next_tokens: list[list[int]], feats: torch.Tensor | None) -> torch.Tensor:
+        self.history.write_host(starts, page_tables, next_tokens)
+        return torch.zeros(len(starts), 0, dtype=self.state_dtype, device=self.history.device)
+
+    def release(self, request_id: str) -> None:
+        pass  # everything lives in the request's pages
