@@ -57,6 +57,9 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    # per new token, when the request asked (SamplingParams.logprobs): [log-prob, [top ids],
+    # [top log-probs]] of the target's raw distribution
+    new_logprobs: list[list] | None = None
 
 
 class _TextState:
@@ -227,6 +230,15 @@ class Engine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self._prompt_ids(prompt)
+        cap = self.config.max_logprobs
+        if params.logprobs is not None and params.logprobs > cap:
+            raise ValueError(f"logprobs must be at most {cap} (--max-logprobs), got "
+                             f"{params.logprobs}")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.logit_bias if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias token ids must be < the vocab size {vocab}, got "
+                             f"{bad[0]}")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         req = Request(request_id, ids, params, seed=seed)
         self.scheduler.add(req)  # validates lengths; may raise ValueError / QueueFullError
@@ -276,10 +288,14 @@ class Engine:
         if not out.scheduled:
             self._release(out)
             return []
-        result = self.executor.execute(build_step_input(out, mode))
+        step = build_step_input(out, mode, eos_token_ids=self.scheduler.eos_token_ids)
+        result = self.executor.execute(step)
         accepted = self._record_spec(out, result)
+        before = [s.request.num_output_tokens for s in out.scheduled]
         self.scheduler.update(out, result.token_ids, result.num_computed,
                               result.draft_computed)
+        if result.logprobs is not None:
+            self._record_logprobs(out, before, result.logprobs)
         outputs = self._postprocess(out)
         if policy is not None:
             pure = all(s.is_decode for s in out.scheduled)
@@ -294,6 +310,14 @@ class Engine:
         assert not out.scheduled
         if out.finished_ids or out.preempted:
             self.executor.execute(build_step_input(out))
+
+    @staticmethod
+    def _record_logprobs(out: SchedulerOutput, before: list[int], logprobs: list) -> None:
+        """Keep the entries of the tokens the request took (a stop drops the rest)."""
+        for s, n0, entries in zip(out.scheduled, before, logprobs):
+            req = s.request
+            if entries is not None and req.output_logprobs is not None:
+                req.output_logprobs.extend(entries[: req.num_output_tokens - n0])
 
     @staticmethod
     def _record_spec(out: SchedulerOutput, result: StepOutput) -> dict[str, int]:
@@ -320,9 +344,11 @@ class Engine:
                 continue
             state.emitted = len(req.output_token_ids)
             text = self._detokenize(req, state, new_ids)
+            lps = (None if req.output_logprobs is None
+                   else req.output_logprobs[len(req.output_logprobs) - len(new_ids):])
             results.append(RequestOutput(
                 req.request_id, new_ids, text, req.is_finished, req.finish_reason,
-                req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens))
+                req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens, lps))
             if req.is_finished:
                 if self.spec_policy is not None:
                     self.spec_policy.forget(req.request_id)

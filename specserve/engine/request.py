@@ -41,6 +41,8 @@ class Request:
         self.stop_token_set: frozenset[int] = frozenset(self.params.stop_token_ids)
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []  # append through append_token only
+        # per output token when params.logprobs is set: [log-prob, [top ids], [top log-probs]]
+        self.output_logprobs: list[list] | None = [] if self.params.logprobs is not None else None
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.page_ids: list[int] = []  # the block table

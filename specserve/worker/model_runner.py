@@ -35,6 +35,7 @@ from specserve.layers.sampler import (
     graph_sampling_inputs,
     host_fields,
 )
+from specserve.layers.logits_processor import LogitsProcess, RowHistory, token_logprobs
 from specserve.models.loader import build_model, load_model
 from specserve.models.presets import random_init
 from specserve.worker.cuda_graph import BatchGraphs, comm_message_rows
@@ -246,12 +247,34 @@ class ModelRunner:
             self.sampling_fields(rows), rows.num_tokens if counters is None else counters,
             self.model_config.vocab_size, self.device)
 
+    def logits_process(self, rows: StepInput, vocab: int) -> LogitsProcess | None:
+        """The rows' logits-processing state on the device; None when no row uses it."""
+        if not rows.processed.any():
+            return None
+        h = RowHistory(rows.presence_penalty, rows.frequency_penalty, rows.repetition_penalty,
+                       rows.min_left, rows.history_ids, rows.history_counts,
+                       rows.history_outputs, rows.bias_ids, rows.bias_values,
+                       rows.bias_counts, rows.suppress_ids, rows.suppress_counts)
+        return LogitsProcess.build(h, vocab, self.device)
+
+    def sample_logits(self, rows: StepInput, logits: torch.Tensor, st: SamplingTensors
+                      ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        """Tokens [bs] from the rows' logits [bs, V] (processed when a row asks), and the
+        raw log-probs (chosen [bs], top values [bs, k], top ids [bs, k]) when a row wants
+        them (k: the most any row asks)."""
+        proc = self.logits_process(rows, logits.shape[-1])
+        tokens = self.sampler.sample(logits if proc is None else proc.apply(logits), st)
+        k = int(rows.logprobs.max()) if rows.bs else -1
+        if k < 0:
+            return tokens, None
+        return tokens, token_logprobs(logits, tokens, k)
+
     def _graph_decode(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(sampled tokens [bs], logits [bs, V]) of an all-decode batch through a CUDA graph,
         or None when no graph applies. The outputs live in the graph's buffers."""
         if self.decode_graphs is None or step.bs > self.graph_max_bs:
             return None
-        if not (step.samples.all() and (step.num_new_tokens == 1).all()):
+        if not (step.samples.all() and (step.num_new_tokens == 1).all()) or step.eager:
             return None
         return self._replay_decode(step, step.starts, step.token_ids)
 
@@ -268,19 +291,22 @@ class ModelRunner:
             positions=pos[:, None], slots=slots[:, None], seq_lens=pos + 1, page_table=table,
             **self.sampling_fields(rows))
 
-    def launch(self, step: StepInput) -> tuple[list[int], torch.Tensor | None]:
+    def launch(self, step: StepInput) -> tuple[list[int], torch.Tensor | None, tuple | None]:
         """Enqueue forward + sampling over the step's rows without waiting for the device:
-        (indices of the rows that sample, their tokens on the device)."""
+        (indices of the rows that sample, their tokens on the device, their log-probs when
+        a row asks: see sample_logits)."""
         graphed = self._graph_decode(step)
         if graphed is not None:
-            return list(range(step.bs)), graphed[0]
+            return list(range(step.bs)), graphed[0], None
         batch = self.prepare(step)
         hidden = self.forward(batch.input_ids, batch.positions, batch.md)
         if not batch.sample_index:
-            return [], None
+            return [], None, None
         logits = self.compute_logits(hidden[batch.sample_rows])
-        st = self.sampling_tensors(step, batch.sample_index)
-        return batch.sample_index, self.sampler.sample(logits, st)
+        rows = step.select(batch.sample_index)
+        st = self.sampling_tensors(rows)
+        tokens, lp = self.sample_logits(rows, logits, st)
+        return batch.sample_index, tokens, lp
 
     def _decode_rows(self, rows: StepInput, starts: np.ndarray, ids: torch.Tensor) -> torch.Tensor:
         """Sampled tokens [n] of one decode step whose input ids are already on the device."""
@@ -348,15 +374,21 @@ class ModelRunner:
             where.update(matched)
             self.rows_launched_ahead += len(matched)
         rest = [i for i in range(step.bs) if i not in matched]
+        logprobs = None
         if rest:
-            index, tokens = self.launch(step if not matched else step.select(rest))
+            index, tokens, lp = self.launch(step if not matched else step.select(rest))
+            if lp is not None:
+                logprobs = [None] * step.bs
+                ks = step.logprobs.tolist()
+                for j, entry in zip(index, logprob_lists(lp, [ks[rest[j]] for j in index])):
+                    logprobs[rest[j]] = [entry]
             if tokens is not None:
                 base = len(launched.tokens) if matched else 0
                 where.update({rest[j]: base + k for k, j in enumerate(index)})
                 parts.append(tokens)
         out: list[list[int]] = [[] for _ in range(step.bs)]
         if not parts:
-            return StepOutput(out)
+            return StepOutput(out, logprobs=logprobs)
         step_tokens = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
         host = step_tokens.to("cpu", non_blocking=True)
         done = None
@@ -370,12 +402,14 @@ class ModelRunner:
         values = host.tolist()
         for i, row in where.items():
             out[i] = [values[row]]
-        return StepOutput(out)
+        return StepOutput(out, logprobs=logprobs)
 
     def _launch_next(self, step: StepInput, where: dict[int, int],
                      step_tokens: torch.Tensor) -> None:
         """Launch the next decode step of this step's decodes that will still run it."""
         ps = self.page_size
+        if step.eager:
+            return  # logits processing reads tokens the host has not seen yet
         index = [i for i in range(step.bs)
                  if i in where and step.num_new_tokens[i] == 1
                  and step.page_counts[i] * ps > step.starts[i] + 1  # a slot for it (yet)
@@ -391,3 +425,11 @@ class ModelRunner:
         starts = nxt.starts + 1
         self._launched = LaunchedStep(nxt.request_ids, starts.tolist(),
                                       self._decode_rows(nxt, starts, ids))
+
+
+def logprob_lists(lp: tuple[torch.Tensor, ...], ks: list[int]) -> list[list | None]:
+    """Host lists of sample_logits' log-probs, one [log-prob, [top ids], [top log-probs]]
+    per row (leading dims flattened to rows); None for rows that did not ask (k < 0)."""
+    chosen, top_v, top_i = (t.reshape(-1, *t.shape[len(lp[0].shape):]).tolist() for t in lp)
+    return [None if k < 0 else [c, i[:k], v[:k]]
+            for c, v, i, k in zip(chosen, top_v, top_i, ks)]
