@@ -2,9 +2,13 @@
 
 Requests are parsed strictly (no "10" -> 10, no 1.5 -> 1, no NaN / Infinity): anything a client
 gets wrong becomes an `APIError` carrying the OpenAI error envelope, with `param` naming the
-offending field and a message that says what to change. Fields OpenAI defines but we do not
-implement (n > 1, logprobs, echo, penalties, tools) are refused with a 400 rather than ignored.
-Unknown fields are ignored, as OpenAI clients send extras (user, metadata, store, ...).
+offending field and a message that says what to change. Implemented: n (<= MAX_N, one
+engine request per choice), logprobs / top_logprobs (<= --max-logprobs), echo (not with
+logprobs: prompt log-probs are not computed), presence/frequency/repetition penalties,
+min_tokens, logit_bias. Fields OpenAI defines but we do not implement (tools, tool_choice,
+functions, response_format other than text, suffix, best_of other than n, ...) are declared
+and refused with a 400 naming them rather than ignored. Other unknown fields are ignored, as
+OpenAI clients send extras (metadata, store, ...).
 """
 
 from __future__ import annotations
@@ -16,10 +20,16 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from specserve.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
+from specserve.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
 from specserve.server.errors import bad_request, echo, validation_error
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+MAX_N = 16  # choices per request (each one is an engine request)
 
 
 def _reject_constant(token: str) -> Any:
@@ -36,6 +46,21 @@ def parse_request(
 
     max_items: field -> (most list items, why), checked on the parsed JSON before validation
     (a field ending in "[].content" caps the content parts of each message)."""
+    obj = parse_request_json(body, content_type, {**model.MAX_ITEMS, **(max_items or {})})
+    try:
+        req = model.model_validate(obj)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+    for name, accepted, hint in req.UNSUPPORTED:
+        if not accepted(getattr(req, name)):
+            raise bad_request(f"{name}={echo(getattr(req, name))} is not supported; {hint}", name)
+    req.check_choices()
+    return req
+
+
+def parse_request_json(body: bytes, content_type: str,
+                       limits: dict[str, tuple[int, str]]) -> Any:
+    """The JSON value of a request body (strict: no NaN, valid UTF-8), list fields capped."""
     if content_type.split(";")[0].strip().lower() != "application/json":
         raise bad_request(
             f"Content-Type must be application/json, got "
@@ -56,15 +81,8 @@ def parse_request(
         raise bad_request("the request body is nested too deeply") from None
     except ValueError as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
-    _check_list_lengths(obj, {**model.MAX_ITEMS, **(max_items or {})})
-    try:
-        req = model.model_validate(obj)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
-    for name, accepted, hint in req.UNSUPPORTED:
-        if not accepted(getattr(req, name)):
-            raise bad_request(f"{name}={echo(getattr(req, name))} is not supported; {hint}", name)
-    return req
+    _check_list_lengths(obj, limits)
+    return obj
 
 
 def _check_list_lengths(obj: Any, limits: dict[str, tuple[int, str]]) -> None:
@@ -110,13 +128,10 @@ class CommonRequest(_Strict):
     MAX_ITEMS: ClassVar[dict[str, tuple[int, str]]] = {
         "stop": (MAX_STOP_STRINGS, "the stop-string cap"),
         "stop_token_ids": (MAX_STOP_TOKEN_IDS, "the stop-token cap"),
+        "logit_bias": (MAX_LOGIT_BIAS, "the logit_bias cap"),
     }
     # (field, accepts its value?, what to do instead): OpenAI fields we do not implement
-    UNSUPPORTED: ClassVar[tuple[tuple[str, Callable[[Any], bool], str], ...]] = (
-        ("presence_penalty", _unset, "leave it at 0"),
-        ("frequency_penalty", _unset, "leave it at 0"),
-        ("logit_bias", _unset, "leave it empty"),
-    )
+    UNSUPPORTED: ClassVar[tuple[tuple[str, Callable[[Any], bool], str], ...]] = ()
 
     model: str | None = None
     max_tokens: int | None = None
@@ -134,17 +149,28 @@ class CommonRequest(_Strict):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: str | None = None  # an end-user id for abuse tracking: nothing to apply
 
     @field_validator("n")
     @classmethod
     def _check_n(cls, n: int | None) -> int | None:
-        if n is not None and n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        if n is not None and n > 1:
-            raise ValueError(f"n > 1 is not supported (got {n}); send {n} separate requests")
+        if n is not None and not 1 <= n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {n}")
         return n
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    def logprobs_k(self) -> int | None:
+        """Alternatives per token the request asks for; None: no log-probs."""
+        raise NotImplementedError
+
+    def check_choices(self) -> None:
+        """Cross-field checks of the request kind (after the field checks)."""
 
     @property
     def include_usage(self) -> bool:
@@ -190,23 +216,36 @@ class CommonRequest(_Strict):
         else:
             max_tokens = requested
         params = self.sampling_params(max_tokens, defaults)
-        for t in params.stop_token_ids:
-            if t >= vocab_size:
-                raise bad_request(
-                    f"stop_token_ids must be < the vocab size {vocab_size}, got {t}",
-                    "stop_token_ids",
-                )
+        for name, ids in (("stop_token_ids", params.stop_token_ids),
+                          ("logit_bias", params.logit_bias)):
+            for t in ids:
+                if t >= vocab_size:
+                    raise bad_request(
+                        f"{name} token ids must be < the vocab size {vocab_size}, got {t}", name
+                    )
         return params
 
     def sampling_params(self, max_tokens: int,
                         defaults: dict[str, Any] | None = None) -> SamplingParams:
         """Build SamplingParams; APIError(400) naming the field on an out-of-range value.
         Sampling fields left out take `defaults`, else OpenAI's defaults."""
-        given = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p")}
+        given = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p",
+                                                "repetition_penalty")}
         sampling = {**(defaults or {}), **{k: v for k, v in given.items() if v is not None}}
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdigit():
+                raise bad_request(f"logit_bias keys must be token ids, got {echo(key)}",
+                                  "logit_bias")
+            bias[int(key)] = value
         try:
             return SamplingParams(
                 **sampling,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                min_tokens=self.min_tokens,
+                logit_bias=bias,
+                logprobs=self.logprobs_k(),
                 seed=self.seed,
                 max_tokens=max_tokens,
                 stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
@@ -225,10 +264,7 @@ class CommonRequest(_Strict):
 
 class CompletionRequest(CommonRequest):
     UNSUPPORTED = CommonRequest.UNSUPPORTED + (
-        ("logprobs", lambda v: v is None, "omit the field"),
-        ("echo", _unset, "prepend the prompt yourself"),
-        ("suffix", _unset, "omit the field"),
-        ("best_of", lambda v: v in (None, 1), "send one request per sequence"),
+        ("suffix", _unset, "omit the field (no fill-in-the-middle)"),
     )
 
     prompt: str | list[int] | list[str] | list[list[int]]
@@ -236,6 +272,25 @@ class CompletionRequest(CommonRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+    def logprobs_k(self) -> int | None:
+        if self.logprobs is not None and self.logprobs < 0:
+            raise bad_request(f"logprobs must be >= 0, got {self.logprobs}", "logprobs")
+        return self.logprobs
+
+    def check_choices(self) -> None:
+        """best_of: only the trivial best_of == n (no ranking of extra candidates);
+        echo + logprobs would need the prompt's log-probs, which are not computed."""
+        if self.best_of is not None and self.best_of != self.num_choices:
+            raise bad_request(
+                f"best_of={self.best_of} is not supported; leave it out or equal to n "
+                f"({self.num_choices}), or send n={self.best_of} and rank the choices yourself",
+                "best_of",
+            )
+        if self.echo and self.logprobs is not None:
+            raise bad_request(
+                "echo with logprobs is not supported: prompt log-probs are not computed; "
+                "drop echo or logprobs", "echo")
 
     def single_prompt(self, vocab_size: int) -> str | list[int]:
         """The one prompt: a string or token ids in [0, vocab_size) (no batches)."""
@@ -290,15 +345,20 @@ class ChatMessage(_Strict):
 
 
 class ChatCompletionRequest(CommonRequest):
-    UNSUPPORTED = CommonRequest.UNSUPPORTED + (
-        ("logprobs", _unset, "set it to false"),
-        ("top_logprobs", lambda v: v is None, "omit the field"),
-        ("tools", _unset, "omit the field"),
+    UNSUPPORTED = CommonRequest.UNSUPPORTED + tuple(
+        (name, _unset, "omit the field (no tool or function calling)")
+        for name in ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls")
+    ) + (
         (
             "response_format",
             lambda v: v is None or v.get("type") == "text",
-            "only {'type': 'text'} is supported",
+            "only {'type': 'text'} is supported (no structured output)",
         ),
+        ("audio", _unset, "omit the field (text only)"),
+        ("modalities", lambda v: v is None or v == ["text"], "only ['text'] is supported"),
+        ("prediction", _unset, "omit the field"),
+        ("reasoning_effort", _unset, "omit the field"),
+        ("web_search_options", _unset, "omit the field"),
     )
 
     messages: list[ChatMessage]
@@ -306,7 +366,25 @@ class ChatCompletionRequest(CommonRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
     response_format: dict[str, Any] | None = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+
+    def logprobs_k(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+        if self.top_logprobs is not None and self.top_logprobs < 0:
+            raise bad_request(f"top_logprobs must be >= 0, got {self.top_logprobs}",
+                              "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
     @field_validator("messages")
     @classmethod

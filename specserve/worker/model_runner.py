@@ -28,6 +28,7 @@ from specserve.layers.attention_metadata import (
     ForwardContext,
     set_forward_context,
 )
+from specserve.layers.logits_processor import LogitsProcess, RowHistory, token_logprobs
 from specserve.layers.rotary import ensure_rope_capacity
 from specserve.layers.sampler import (
     Sampler,
@@ -35,7 +36,6 @@ from specserve.layers.sampler import (
     graph_sampling_inputs,
     host_fields,
 )
-from specserve.layers.logits_processor import LogitsProcess, RowHistory, token_logprobs
 from specserve.models.loader import build_model, load_model
 from specserve.models.presets import random_init
 from specserve.worker.cuda_graph import BatchGraphs, comm_message_rows

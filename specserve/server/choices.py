@@ -1,0 +1,106 @@
+"""The choices of one response: n engine requests read as one (merged streams), and what
+they have produced so far (texts, log-probs, usage)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from specserve.engine.engine import RequestOutput
+from specserve.server import responses as R
+from specserve.server.logprobs import LogprobFormatter
+from specserve.server.streams import RequestStream
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` (> 0) of a request seeded `seed`: distinct per choice,
+    the same for the same (seed, index)."""
+    digest = hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) from every stream as they come; one stream is read as is."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                await queue.put((i, out, None))
+        except Exception as exc:  # re-raised by the reader
+            await queue.put((i, None, exc))
+            return
+        await queue.put((i, None, None))
+
+    tasks = [asyncio.create_task(pump(i, st)) for i, st in enumerate(streams)]
+    try:
+        live = len(streams)
+        while live:
+            i, out, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if out is None:
+                live -= 1
+                continue
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+class Choices:
+    """What the choices of one response have produced so far (texts, log-probs, usage)."""
+
+    def __init__(self, chat: bool, fmt: LogprobFormatter, echo: str | None,
+                 num_prompt: int) -> None:
+        self.chat, self.fmt, self.echo, self.num_prompt = chat, fmt, echo, num_prompt
+        self.texts: dict[int, list[str]] = {}
+        self.last: list[RequestOutput | None] = []
+        self.token_ids: dict[int, list[int]] = {}
+        self.entries: dict[int, list[list]] = {}
+        self.sent: dict[int, int] = {}  # log-prob entries already streamed
+        self.offset: dict[int, int] = {}  # text offset of the next streamed token
+
+    def add(self, i: int, out: RequestOutput) -> bool:
+        """Record an output of choice i; whether it carried log-probs."""
+        while len(self.last) <= i:
+            self.last.append(None)
+        self.last[i] = out
+        self.texts.setdefault(i, []).append(out.new_text)
+        if out.new_logprobs is None:
+            return False
+        self.token_ids.setdefault(i, []).extend(out.new_token_ids)
+        self.entries.setdefault(i, []).extend(out.new_logprobs)
+        return True
+
+    def _block(self, i: int, start: int) -> dict[str, Any] | None:
+        if i not in self.entries:
+            return None
+        ids, entries = self.token_ids[i][start:], self.entries[i][start:]
+        if self.chat:
+            return self.fmt.chat(ids, entries)
+        block, self.offset[i] = self.fmt.completion(ids, entries, self.offset.get(
+            i, len(self.echo or "")))
+        return block
+
+    def pending_logprobs(self, i: int) -> dict[str, Any] | None:
+        """The log-probs of choice i's tokens not streamed yet."""
+        start = self.sent.get(i, 0)
+        self.sent[i] = len(self.entries.get(i, ()))
+        return self._block(i, start)
+
+    def choices(self) -> list[tuple[str, str, dict[str, Any] | None]]:
+        return [((self.echo or "") + "".join(self.texts[i]), last.finish_reason,
+                 self._block(i, 0)) for i, last in enumerate(self.last)]
+
+    def usage(self) -> R.Usage:
+        """The prompt once, the completion tokens of every choice."""
+        lasts = [x for x in self.last if x is not None]
+        return R.Usage.of(self.num_prompt, sum(x.num_output_tokens for x in lasts),
+                          lasts[0].num_cached_tokens if lasts else 0)
