@@ -67,6 +67,7 @@ def test_completion_logprobs_equal_plain(client, offline) -> None:
     assert lp.token_logprobs == pytest.approx([e[0] for e in ref], abs=1e-4)
     for top, (_, ids, vals) in zip(lp.top_logprobs, ref):
         assert sorted(top.values())[-2:] == pytest.approx(sorted(vals), abs=1e-4)
+        assert {offline.tokenizer.decode([t], skip_special_tokens=False) for t in ids} <= set(top)
     assert "".join(lp.tokens) == r.choices[0].text
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(10)]
     assert r.system_fingerprint and r.system_fingerprint.startswith("fp_specserve")

@@ -65,6 +65,8 @@ FORMAT_VERSION = 3
 NEUTRAL_ROWS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
                 "min_left": 0, "history_counts": 0, "history_outputs": 0, "bias_counts": 0,
                 "suppress_counts": 0, "logprobs": -1}
+# sent only when some row uses them (StepInput.eager)
+PROCESSING = {*NEUTRAL_ROWS, "history_ids", "bias_ids", "bias_values", "suppress_ids"}
 
 
 @dataclass
@@ -121,6 +123,7 @@ class StepInput:
             assert arr.ndim == 1 and (name in FLAT_ARRAYS or len(arr) == bs), (name, arr.shape)
         for flat, counts in FLAT_COUNTS.items():
             assert len(getattr(self, flat)) == int(getattr(self, counts).sum()), flat
+        self._flags()
         self.tok_off = _offsets(self.num_new_tokens)  # [bs + 1]
         self.page_off = _offsets(self.page_counts)  # [bs + 1]
 
@@ -133,18 +136,14 @@ class StepInput:
     def greedy(self) -> np.ndarray:
         return self.temperature == 0.0
 
-    @property
-    def processed(self) -> np.ndarray:
-        """[bs] rows whose logits get processed (penalties, min_tokens, logit_bias)."""
-        return ((self.presence_penalty != 0) | (self.frequency_penalty != 0)
-                | (self.repetition_penalty != 1) | (self.suppress_counts > 0)
-                | (self.bias_counts > 0))
-
-    @property
-    def eager(self) -> bool:
-        """Some row needs the eager path: logits processing or log-probs (no CUDA graph
-        holds them, and no step is launched ahead for them)."""
-        return bool(self.processed.any() or (self.logprobs >= 0).any())
+    def _flags(self) -> None:
+        """processed [bs]: rows whose logits get processed (penalties, min_tokens,
+        logit_bias); eager: some row needs the eager path, processing or log-probs (no CUDA
+        graph holds them, and no step is launched ahead for them). Decided once."""
+        self.processed = ((self.presence_penalty != 0) | (self.frequency_penalty != 0)
+                          | (self.repetition_penalty != 1) | (self.suppress_counts > 0)
+                          | (self.bias_counts > 0))
+        self.eager = bool(self.processed.any() or (self.logprobs >= 0).any())
 
     @property
     def seq_lens(self) -> np.ndarray:
@@ -198,6 +197,8 @@ class StepInput:
             "spec_mode": self.spec_mode,
         }
         for name, dtype in ARRAYS.items():
+            if name in PROCESSING and not self.eager:
+                continue  # neutral on every row: decode fills them in
             msg[name] = (
                 getattr(self, name).astype(np.dtype(dtype).newbyteorder("<"), copy=False).tobytes()
             )
@@ -210,7 +211,7 @@ class StepInput:
             raise ValueError(f"step message format {msg.get('v')!r}, expected {FORMAT_VERSION}")
         arrays = {
             name: np.frombuffer(msg[name], dtype=np.dtype(dtype).newbyteorder("<"))
-            for name, dtype in ARRAYS.items()
+            for name, dtype in ARRAYS.items() if name in msg
         }
         return cls(
             request_ids=msg["request_ids"],
