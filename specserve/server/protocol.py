@@ -30,6 +30,13 @@ from specserve.server.errors import bad_request, echo, validation_error
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 MAX_N = 16  # choices per request (each one is an engine request)
+# vLLM extensions a client may send expecting an effect that this server does not have:
+# refused by name when set, never silently ignored
+REFUSED_EXTRAS = ("prompt_logprobs", "allowed_token_ids", "bad_words", "guided_json",
+                  "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+                  "truncate_prompt_tokens", "use_beam_search", "length_penalty",
+                  "chat_template", "chat_template_kwargs", "continue_final_message",
+                  "logits_processors", "return_tokens_as_token_ids")
 
 
 def _reject_constant(token: str) -> Any:
@@ -47,6 +54,10 @@ def parse_request(
     max_items: field -> (most list items, why), checked on the parsed JSON before validation
     (a field ending in "[].content" caps the content parts of each message)."""
     obj = parse_request_json(body, content_type, {**model.MAX_ITEMS, **(max_items or {})})
+    if isinstance(obj, dict):
+        for name in REFUSED_EXTRAS:
+            if obj.get(name) not in (None, False, [], {}):
+                raise bad_request(f"{name} is not supported; omit the field", name)
     try:
         req = model.model_validate(obj)
     except ValidationError as exc:
@@ -405,6 +416,7 @@ class ChatCompletionRequest(CommonRequest):
     def chat_messages(self) -> list[dict[str, str]]:
         # "developer" is OpenAI's newer name for "system"; chat templates know only the latter.
         return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text(i),
+             **({"name": m.name} if m.name is not None else {})}
             for i, m in enumerate(self.messages)
         ]
