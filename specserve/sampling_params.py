@@ -41,6 +41,9 @@ class SamplingParams:
     # log-probs of each emitted token plus its `logprobs` most likely alternatives (raw
     # model distribution, before any sampling transform); None = none
     logprobs: int | None = None
+    # the same for every prompt token after the first (its log-prob given the ones before);
+    # such a request computes its whole prompt (no prefix-cache hit)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -125,5 +128,7 @@ class SamplingParams:
                 raise ValueError(f"logit_bias token ids must be >= 0, got {t}")
             if not -100.0 <= num("logit_bias", b) <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {b}")
-        if self.logprobs is not None and integer("logprobs", self.logprobs) < 0:
-            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and integer(name, k) < 0:
+                raise ValueError(f"{name} must be >= 0, got {k}")

@@ -67,7 +67,7 @@ CASES = [
      {}),
     ("chat top_logprobs=21", CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs",
      {}),
-    ("echo + logprobs", COMP, comp(echo=True, logprobs=1), 400, "echo", {}),
+    ("echo + logprobs past the cap", COMP, comp(echo=True, logprobs=21), 400, "logprobs", {}),
     ("best_of=3", COMP, comp(best_of=3), 400, "best_of", {}),
     ("suffix", COMP, comp(suffix="x"), 400, "suffix", {}),
     ("presence_penalty=3", COMP, comp(presence_penalty=3), 400, "presence_penalty", {}),

@@ -138,6 +138,34 @@ def client_tokenize(client, prompt: str) -> list[int]:
     return httpx.post(f"{url}/tokenize", json={"prompt": prompt}).json()["tokens"]
 
 
+def test_echo_with_logprobs(client, offline) -> None:
+    """echo + logprobs: the prompt's tokens lead (the first without a log-prob), their
+    log-probs == the offline engine's prompt_logprobs, then the completion's."""
+    r = client.completions.create(model=None, prompt=PROMPT, max_tokens=4, temperature=0,
+                                  echo=True, logprobs=1, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    ids = offline.tokenizer.encode(PROMPT)
+    rid = offline.add_request(None, ids, SamplingParams(temperature=0, max_tokens=4,
+                                                        ignore_eos=True, logprobs=1,
+                                                        prompt_logprobs=1))
+    req = offline.get_request(rid)
+    while offline.has_unfinished():
+        offline.step()
+    assert len(lp.tokens) == len(ids) + 4
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = [e[0] for e in req.prompt_logprobs[1:]] + [e[0] for e in req.output_logprobs]
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    assert r.choices[0].text.startswith(PROMPT)
+    stream = client.completions.create(model=None, prompt=PROMPT, max_tokens=4, temperature=0,
+                                       echo=True, logprobs=1, stream=True,
+                                       extra_body={"ignore_eos": True})
+    chunks = [c.choices[0] for c in stream if c.choices]
+    assert "".join(c.text for c in chunks) == r.choices[0].text
+    streamed = [v for c in chunks if c.logprobs for v in c.logprobs.token_logprobs]
+    assert streamed[0] is None
+    assert streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
+
+
 def test_echo(client) -> None:
     r = client.completions.create(model=None, prompt=PROMPT, max_tokens=5, temperature=0,
                                   echo=True)

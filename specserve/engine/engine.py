@@ -60,6 +60,9 @@ class RequestOutput:
     # per new token, when the request asked (SamplingParams.logprobs): [log-prob, [top ids],
     # [top log-probs]] of the target's raw distribution
     new_logprobs: list[list] | None = None
+    # on a request's first output, when it asked (SamplingParams.prompt_logprobs): per prompt
+    # position its entry (None for the first token)
+    prompt_logprobs: list[list | None] | None = None
 
 
 class _TextState:
@@ -296,6 +299,8 @@ class Engine:
                               result.draft_computed)
         if result.logprobs is not None:
             self._record_logprobs(out, before, result.logprobs)
+        if result.prompt_logprobs is not None:
+            self._record_prompt_logprobs(out, result.prompt_logprobs)
         outputs = self._postprocess(out)
         if policy is not None:
             pure = all(s.is_decode for s in out.scheduled)
@@ -320,6 +325,18 @@ class Engine:
                 req.output_logprobs.extend(entries[: req.num_output_tokens - n0])
 
     @staticmethod
+    def _record_prompt_logprobs(out: SchedulerOutput, per_row: list) -> None:
+        """Entries of prompt positions start + 1 ...; a recomputed chunk fills nothing twice."""
+        for s, entries in zip(out.scheduled, per_row):
+            req = s.request
+            if entries is None or req.prompt_logprobs is None:
+                continue
+            for p, entry in enumerate(entries, start=s.start + 1):
+                if req.prompt_logprobs[p] is None:
+                    req.prompt_logprobs[p] = entry
+                    req.prompt_logprobs_left -= 1
+
+    @staticmethod
     def _record_spec(out: SchedulerOutput, result: StepOutput) -> dict[str, int]:
         """Per-request speculation statistics of the rows that ran a verify cycle; returns
         {request id: drafts accepted} of those rows."""
@@ -342,13 +359,15 @@ class Engine:
             new_ids = req.output_token_ids[state.emitted:]
             if not new_ids and not req.is_finished:
                 continue
+            first = state.emitted == 0
             state.emitted = len(req.output_token_ids)
             text = self._detokenize(req, state, new_ids)
             lps = (None if req.output_logprobs is None
                    else req.output_logprobs[len(req.output_logprobs) - len(new_ids):])
             results.append(RequestOutput(
                 req.request_id, new_ids, text, req.is_finished, req.finish_reason,
-                req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens, lps))
+                req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens, lps,
+                req.prompt_logprobs if first else None))
             if req.is_finished:
                 if self.spec_policy is not None:
                     self.spec_policy.forget(req.request_id)

@@ -30,7 +30,8 @@ def build_step_input(out: SchedulerOutput, spec_mode: str | None = None,
     reqs = [s.request for s in rows]
     params = [r.params for r in reqs]
     extra = {}
-    if any(p.processed or p.logprobs is not None for p in params):
+    if any(p.processed or p.logprobs is not None or r.prompt_logprobs_left
+           for p, r in zip(params, reqs)):
         extra = _processing_rows(rows, eos_token_ids)
     return StepInput(
         request_ids=[r.request_id for r in reqs],
@@ -73,6 +74,8 @@ def _processing_rows(rows: list, eos_token_ids: tuple[int, ...]) -> dict[str, np
     ints = {k: np.zeros(n, np.int64) for k in ("min_left", "history_counts", "history_outputs",
                                                 "bias_counts", "suppress_counts")}
     logprobs = np.full(n, -1, np.int64)
+    prompt_logprobs = np.full(n, -1, np.int64)
+    num_prompt = np.zeros(n, np.int64)
     history: list[int] = []
     bias_ids: list[int] = []
     bias_values: list[float] = []
@@ -81,6 +84,9 @@ def _processing_rows(rows: list, eos_token_ids: tuple[int, ...]) -> dict[str, np
         req, p = s.request, s.request.params
         if p.logprobs is not None:
             logprobs[i] = p.logprobs
+        if req.prompt_logprobs_left and s.start < req.num_prompt_tokens - 1:
+            prompt_logprobs[i] = p.prompt_logprobs
+            num_prompt[i] = req.num_prompt_tokens
         if not (p.processed and s.samples):
             continue
         num_out = req.num_tokens - req.num_prompt_tokens  # outputs before the token decided
@@ -102,6 +108,7 @@ def _processing_rows(rows: list, eos_token_ids: tuple[int, ...]) -> dict[str, np
             ints["min_left"][i] = p.min_tokens - num_out
             ints["suppress_counts"][i] = len(ids)
     return {**f32, "repetition_penalty": rep, **ints, "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs, "num_prompt": num_prompt,
             "history_ids": np.array(history, np.int64), "bias_ids": np.array(bias_ids, np.int64),
             "bias_values": np.array(bias_values, np.float32),
             "suppress_ids": np.array(suppress, np.int64)}

@@ -58,8 +58,12 @@ class Choices:
     """What the choices of one response have produced so far (texts, log-probs, usage)."""
 
     def __init__(self, chat: bool, fmt: LogprobFormatter, echo: str | None,
-                 num_prompt: int) -> None:
-        self.chat, self.fmt, self.echo, self.num_prompt = chat, fmt, echo, num_prompt
+                 prompt_ids: list[int], prompt_logprobs: bool = False) -> None:
+        self.chat, self.fmt, self.echo = chat, fmt, echo
+        self.prompt_ids, self.num_prompt = prompt_ids, len(prompt_ids)
+        # echo with logprobs: the prompt's tokens lead each choice's log-probs
+        self.prompt_logprobs = prompt_logprobs
+        self.prompt_entries: dict[int, list] = {}
         self.texts: dict[int, list[str]] = {}
         self.last: list[RequestOutput | None] = []
         self.token_ids: dict[int, list[int]] = {}
@@ -73,6 +77,8 @@ class Choices:
             self.last.append(None)
         self.last[i] = out
         self.texts.setdefault(i, []).append(out.new_text)
+        if out.prompt_logprobs is not None:
+            self.prompt_entries[i] = out.prompt_logprobs
         if out.new_logprobs is None:
             return False
         self.token_ids.setdefault(i, []).extend(out.new_token_ids)
@@ -95,9 +101,24 @@ class Choices:
         self.sent[i] = len(self.entries.get(i, ()))
         return self._block(i, start)
 
+    def prompt_block(self, i: int) -> dict[str, Any] | None:
+        """Completions' log-probs of choice i's prompt tokens (the first has none); the
+        completion's text offsets continue after them."""
+        if i not in self.prompt_entries:
+            return None
+        block, self.offset[i] = self.fmt.completion(self.prompt_ids, self.prompt_entries[i], 0)
+        return block
+
     def choices(self) -> list[tuple[str, str, dict[str, Any] | None]]:
-        return [((self.echo or "") + "".join(self.texts[i]), last.finish_reason,
-                 self._block(i, 0)) for i, last in enumerate(self.last)]
+        out = []
+        for i, last in enumerate(self.last):
+            lead = self.prompt_block(i)
+            block = self._block(i, 0)
+            if lead is not None and block is not None:
+                block = {k: lead[k] + block[k] for k in block}
+            out.append(((self.echo or "") + "".join(self.texts[i]), last.finish_reason,
+                        block))
+        return out
 
     def usage(self) -> R.Usage:
         """The prompt once, the completion tokens of every choice."""

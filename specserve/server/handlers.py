@@ -222,7 +222,8 @@ class Handler:
             if isinstance(exc, ValueError):
                 raise E.bad_request(str(exc)) from None
             raise engine_error(exc) from None
-        view = _Choices(chat, LogprobFormatter(self.engine.tokenizer), echo, len(ids))
+        view = _Choices(chat, LogprobFormatter(self.engine.tokenizer), echo, ids,
+                        params.prompt_logprobs is not None)
         if req.stream:
             return _SSEResponse(self._events(streams, rid, view, req.include_usage),
                                 lambda: [st.close() for st in streams])
@@ -270,7 +271,7 @@ class Handler:
             for i in range(len(streams)):
                 if view.chat:
                     yield chunk(i, "", role=True)
-                elif view.echo:
+                elif view.echo and not view.prompt_logprobs:
                     yield chunk(i, view.echo)
             async for i, out in _merged(streams):
                 if out.finished and out.finish_reason not in ("stop", "length"):
@@ -279,6 +280,8 @@ class Handler:
                     )
                     return
                 view.add(i, out)
+                if out.prompt_logprobs is not None and view.echo:  # the echo, once its
+                    yield chunk(i, view.echo, logprobs=view.prompt_block(i))  # log-probs exist
                 if out.new_text or out.finished:  # log-probs of held-back text wait for it
                     yield chunk(i, out.new_text, out.finish_reason if out.finished else None,
                                 logprobs=view.pending_logprobs(i))

@@ -41,15 +41,20 @@ class LogprobFormatter:
         offset after them."""
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                                 "text_offset": []}
-        for tid, (lp, top_ids, top_lps) in zip(token_ids, entries):
+        for tid, entry in zip(token_ids, entries):
             text = self.text(tid)
+            out["text_offset"].append(offset)
+            offset += len(text)
             out["tokens"].append(text)
+            if entry is None:  # a prompt's first token: nothing before it
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
+            lp, top_ids, top_lps = entry
             out["token_logprobs"].append(_finite(lp))
             top = {self.text(t): _finite(v) for t, v in zip(top_ids, top_lps)}
             top.setdefault(text, _finite(lp))
             out["top_logprobs"].append(top)
-            out["text_offset"].append(offset)
-            offset += len(text)
         return out, offset
 
     def chat(self, token_ids: list[int], entries: list[list]) -> dict[str, Any]:

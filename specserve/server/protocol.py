@@ -3,12 +3,12 @@
 Requests are parsed strictly (no "10" -> 10, no 1.5 -> 1, no NaN / Infinity): anything a client
 gets wrong becomes an `APIError` carrying the OpenAI error envelope, with `param` naming the
 offending field and a message that says what to change. Implemented: n (<= MAX_N, one
-engine request per choice), logprobs / top_logprobs (<= --max-logprobs), echo (not with
-logprobs: prompt log-probs are not computed), presence/frequency/repetition penalties,
-min_tokens, logit_bias. Fields OpenAI defines but we do not implement (tools, tool_choice,
-functions, response_format other than text, suffix, best_of other than n, ...) are declared
-and refused with a 400 naming them rather than ignored. Other unknown fields are ignored, as
-OpenAI clients send extras (metadata, store, ...).
+engine request per choice), logprobs / top_logprobs (<= --max-logprobs), echo (with logprobs:
+the prompt's log-probs too), presence/frequency/repetition penalties, min_tokens, logit_bias.
+Fields OpenAI defines but we do not implement (tools, tool_choice, functions, response_format
+other than text, suffix, best_of other than n, ...) are declared and refused with a 400
+naming them, and so are vLLM extensions we lack (REFUSED_EXTRAS). Other unknown fields are
+ignored, as OpenAI clients send extras (metadata, store, ...).
 """
 
 from __future__ import annotations
@@ -183,6 +183,9 @@ class CommonRequest(_Strict):
     def check_choices(self) -> None:
         """Cross-field checks of the request kind (after the field checks)."""
 
+    def prompt_logprobs_k(self) -> int | None:
+        return None
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -257,6 +260,7 @@ class CommonRequest(_Strict):
                 min_tokens=self.min_tokens,
                 logit_bias=bias,
                 logprobs=self.logprobs_k(),
+                prompt_logprobs=self.prompt_logprobs_k(),
                 seed=self.seed,
                 max_tokens=max_tokens,
                 stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
@@ -289,19 +293,18 @@ class CompletionRequest(CommonRequest):
             raise bad_request(f"logprobs must be >= 0, got {self.logprobs}", "logprobs")
         return self.logprobs
 
+    def prompt_logprobs_k(self) -> int | None:
+        """echo with logprobs reports the prompt tokens' log-probs too."""
+        return self.logprobs if self.echo else None
+
     def check_choices(self) -> None:
-        """best_of: only the trivial best_of == n (no ranking of extra candidates);
-        echo + logprobs would need the prompt's log-probs, which are not computed."""
+        """best_of: only the trivial best_of == n (no ranking of extra candidates)."""
         if self.best_of is not None and self.best_of != self.num_choices:
             raise bad_request(
                 f"best_of={self.best_of} is not supported; leave it out or equal to n "
                 f"({self.num_choices}), or send n={self.best_of} and rank the choices yourself",
                 "best_of",
             )
-        if self.echo and self.logprobs is not None:
-            raise bad_request(
-                "echo with logprobs is not supported: prompt log-probs are not computed; "
-                "drop echo or logprobs", "echo")
 
     def single_prompt(self, vocab_size: int) -> str | list[int]:
         """The one prompt: a string or token ids in [0, vocab_size) (no batches)."""

@@ -236,11 +236,13 @@ class SpecWorker:
         computed = step.num_new_tokens.tolist()
         drafted = [0] * step.bs
         logprobs: list | None = [None] * step.bs if (step.logprobs >= 0).any() else None
+        prompt_lps: list | None = [None] * step.bs if (step.prompt_logprobs >= 0).any() \
+            else None
         decodes = [i for i in range(step.bs) if self._can_speculate(step, i, mode)]
         spec = set(decodes)
         others = [i for i in range(step.bs) if i not in spec]
         if others:
-            self._target_rows(step.select(others), others, tokens, logprobs)
+            self._target_rows(step.select(others), others, tokens, logprobs, prompt_lps)
         if decodes:
             rows = step.select(decodes)
             self._catch_up(rows)
@@ -259,7 +261,8 @@ class SpecWorker:
                 self._count(m - 1, proposed)
         else:
             mode.cycles.discard_launched()
-        return StepOutput(tokens, computed, drafted, self._draft_computed(step), logprobs)
+        return StepOutput(tokens, computed, drafted, self._draft_computed(step), logprobs,
+                          prompt_lps)
 
     def _restore_cached(self, step: StepInput) -> None:
         """Rows admitted on a cached prefix: the draft KV of [0, start) is in their pages."""
@@ -290,7 +293,7 @@ class SpecWorker:
             self.pending.pop(rid, None)
 
     def _target_rows(self, rows: StepInput, index: list[int], tokens: list[list[int]],
-                     logprobs: list | None) -> None:
+                     logprobs: list | None, prompt_lps: list | None) -> None:
         """Plain target forward over rows that do not speculate; the prefill chunks that may
         speculate and whose proposer is caught up then feed it (pairs f_i, t_{i+1})."""
         runner, proposer = self.runner, self.proposer
@@ -310,6 +313,9 @@ class SpecWorker:
         if capture is not None:
             feats = capture.pop()  # [T, F]
             capture.disable()
+        if prompt_lps is not None:
+            for j, entries in enumerate(runner.prompt_logprobs(rows, hidden) or []):
+                prompt_lps[index[j]] = entries
         sampled: dict[int, int] = {}
         if batch.sample_index:
             logits = runner.compute_logits(hidden[batch.sample_rows])

@@ -269,6 +269,32 @@ class ModelRunner:
             return tokens, None
         return tokens, token_logprobs(logits, tokens, k)
 
+    def prompt_logprobs(self, rows: StepInput, hidden: torch.Tensor) -> list | None:
+        """Per row asking (prompt_logprobs >= 0), the raw log-prob entries of the prompt
+        tokens after its chunk's positions (those below num_prompt - 1); hidden [T, H]: the
+        rows' hidden states, rows concatenated. None when no row asks."""
+        ask = np.flatnonzero(rows.prompt_logprobs >= 0).tolist()
+        if not ask:
+            return None
+        at, targets, counts = [], [], []
+        for r in ask:
+            start, n = int(rows.starts[r]), int(rows.num_new_tokens[r])
+            m = max(0, min(n, int(rows.num_prompt[r]) - 1 - start))  # positions with a next
+            after = rows.tokens(r)[1:].tolist() + [int(rows.next_token_ids[r])]
+            at += range(int(rows.tok_off[r]), int(rows.tok_off[r]) + m)
+            targets += after[:m]
+            counts.append(m)
+        k = int(rows.prompt_logprobs.max())
+        logits = self.compute_logits(hidden[self.tensor(at)])
+        flat = logprob_lists(token_logprobs(logits, self.tensor(targets), k), [k] * len(at))
+        out: list = [None] * rows.bs
+        pos = 0
+        for r, m in zip(ask, counts):
+            out[r] = [[lp, ids[: rows.prompt_logprobs[r]], vals[: rows.prompt_logprobs[r]]]
+                      for lp, ids, vals in flat[pos : pos + m]]
+            pos += m
+        return out
+
     def _graph_decode(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(sampled tokens [bs], logits [bs, V]) of an all-decode batch through a CUDA graph,
         or None when no graph applies. The outputs live in the graph's buffers."""
@@ -291,22 +317,24 @@ class ModelRunner:
             positions=pos[:, None], slots=slots[:, None], seq_lens=pos + 1, page_table=table,
             **self.sampling_fields(rows))
 
-    def launch(self, step: StepInput) -> tuple[list[int], torch.Tensor | None, tuple | None]:
+    def launch(self, step: StepInput
+               ) -> tuple[list[int], torch.Tensor | None, tuple | None, list | None]:
         """Enqueue forward + sampling over the step's rows without waiting for the device:
         (indices of the rows that sample, their tokens on the device, their log-probs when
-        a row asks: see sample_logits)."""
+        a row asks: see sample_logits; prompt log-probs per row: see prompt_logprobs)."""
         graphed = self._graph_decode(step)
         if graphed is not None:
-            return list(range(step.bs)), graphed[0], None
+            return list(range(step.bs)), graphed[0], None, None
         batch = self.prepare(step)
         hidden = self.forward(batch.input_ids, batch.positions, batch.md)
+        prompt_lps = self.prompt_logprobs(step, hidden)
         if not batch.sample_index:
-            return [], None, None
+            return [], None, None, prompt_lps
         logits = self.compute_logits(hidden[batch.sample_rows])
         rows = step.select(batch.sample_index)
         st = self.sampling_tensors(rows)
         tokens, lp = self.sample_logits(rows, logits, st)
-        return batch.sample_index, tokens, lp
+        return batch.sample_index, tokens, lp, prompt_lps
 
     def _decode_rows(self, rows: StepInput, starts: np.ndarray, ids: torch.Tensor) -> torch.Tensor:
         """Sampled tokens [n] of one decode step whose input ids are already on the device."""
@@ -374,9 +402,13 @@ class ModelRunner:
             where.update(matched)
             self.rows_launched_ahead += len(matched)
         rest = [i for i in range(step.bs) if i not in matched]
-        logprobs = None
+        logprobs = prompt_logprobs = None
         if rest:
-            index, tokens, lp = self.launch(step if not matched else step.select(rest))
+            index, tokens, lp, plp = self.launch(step if not matched else step.select(rest))
+            if plp is not None:
+                prompt_logprobs = [None] * step.bs
+                for j, entries in enumerate(plp):
+                    prompt_logprobs[rest[j]] = entries
             if lp is not None:
                 logprobs = [None] * step.bs
                 ks = step.logprobs.tolist()
@@ -388,7 +420,7 @@ class ModelRunner:
                 parts.append(tokens)
         out: list[list[int]] = [[] for _ in range(step.bs)]
         if not parts:
-            return StepOutput(out, logprobs=logprobs)
+            return StepOutput(out, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         step_tokens = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
         host = step_tokens.to("cpu", non_blocking=True)
         done = None
@@ -402,7 +434,7 @@ class ModelRunner:
         values = host.tolist()
         for i, row in where.items():
             out[i] = [values[row]]
-        return StepOutput(out, logprobs=logprobs)
+        return StepOutput(out, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     def _launch_next(self, step: StepInput, where: dict[int, int],
                      step_tokens: torch.Tensor) -> None:

@@ -51,6 +51,10 @@ ROW_ARRAYS: dict[str, type] = {
     "bias_counts": np.int64,
     "suppress_counts": np.int64,  # EOS + stop_token_ids, only while min_left > 0
     "logprobs": np.int64,  # -1: none; k: the emitted tokens' log-probs and top k
+    # -1: none; k: log-probs (and top k) of the prompt tokens after the chunk's positions
+    # (those below num_prompt - 1); num_prompt: the request's prompt length
+    "prompt_logprobs": np.int64,
+    "num_prompt": np.int64,
 }
 FLAT_ARRAYS: dict[str, type] = {"token_ids": np.int64, "page_ids": np.int32,
                                 "history_ids": np.int64, "bias_ids": np.int64,
@@ -64,7 +68,7 @@ FORMAT_VERSION = 3
 # the logits-processing arrays and their neutral values (StepInput's defaults)
 NEUTRAL_ROWS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
                 "min_left": 0, "history_counts": 0, "history_outputs": 0, "bias_counts": 0,
-                "suppress_counts": 0, "logprobs": -1}
+                "suppress_counts": 0, "logprobs": -1, "prompt_logprobs": -1, "num_prompt": 0}
 # sent only when some row uses them (StepInput.eager)
 PROCESSING = {*NEUTRAL_ROWS, "history_ids", "bias_ids", "bias_values", "suppress_ids"}
 
@@ -100,6 +104,8 @@ class StepInput:
     bias_counts: np.ndarray | None = None
     suppress_counts: np.ndarray | None = None
     logprobs: np.ndarray | None = None
+    prompt_logprobs: np.ndarray | None = None
+    num_prompt: np.ndarray | None = None
     history_ids: np.ndarray | None = None
     bias_ids: np.ndarray | None = None
     bias_values: np.ndarray | None = None
@@ -143,7 +149,8 @@ class StepInput:
         self.processed = ((self.presence_penalty != 0) | (self.frequency_penalty != 0)
                           | (self.repetition_penalty != 1) | (self.suppress_counts > 0)
                           | (self.bias_counts > 0))
-        self.eager = bool(self.processed.any() or (self.logprobs >= 0).any())
+        self.eager = bool(self.processed.any() or (self.logprobs >= 0).any()
+                          or (self.prompt_logprobs >= 0).any())
 
     @property
     def seq_lens(self) -> np.ndarray:
@@ -250,6 +257,9 @@ class StepOutput:
     # per row, per emitted token (aligned with token_ids) of rows that asked (logprobs >= 0):
     # [log-prob, [top ids], [top log-probs]] of the raw distribution; None: no row asked
     logprobs: list[list[list] | None] | None = None
+    # per row that asked (prompt_logprobs >= 0): the entries of prompt positions
+    # starts + 1 .. (the tokens after the chunk's positions, within the prompt); else None
+    prompt_logprobs: list[list[list] | None] | None = None
 
 
 def _offsets(counts: np.ndarray) -> np.ndarray:
