@@ -18,12 +18,12 @@ import json
 import logging
 import random
 import time
-from dataclasses import dataclass
 
 from specserve.config import EngineConfig
 from specserve.engine.executor import Executor
 from specserve.engine.local_worker import ProposerFactory, resolve_model
 from specserve.engine.memory import check_fits
+from specserve.engine.outputs import RequestOutput, record_logprobs, record_prompt_logprobs
 from specserve.engine.request import Request
 from specserve.engine.scheduler import Scheduler, SchedulerOutput
 from specserve.engine.spec_policy import AdaptivePolicy, SpecPolicy, StaticPolicy
@@ -45,24 +45,6 @@ from specserve.worker.device import resolve_device, resolve_dtype
 from specserve.worker.step_input import StepOutput
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str  # UTF-8-safe delta; stop strings already applied
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort"
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    # per new token, when the request asked (SamplingParams.logprobs): [log-prob, [top ids],
-    # [top log-probs]] of the target's raw distribution
-    new_logprobs: list[list] | None = None
-    # on a request's first output, when it asked (SamplingParams.prompt_logprobs): per prompt
-    # position its entry (None for the first token)
-    prompt_logprobs: list[list | None] | None = None
 
 
 class _TextState:
@@ -298,9 +280,9 @@ class Engine:
         self.scheduler.update(out, result.token_ids, result.num_computed,
                               result.draft_computed)
         if result.logprobs is not None:
-            self._record_logprobs(out, before, result.logprobs)
+            record_logprobs(out, before, result.logprobs)
         if result.prompt_logprobs is not None:
-            self._record_prompt_logprobs(out, result.prompt_logprobs)
+            record_prompt_logprobs(out, result.prompt_logprobs)
         outputs = self._postprocess(out)
         if policy is not None:
             pure = all(s.is_decode for s in out.scheduled)
@@ -315,26 +297,6 @@ class Engine:
         assert not out.scheduled
         if out.finished_ids or out.preempted:
             self.executor.execute(build_step_input(out))
-
-    @staticmethod
-    def _record_logprobs(out: SchedulerOutput, before: list[int], logprobs: list) -> None:
-        """Keep the entries of the tokens the request took (a stop drops the rest)."""
-        for s, n0, entries in zip(out.scheduled, before, logprobs):
-            req = s.request
-            if entries is not None and req.output_logprobs is not None:
-                req.output_logprobs.extend(entries[: req.num_output_tokens - n0])
-
-    @staticmethod
-    def _record_prompt_logprobs(out: SchedulerOutput, per_row: list) -> None:
-        """Entries of prompt positions start + 1 ...; a recomputed chunk fills nothing twice."""
-        for s, entries in zip(out.scheduled, per_row):
-            req = s.request
-            if entries is None or req.prompt_logprobs is None:
-                continue
-            for p, entry in enumerate(entries, start=s.start + 1):
-                if req.prompt_logprobs[p] is None:
-                    req.prompt_logprobs[p] = entry
-                    req.prompt_logprobs_left -= 1
 
     @staticmethod
     def _record_spec(out: SchedulerOutput, result: StepOutput) -> dict[str, int]:

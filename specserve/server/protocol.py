@@ -13,8 +13,6 @@ ignored, as OpenAI clients send extras (metadata, store, ...).
 
 from __future__ import annotations
 
-import json
-import re
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
@@ -27,8 +25,8 @@ from specserve.sampling_params import (
     SamplingParams,
 )
 from specserve.server.errors import bad_request, echo, validation_error
+from specserve.server.parsing import parse_request_json
 
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 MAX_N = 16  # choices per request (each one is an engine request)
 # vLLM extensions a client may send expecting an effect that this server does not have:
 # refused by name when set, never silently ignored
@@ -37,10 +35,6 @@ REFUSED_EXTRAS = ("prompt_logprobs", "allowed_token_ids", "bad_words", "guided_j
                   "truncate_prompt_tokens", "use_beam_search", "length_penalty",
                   "chat_template", "chat_template_kwargs", "continue_final_message",
                   "logits_processors", "return_tokens_as_token_ids")
-
-
-def _reject_constant(token: str) -> Any:
-    raise ValueError(f"{token} is not valid JSON; send finite numbers")
 
 
 def parse_request(
@@ -67,57 +61,6 @@ def parse_request(
             raise bad_request(f"{name}={echo(getattr(req, name))} is not supported; {hint}", name)
     req.check_choices()
     return req
-
-
-def parse_request_json(body: bytes, content_type: str,
-                       limits: dict[str, tuple[int, str]]) -> Any:
-    """The JSON value of a request body (strict: no NaN, valid UTF-8), list fields capped."""
-    if content_type.split(";")[0].strip().lower() != "application/json":
-        raise bad_request(
-            f"Content-Type must be application/json, got "
-            f"{echo(content_type) if content_type else 'none'}"
-        )
-    if not body.strip():
-        raise bad_request("the request body is empty; send a JSON object")
-    try:
-        obj = json.loads(body, parse_constant=_reject_constant)
-        if _SURROGATE_ESCAPE.search(body):  # a lone surrogate needs a \ud800-style escape
-            json.dumps(obj, ensure_ascii=False).encode("utf-8")
-    except UnicodeError:
-        raise bad_request(
-            "the request body is not valid UTF-8 / Unicode (a lone surrogate?); "
-            "send valid UTF-8 JSON"
-        ) from None
-    except RecursionError:
-        raise bad_request("the request body is nested too deeply") from None
-    except ValueError as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}") from None
-    _check_list_lengths(obj, limits)
-    return obj
-
-
-def _check_list_lengths(obj: Any, limits: dict[str, tuple[int, str]]) -> None:
-    if not isinstance(obj, dict):
-        return  # validation names the problem
-    for field, (cap, why) in limits.items():
-        outer, _, inner = field.partition("[].")
-        items = obj.get(outer)
-        if not isinstance(items, list):
-            continue
-        lists = (
-            [(outer, items)]
-            if not inner
-            else [
-                (f"{outer}[{i}].{inner}", item.get(inner))
-                for i, item in enumerate(items)
-                if isinstance(item, dict) and isinstance(item.get(inner), list)
-            ]
-        )
-        for name, value in lists:
-            if len(value) > cap:
-                raise bad_request(
-                    f"{name} holds {len(value)} items; at most {cap} are accepted ({why})", name
-                )
 
 
 class _Strict(BaseModel):

@@ -23,7 +23,7 @@ from specserve.layers.logits_processor import LogitsProcess
 from specserve.layers.sampler import SamplingTensors, graph_sampling_inputs
 from specserve.speculative.cycle import MODES, SpecCycle
 from specserve.worker.cuda_graph import BatchGraphs
-from specserve.worker.model_runner import logprob_lists
+from specserve.worker.logits import logits_process, logprob_lists
 from specserve.worker.step_input import StepInput
 
 
@@ -208,7 +208,7 @@ class CycleRunner:
             dev["page_table"],
             dev["valid"],
             st,
-            runner.logits_process(rows, runner.model_config.vocab_size),
+            logits_process(runner, rows, runner.model_config.vocab_size),
             int(rows.logprobs.max()),
         )
 

@@ -43,7 +43,7 @@ from specserve.speculative.cycle import SpecCycle
 from specserve.speculative.cycle_runner import CycleRunner
 from specserve.speculative.proposer import DraftShape, Proposer, draft_shapes
 from specserve.worker.forward_batch import build_attention_metadata
-from specserve.worker.model_runner import logprob_lists
+from specserve.worker.logits import logprob_lists, prompt_logprobs, sample_logits
 from specserve.worker.step_input import StepInput, StepOutput
 
 log = logging.getLogger(__name__)
@@ -314,13 +314,13 @@ class SpecWorker:
             feats = capture.pop()  # [T, F]
             capture.disable()
         if prompt_lps is not None:
-            for j, entries in enumerate(runner.prompt_logprobs(rows, hidden) or []):
+            for j, entries in enumerate(prompt_logprobs(runner, rows, hidden) or []):
                 prompt_lps[index[j]] = entries
         sampled: dict[int, int] = {}
         if batch.sample_index:
             logits = runner.compute_logits(hidden[batch.sample_rows])
             sub = rows.select(batch.sample_index)
-            out, lp = runner.sample_logits(sub, logits, runner.sampling_tensors(sub))
+            out, lp = sample_logits(runner, sub, logits, runner.sampling_tensors(sub))
             for j, tok in zip(batch.sample_index, out.tolist()):
                 sampled[j] = tok
                 tokens[index[j]] = [tok]

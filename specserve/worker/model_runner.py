@@ -28,7 +28,6 @@ from specserve.layers.attention_metadata import (
     ForwardContext,
     set_forward_context,
 )
-from specserve.layers.logits_processor import LogitsProcess, RowHistory, token_logprobs
 from specserve.layers.rotary import ensure_rope_capacity
 from specserve.layers.sampler import (
     Sampler,
@@ -41,6 +40,7 @@ from specserve.models.presets import random_init
 from specserve.worker.cuda_graph import BatchGraphs, comm_message_rows
 from specserve.worker.device import resolve_device, resolve_dtype, select_backend
 from specserve.worker.forward_batch import build_attention_metadata, to_device
+from specserve.worker.logits import logprob_lists, prompt_logprobs, sample_logits
 from specserve.worker.step_input import StepInput, StepOutput
 
 log = logging.getLogger(__name__)
@@ -247,54 +247,6 @@ class ModelRunner:
             self.sampling_fields(rows), rows.num_tokens if counters is None else counters,
             self.model_config.vocab_size, self.device)
 
-    def logits_process(self, rows: StepInput, vocab: int) -> LogitsProcess | None:
-        """The rows' logits-processing state on the device; None when no row uses it."""
-        if not rows.processed.any():
-            return None
-        h = RowHistory(rows.presence_penalty, rows.frequency_penalty, rows.repetition_penalty,
-                       rows.min_left, rows.history_ids, rows.history_counts,
-                       rows.history_outputs, rows.bias_ids, rows.bias_values,
-                       rows.bias_counts, rows.suppress_ids, rows.suppress_counts)
-        return LogitsProcess.build(h, vocab, self.device)
-
-    def sample_logits(self, rows: StepInput, logits: torch.Tensor, st: SamplingTensors
-                      ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
-        """Tokens [bs] from the rows' logits [bs, V] (processed when a row asks), and the
-        raw log-probs (chosen [bs], top values [bs, k], top ids [bs, k]) when a row wants
-        them (k: the most any row asks)."""
-        proc = self.logits_process(rows, logits.shape[-1])
-        tokens = self.sampler.sample(logits if proc is None else proc.apply(logits), st)
-        k = int(rows.logprobs.max()) if rows.bs else -1
-        if k < 0:
-            return tokens, None
-        return tokens, token_logprobs(logits, tokens, k)
-
-    def prompt_logprobs(self, rows: StepInput, hidden: torch.Tensor) -> list | None:
-        """Per row asking (prompt_logprobs >= 0), the raw log-prob entries of the prompt
-        tokens after its chunk's positions (those below num_prompt - 1); hidden [T, H]: the
-        rows' hidden states, rows concatenated. None when no row asks."""
-        ask = np.flatnonzero(rows.prompt_logprobs >= 0).tolist()
-        if not ask:
-            return None
-        at, targets, counts = [], [], []
-        for r in ask:
-            start, n = int(rows.starts[r]), int(rows.num_new_tokens[r])
-            m = max(0, min(n, int(rows.num_prompt[r]) - 1 - start))  # positions with a next
-            after = rows.tokens(r)[1:].tolist() + [int(rows.next_token_ids[r])]
-            at += range(int(rows.tok_off[r]), int(rows.tok_off[r]) + m)
-            targets += after[:m]
-            counts.append(m)
-        k = int(rows.prompt_logprobs.max())
-        logits = self.compute_logits(hidden[self.tensor(at)])
-        flat = logprob_lists(token_logprobs(logits, self.tensor(targets), k), [k] * len(at))
-        out: list = [None] * rows.bs
-        pos = 0
-        for r, m in zip(ask, counts):
-            out[r] = [[lp, ids[: rows.prompt_logprobs[r]], vals[: rows.prompt_logprobs[r]]]
-                      for lp, ids, vals in flat[pos : pos + m]]
-            pos += m
-        return out
-
     def _graph_decode(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(sampled tokens [bs], logits [bs, V]) of an all-decode batch through a CUDA graph,
         or None when no graph applies. The outputs live in the graph's buffers."""
@@ -321,19 +273,19 @@ class ModelRunner:
                ) -> tuple[list[int], torch.Tensor | None, tuple | None, list | None]:
         """Enqueue forward + sampling over the step's rows without waiting for the device:
         (indices of the rows that sample, their tokens on the device, their log-probs when
-        a row asks: see sample_logits; prompt log-probs per row: see prompt_logprobs)."""
+        a row asks: see worker/logits.py: sample_logits; prompt log-probs per row: prompt_logprobs)."""
         graphed = self._graph_decode(step)
         if graphed is not None:
             return list(range(step.bs)), graphed[0], None, None
         batch = self.prepare(step)
         hidden = self.forward(batch.input_ids, batch.positions, batch.md)
-        prompt_lps = self.prompt_logprobs(step, hidden)
+        prompt_lps = prompt_logprobs(self, step, hidden)
         if not batch.sample_index:
             return [], None, None, prompt_lps
         logits = self.compute_logits(hidden[batch.sample_rows])
         rows = step.select(batch.sample_index)
         st = self.sampling_tensors(rows)
-        tokens, lp = self.sample_logits(rows, logits, st)
+        tokens, lp = sample_logits(self, rows, logits, st)
         return batch.sample_index, tokens, lp, prompt_lps
 
     def _decode_rows(self, rows: StepInput, starts: np.ndarray, ids: torch.Tensor) -> torch.Tensor:
@@ -458,10 +410,3 @@ class ModelRunner:
         self._launched = LaunchedStep(nxt.request_ids, starts.tolist(),
                                       self._decode_rows(nxt, starts, ids))
 
-
-def logprob_lists(lp: tuple[torch.Tensor, ...], ks: list[int]) -> list[list | None]:
-    """Host lists of sample_logits' log-probs, one [log-prob, [top ids], [top log-probs]]
-    per row (leading dims flattened to rows); None for rows that did not ask (k < 0)."""
-    chosen, top_v, top_i = (t.reshape(-1, *t.shape[len(lp[0].shape):]).tolist() for t in lp)
-    return [None if k < 0 else [c, i[:k], v[:k]]
-            for c, v, i, k in zip(chosen, top_v, top_i, ks)]
