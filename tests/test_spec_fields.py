@@ -105,24 +105,39 @@ def test_greedy_speculation_equals_plain_with_feature(llms, unprocessed, feature
 
 def test_logprobs_match_transformers(llms) -> None:
     """Raw log-probs of the emitted tokens under speculation (chain and tree) == plain
-    decoding's == log_softmax of a transformers forward over prompt + output."""
+    decoding's == log_softmax of a transformers forward over prompt + output; the prompt's
+    (prompt_logprobs, chunked prefill) too, computed in full although the prompts sit in the
+    prefix cache."""
     transformers = pytest.importorskip("transformers")
     engines, _ = llms
     hf = transformers.AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
-    outs = {name: _run(engines[name], logprobs=3) for name in ("plain", "chain3+overlap",
-                                                               "tree2x6")}
+    names = ("plain", "chain3+overlap", "tree2x6")
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    with_lps = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=3,
+                              prompt_logprobs=2)
+    outs = {}
+    for name in names:
+        engines[name].generate(PROMPTS[:2], greedy)
+        hits = engines[name].generate(PROMPTS[:2], greedy)
+        assert all(o.num_cached_tokens for o in hits)  # hits the next run must skip
+        outs[name] = engines[name].generate(PROMPTS[:2], with_lps)
     for i in range(2):
         o = outs["plain"][i]
         ids = torch.tensor([o.prompt_token_ids + o.token_ids])
         with torch.no_grad():
             ref = torch.log_softmax(hf(ids).logits[0].float(), dim=-1)
         start = len(o.prompt_token_ids) - 1
-        for name in ("plain", "chain3+overlap", "tree2x6"):
+        for name in names:
             got = outs[name][i]
-            assert got.logprobs is not None
-            assert got.token_ids == o.token_ids
+            assert got.logprobs is not None and got.token_ids == o.token_ids
             for j, (tok, (lp, top_ids, top_lps)) in enumerate(zip(got.token_ids, got.logprobs)):
                 row = ref[start + j]
                 assert lp == pytest.approx(row[tok].item(), abs=2e-4), (name, j)
                 assert top_ids == row.topk(3).indices.tolist(), (name, j)
                 assert top_lps == pytest.approx(row.topk(3).values.tolist(), abs=2e-4)
+            assert got.num_cached_tokens == 0 and got.prompt_logprobs[0] is None
+            assert len(got.prompt_logprobs) == len(o.prompt_token_ids)
+            for p, (lp, top_ids, _) in enumerate(got.prompt_logprobs[1:], start=1):
+                row = ref[p - 1]
+                assert lp == pytest.approx(row[o.prompt_token_ids[p]].item(), abs=2e-4)
+                assert top_ids == row.topk(2).indices.tolist()
