@@ -170,3 +170,22 @@ def test_lossless_sampling_with_penalties(k: int, steps: int, n: int) -> None:
         assert chi_square_rejects(counts.tolist(), biased(expected))
     hits = res.num_accepted
     assert bool((hits > 0).any()) and bool((hits < tree.max_depth).any())
+
+
+def test_sampling_params_validate_the_new_fields() -> None:
+    ok = SamplingParams(presence_penalty=-2, frequency_penalty=2, repetition_penalty=2,
+                        min_tokens=16, logit_bias={3: -100, 4: 100}, logprobs=0,
+                        prompt_logprobs=5)
+    assert ok.processed and ok.penalized
+    assert not SamplingParams(logprobs=3).processed
+    for bad, field in ((dict(presence_penalty=2.01), "presence_penalty"),
+                       (dict(frequency_penalty=float("nan")), "frequency_penalty"),
+                       (dict(repetition_penalty=0), "repetition_penalty"),
+                       (dict(min_tokens=17), "min_tokens"),
+                       (dict(min_tokens=1.5), "min_tokens"),
+                       (dict(logit_bias={-1: 1}), "logit_bias"),
+                       (dict(logit_bias={1: 100.5}), "logit_bias"),
+                       (dict(logprobs=-1), "logprobs"),
+                       (dict(prompt_logprobs=True), "prompt_logprobs")):
+        with pytest.raises(ValueError, match=f"^{field}"):
+            SamplingParams(**bad)

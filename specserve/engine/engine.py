@@ -216,9 +216,10 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self._prompt_ids(prompt)
         cap = self.config.max_logprobs
-        if params.logprobs is not None and params.logprobs > cap:
-            raise ValueError(f"logprobs must be at most {cap} (--max-logprobs), got "
-                             f"{params.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > cap:
+                raise ValueError(f"{name} must be at most {cap} (--max-logprobs), got {k}")
         vocab = self.model_config.vocab_size
         bad = [t for t in params.logit_bias if t >= vocab]
         if bad:

@@ -273,7 +273,7 @@ class ModelRunner:
                ) -> tuple[list[int], torch.Tensor | None, tuple | None, list | None]:
         """Enqueue forward + sampling over the step's rows without waiting for the device:
         (indices of the rows that sample, their tokens on the device, their log-probs when
-        a row asks: see worker/logits.py: sample_logits; prompt log-probs per row: prompt_logprobs)."""
+        a row asks, the prompt log-probs per row when one asks: see worker/logits.py)."""
         graphed = self._graph_decode(step)
         if graphed is not None:
             return list(range(step.bs)), graphed[0], None, None
@@ -409,4 +409,3 @@ class ModelRunner:
         starts = nxt.starts + 1
         self._launched = LaunchedStep(nxt.request_ids, starts.tolist(),
                                       self._decode_rows(nxt, starts, ids))
-
