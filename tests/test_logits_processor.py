@@ -189,3 +189,26 @@ def test_sampling_params_validate_the_new_fields() -> None:
                        (dict(prompt_logprobs=True), "prompt_logprobs")):
         with pytest.raises(ValueError, match=f"^{field}"):
             SamplingParams(**bad)
+
+
+def test_tables_of_a_subset_leave_other_rows_alone() -> None:
+    """Built for rows `index` only (the rest of the batch unprocessed): those rows, and their
+    tree nodes, get the full-batch result; every other row passes through bit for bit."""
+    rng, vocab, bs, n = random.Random(5), 10, 6, 4
+    rows = [random_row(rng, vocab) for _ in range(bs)]
+    index = [1, 4]
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.randn(bs, vocab, generator=gen)
+    full = LogitsProcess.build(history(rows), vocab, "cpu")
+    part = LogitsProcess.build(history([rows[i] for i in index]), vocab, "cpu",
+                               torch.tensor(index))
+    got, want = part.apply(logits), full.apply(logits)
+    others = [i for i in range(bs) if i not in index]
+    assert torch.equal(got[index], want[index]) and torch.equal(got[others], logits[others])
+    tree = draft_tree(torch.randint(0, vocab, (bs,), generator=gen),
+                      torch.randn(vocab, vocab, generator=gen), 2, 2, n)
+    nodes = torch.randn(bs * n, vocab, generator=gen)
+    got = part.for_tree(tree.tokens, tree.mask, tree.depth).apply(nodes).view(bs, n, vocab)
+    want = full.for_tree(tree.tokens, tree.mask, tree.depth).apply(nodes).view(bs, n, vocab)
+    assert torch.equal(got[index], want[index])
+    assert torch.equal(got[others], nodes.view(bs, n, vocab)[others])

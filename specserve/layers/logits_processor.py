@@ -49,7 +49,8 @@ class RowHistory:
 
 @dataclass
 class LogitsProcess:
-    """Per-row device state: dense [rows, V] tables (built only for batches that use them)."""
+    """Per-row device state: dense [rows, V] tables of the batch rows `index` (None: every
+    row), built only for batches that use them; other rows pass through unchanged."""
 
     counts: torch.Tensor  # [rows, V] float32 occurrences in the outputs
     seen: torch.Tensor  # [rows, V] bool: in the prompt or outputs (repetition penalty)
@@ -59,9 +60,11 @@ class LogitsProcess:
     min_left: torch.Tensor  # [rows] int64
     suppress: torch.Tensor  # [rows, V] bool
     bias: torch.Tensor  # [rows, V] float32
+    index: torch.Tensor | None = None  # [rows] int64 batch rows of the tables; None: all
 
     @classmethod
-    def build(cls, h: RowHistory, vocab: int, device: torch.device | str) -> LogitsProcess:
+    def build(cls, h: RowHistory, vocab: int, device: torch.device | str,
+              index: torch.Tensor | None = None) -> LogitsProcess:
         bs = len(h.presence)
 
         def rows_of(counts: np.ndarray) -> torch.Tensor:
@@ -94,7 +97,7 @@ class LogitsProcess:
             return torch.as_tensor(np.asarray(a), dtype=dtype).to(device)
 
         return cls(counts, seen, vec(h.presence, f32), vec(h.frequency, f32),
-                   vec(h.repetition, f32), vec(h.min_left, torch.int64), suppress, bias)
+                   vec(h.repetition, f32), vec(h.min_left, torch.int64), suppress, bias, index)
 
     def for_tree(self, tokens: torch.Tensor, mask: torch.Tensor,
                  depth: torch.Tensor) -> LogitsProcess:
@@ -102,8 +105,13 @@ class LogitsProcess:
         history adds the draft tokens of its path at depths >= 1 (tokens [bs, n]; mask
         [bs, n, n], mask[b, i, j]: j is i or an ancestor of i; depth [bs, n]), and its
         min_tokens budget is consumed by its depth."""
-        bs, n = tokens.shape
-        vocab = self.counts.shape[-1]
+        n = tokens.shape[1]
+        node_index = None
+        if self.index is not None:  # the tree rows of the processed requests only
+            tokens, mask, depth = tokens[self.index], mask[self.index], depth[self.index]
+            node_index = (self.index[:, None] * n + torch.arange(n, device=tokens.device)
+                          ).reshape(-1)
+        bs, vocab = tokens.shape[0], self.counts.shape[-1]
         on_path = (mask & (depth >= 1)[:, None, :]).to(torch.float32)  # [bs, n(i), n(j)]
         extra = torch.zeros(bs, n, vocab, dtype=torch.float32, device=tokens.device)
         extra.scatter_add_(2, tokens[:, None, :].expand(bs, n, n).long(), on_path)
@@ -117,10 +125,17 @@ class LogitsProcess:
             counts.view(bs * n, vocab), seen.view(bs * n, vocab), rep(self.presence),
             rep(self.frequency), rep(self.repetition),
             (self.min_left[:, None] - depth.long()).reshape(-1), rep(self.suppress),
-            rep(self.bias))
+            rep(self.bias), node_index)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """[rows, V] raw logits -> [rows, V] float32 processed logits (a new tensor)."""
+        """[bs, V] raw logits -> [bs, V] float32 processed logits (a new tensor)."""
+        if self.index is None:
+            return self._transform(logits)
+        out = logits.float().clone()
+        out[self.index] = self._transform(logits[self.index])
+        return out
+
+    def _transform(self, logits: torch.Tensor) -> torch.Tensor:
         x = logits.float() + self.bias
         x = x.masked_fill(self.suppress & (self.min_left > 0)[:, None], -torch.inf)
         r = self.repetition[:, None]

@@ -14,13 +14,17 @@ from specserve.worker.step_input import StepInput
 
 def logits_process(runner, rows: StepInput, vocab: int) -> LogitsProcess | None:
     """The rows' logits-processing state on the device; None when no row uses it."""
-    if not rows.processed.any():
+    active = np.flatnonzero(rows.processed)
+    if not len(active):
         return None
+    index = None
+    if len(active) < rows.bs:  # tables for the processed rows only
+        rows, index = rows.select(active), torch.from_numpy(active).to(runner.device)
     h = RowHistory(rows.presence_penalty, rows.frequency_penalty, rows.repetition_penalty,
                    rows.min_left, rows.history_ids, rows.history_counts,
                    rows.history_outputs, rows.bias_ids, rows.bias_values,
                    rows.bias_counts, rows.suppress_ids, rows.suppress_counts)
-    return LogitsProcess.build(h, vocab, runner.device)
+    return LogitsProcess.build(h, vocab, runner.device, index)
 
 
 def sample_logits(runner, rows: StepInput, logits: torch.Tensor, st: SamplingTensors
