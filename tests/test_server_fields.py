@@ -216,3 +216,18 @@ def test_tokenize_detokenize_version(live, offline) -> None:
     bad = httpx.post(f"{live.url}/detokenize", json={"tokens": [10**9]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     assert httpx.get(f"{live.url}/health").status_code == 200  # still up
+
+
+def test_leaving_an_n_stream_aborts_every_choice(live, client) -> None:
+    """A client that leaves a streamed n=3 request: all three engine requests are aborted
+    and the KV pool returns to its baseline; the server keeps serving."""
+    stream = client.completions.create(model=None, prompt=PROMPT, max_tokens=1500, n=3,
+                                       temperature=1.0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))
+    stream.close()
+    stats = live.wait_idle(timeout_s=8.0)  # 3 x 1500 tokens would take far longer
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+    assert stats["kv_free_pages"] == live.initial_free_pages
+    r = client.completions.create(model=None, prompt=PROMPT, max_tokens=2, n=2)
+    assert len(r.choices) == 2

@@ -58,14 +58,14 @@ class Choices:
     """What the choices of one response have produced so far (texts, log-probs, usage)."""
 
     def __init__(self, chat: bool, fmt: LogprobFormatter, echo: str | None,
-                 prompt_ids: list[int], prompt_logprobs: bool = False) -> None:
+                 prompt_ids: list[int], prompt_logprobs: bool = False, n: int = 1) -> None:
         self.chat, self.fmt, self.echo = chat, fmt, echo
         self.prompt_ids, self.num_prompt = prompt_ids, len(prompt_ids)
         # echo with logprobs: the prompt's tokens lead each choice's log-probs
         self.prompt_logprobs = prompt_logprobs
         self.prompt_entries: dict[int, list] = {}
         self.texts: dict[int, list[str]] = {}
-        self.last: list[RequestOutput | None] = []
+        self.last: list[RequestOutput | None] = [None] * n  # per choice: its newest output
         self.token_ids: dict[int, list[int]] = {}
         self.entries: dict[int, list[list]] = {}
         self.sent: dict[int, int] = {}  # log-prob entries already streamed
@@ -73,8 +73,6 @@ class Choices:
 
     def add(self, i: int, out: RequestOutput) -> bool:
         """Record an output of choice i; whether it carried log-probs."""
-        while len(self.last) <= i:
-            self.last.append(None)
         self.last[i] = out
         self.texts.setdefault(i, []).append(out.new_text)
         if out.prompt_logprobs is not None:

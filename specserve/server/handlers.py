@@ -223,7 +223,7 @@ class Handler:
                 raise E.bad_request(str(exc)) from None
             raise engine_error(exc) from None
         view = _Choices(chat, LogprobFormatter(self.engine.tokenizer), echo, ids,
-                        params.prompt_logprobs is not None)
+                        params.prompt_logprobs is not None, n)
         if req.stream:
             return _SSEResponse(self._events(streams, rid, view, req.include_usage),
                                 lambda: [st.close() for st in streams])
