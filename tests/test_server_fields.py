@@ -123,11 +123,14 @@ def test_n_choices_distinct_and_reproducible(client) -> None:
 
     stream = client.chat.completions.create(model=TARGET, messages=MESSAGES, max_tokens=6, n=3,
                                             seed=5, temperature=1.0, stream=True,
+                                            stream_options={"include_usage": True},
                                             extra_body={"ignore_eos": True})
-    texts = ["", "", ""]
+    texts, usage = ["", "", ""], None
     for ch in stream:
         for c in ch.choices:
             texts[c.index] += c.delta.content or ""
+        usage = ch.usage or usage
+    assert usage.completion_tokens == 3 * 6 and usage.total_tokens == usage.prompt_tokens + 18
     r = client.chat.completions.create(model=TARGET, messages=MESSAGES, max_tokens=6, n=3,
                                        seed=5, temperature=1.0, extra_body={"ignore_eos": True})
     assert texts == [c.message.content for c in r.choices]
