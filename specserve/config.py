@@ -151,6 +151,8 @@ class EngineConfig:
         0, "torch threads on the CPU (0 = auto: 1 for small models, whose matmuls are too "
         "small to split, else torch's default)", min=0)
     generation_config: str = option("auto", GENERATION_CONFIG_HELP, metavar="auto|vllm|DIR")
+    max_logprobs: int = option(
+        20, "most log-probs per token a request may ask for (logprobs, top_logprobs)", min=0)
     chat_template: str = option(
         "", "chat template for chat requests: a Jinja file or the template text itself",
         metavar="FILE|TEMPLATE", help_default="the tokenizer's")

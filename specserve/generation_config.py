@@ -2,8 +2,9 @@
 
 As in vLLM: `auto` reads the model directory's file, `vllm` uses none (neutral defaults), any
 other value is a directory holding one. The sampling fields it sets become the defaults of
-requests that leave them out (server) or that pass no SamplingParams (offline API). A field
-the sampler cannot apply yet is kept in `unapplied` and reported at start-up, never dropped
+requests that leave them out (server) or that pass no SamplingParams (offline API); all of
+SAMPLING_KEYS are applied (repetition_penalty by layers/logits_processor.py). A key the
+sampler could not apply would be kept in `unapplied` and reported at start-up, never dropped
 without a word. Imports no torch.
 """
 

@@ -27,6 +27,11 @@ class GenerationOutput:
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    # SamplingParams(logprobs=k): per output token [log-prob, [top ids], [top log-probs]] of
+    # the target's raw distribution (k alternatives, most likely first); else None
+    logprobs: list[list] | None = None
+    # SamplingParams(prompt_logprobs=k): per prompt position its entry (None for the first)
+    prompt_logprobs: list[list | None] | None = None
 
     @property
     def accept_length(self) -> float:
@@ -126,7 +131,7 @@ class LLM:
                         out.request_id, req.prompt_token_ids, list(req.output_token_ids),
                         "".join(texts[out.request_id]), out.finish_reason, req.spec_cycles,
                         req.spec_accepted_tokens, list(req.spec_accepted_per_pos),
-                        req.num_cached_tokens)
+                        req.num_cached_tokens, req.output_logprobs, req.prompt_logprobs)
                     bar.update(1)
         bar.close()
         return [results[i] for i in ids]

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_LEN = 1024
 MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 # temperatures below this (compared in float32, the sampler's precision) sample greedily:
 # logits / T overflows float32 long before T reaches 0 (T = 1e-38 gives inf - inf = NaN)
 GREEDY_BELOW = 1e-5
@@ -31,13 +32,38 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    # logits processing (layers/logits_processor.py); the neutral values cost nothing
+    presence_penalty: float = 0.0  # [-2, 2], OpenAI: over generated tokens
+    frequency_penalty: float = 0.0  # [-2, 2], OpenAI: over generated tokens
+    repetition_penalty: float = 1.0  # (0, 2], HF/vLLM: over prompt + generated tokens
+    min_tokens: int = 0  # EOS and stop_token_ids masked until this many tokens are out
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> [-100, 100]
+    # log-probs of each emitted token plus its `logprobs` most likely alternatives (raw
+    # model distribution, before any sampling transform); None = none
+    logprobs: int | None = None
+    # the same for every prompt token after the first (its log-prob given the ones before);
+    # such a request computes its whole prompt (no prefix-cache hit)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
         self.validate()
+
+    @property
+    def penalized(self) -> bool:
+        """Any penalty that reads the request's tokens."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
+
+    @property
+    def processed(self) -> bool:
+        """Any logits processing beyond the sampling transform (penalties, min_tokens,
+        logit_bias): such rows take the eager path."""
+        return self.penalized or self.min_tokens > 0 or bool(self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -85,3 +111,24 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if integer("stop_token_ids[i]", t) < 0:
                 raise ValueError(f"stop_token_ids must be >= 0, got {t}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= num(name, getattr(self, name)) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < num("repetition_penalty", self.repetition_penalty) <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got "
+                             f"{self.repetition_penalty}")
+        if not 0 <= integer("min_tokens", self.min_tokens) <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got "
+                             f"{self.min_tokens}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias holds at most {MAX_LOGIT_BIAS} entries, got "
+                             f"{len(self.logit_bias)}")
+        for t, b in self.logit_bias.items():
+            if integer("logit_bias", t) < 0:
+                raise ValueError(f"logit_bias token ids must be >= 0, got {t}")
+            if not -100.0 <= num("logit_bias", b) <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {b}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and integer(name, k) < 0:
+                raise ValueError(f"{name} must be >= 0, got {k}")

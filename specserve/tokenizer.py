@@ -62,7 +62,8 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._special.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], **template_kwargs: Any) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **template_kwargs: Any) -> list[int]:
         """Render `messages` with the generation prompt and encode them.
 
         Special-token text inside message contents is swapped for unique markers before
@@ -93,7 +94,8 @@ class Tokenizer:
         shielded = [_map_content(m, shield) for m in messages]
         try:
             text = self.hf.apply_chat_template(
-                shielded, tokenize=False, add_generation_prompt=True, **template_kwargs
+                shielded, tokenize=False, add_generation_prompt=add_generation_prompt,
+                **template_kwargs
             )
         except jinja2.TemplateError as e:
             raise ValueError(f"the chat template rejected the messages: {e}") from e

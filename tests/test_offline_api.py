@@ -148,27 +148,27 @@ def test_llm_unknown_keyword_is_a_type_error() -> None:
 
 def test_generation_config_sets_request_defaults(llm, model_dir: Path) -> None:
     gd = llm.engine.generation_defaults
-    assert gd.params == {"temperature": 0.6, "top_p": 0.9, "top_k": -1}
-    assert gd.unapplied == {"repetition_penalty": 1.1}  # recorded, reported, not applied
-    assert "NOT applied" in gd.describe() and "repetition_penalty=1.1" in gd.describe()
+    assert gd.params == {"temperature": 0.6, "top_p": 0.9, "top_k": -1,
+                         "repetition_penalty": 1.1}
+    assert gd.unapplied == {}  # every sampling key of the file is applied now
+    assert "NOT applied" not in gd.describe() and "repetition_penalty=1.1" in gd.describe()
     params = llm.get_default_sampling_params()
     assert (params.temperature, params.top_p, params.top_k) == (0.6, 0.9, -1)
+    assert params.repetition_penalty == 1.1
     # explicit values win over the defaults
     assert gd.sampling_params(temperature=0.0, top_p=None).temperature == 0.0
     assert load_generation_defaults("vllm", str(model_dir)).params == {}
     assert load_generation_defaults(str(model_dir), None).params == gd.params
 
 
-def test_unapplied_generation_field_is_warned_at_start(
+def test_generation_config_repetition_penalty_is_logged_as_applied(
     model_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     from specserve.engine.engine import Engine
 
     with caplog.at_level(logging.WARNING):
         Engine(_tiny_engine_config(model_dir))
-    assert any(
-        "repetition_penalty=1.1" in r.message and "NOT applied" in r.message for r in caplog.records
-    )
+    assert not any("NOT applied" in r.message for r in caplog.records)
 
 
 def _tiny_engine_config(model: Path | str, **kw: object):
@@ -313,5 +313,6 @@ def test_server_start_up_line_says_how_speculation_runs(
     assert (
         "speculation eagle3 (tree topk 2, 2 draft steps, 5 tokens verified per cycle; head dummy)"
     ) in line
-    assert "sampling defaults from" in line and "NOT applied" in line
+    assert "sampling defaults from" in line and "repetition_penalty=1.1" in line
+    assert "NOT applied" not in line
     assert SpecConfig().describe() == "speculation off"

@@ -43,9 +43,9 @@ def _critical_999(dof: int) -> float:
     return dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3
 
 
-def _samples(llm: LLM) -> list[list[int]]:
-    params = [SamplingParams(temperature=0.8, top_k=6, max_tokens=3, seed=s, ignore_eos=True)
-              for s in range(N)]
+def _samples(llm: LLM, **extra) -> list[list[int]]:
+    params = [SamplingParams(temperature=0.8, top_k=6, max_tokens=3, seed=s, ignore_eos=True,
+                             **extra) for s in range(N)]
     return [o.token_ids for o in llm.generate([PROMPT] * N, params)]
 
 
@@ -121,6 +121,31 @@ def test_sampled_model_free_drafters_match_plain_distribution(setup, spec: dict)
     llm = LLM(target, speculative_config=spec, enforce_eager=True, **kw)
     got = _samples(llm)
     assert llm.engine.drafter.counters.num_accepted_tokens > 50, "drafts were rarely accepted"
+    for pos in (1, 2):
+        stat, dof = _chi2_two_sample(Counter(s[pos] for s in plain),
+                                     Counter(s[pos] for s in got))
+        assert dof >= 2
+        assert stat < _critical_999(dof), (pos, stat, dof)
+
+
+# strong enough that the token at output position 3 depends on the ones before it
+PENALTIES = dict(frequency_penalty=2.0, presence_penalty=1.0, repetition_penalty=1.8,
+                 min_tokens=2, stop_token_ids=[230], logit_bias={99: 2.0, 41: -3.0})
+
+
+@pytest.mark.slow  # ~25 s on a CPU core; test_logits_processor.py runs the rule's own test
+def test_sampled_speculation_with_penalties_matches_plain(setup) -> None:
+    """The same two-sample test with penalties, min_tokens and logit_bias on: each verify
+    node's distribution sees its draft ancestors as generated (a tree exercises siblings)."""
+    target, head, kw, plain_unpenalized = setup
+    plain = _samples(LLM(target, **kw), **PENALTIES)
+    assert Counter(s[1] for s in plain) != Counter(s[1] for s in plain_unpenalized)
+    llm = LLM(target, speculative_config=dict(algorithm="eagle3", draft_model=head, num_steps=2,
+                                              topk=2, num_draft_tokens=5),
+              enforce_eager=True, **kw)
+    _fixed_proposals(llm, plain)
+    got = _samples(llm, **PENALTIES)
+    assert llm.engine.drafter.counters.num_accepted_tokens > 0, "drafts were never accepted"
     for pos in (1, 2):
         stat, dof = _chi2_two_sample(Counter(s[pos] for s in plain),
                                      Counter(s[pos] for s in got))

@@ -146,3 +146,44 @@ def test_step_input_imports_no_torch() -> None:
         "sys.exit('torch' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_processing_fields_built_selected_and_round_tripped() -> None:
+    """Rows using penalties / min_tokens / logit_bias / logprobs carry their state (checked
+    against the Request with naive Python); plain rows stay neutral and send no lists."""
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8),
+                      PageAllocator(512), PAGE, 512, eos_token_ids=(2,))
+    kinds = [SamplingParams(),
+             SamplingParams(repetition_penalty=1.3, stop_token_ids=[7]),
+             SamplingParams(frequency_penalty=0.5, presence_penalty=-0.5, min_tokens=3,
+                            stop_token_ids=[9], logit_bias={4: 1.5, 8: -100.0}),
+             SamplingParams(logprobs=2, min_tokens=1, ignore_eos=True)]
+    for i, p in enumerate(kinds):
+        sched.add(Request(f"r{i}", [10 + i, 11, 12], p))
+    out = sched.schedule()
+    sched.update(out, [[20 + i] for i in range(4)])  # one output each
+    out = sched.schedule()
+    step = build_step_input(out, eos_token_ids=(2,))
+    check_against_requests(step, out)
+    for r, s in enumerate(out.scheduled):
+        req, p = s.request, s.request.params
+        hist = step.history_ids[step.history_counts[:r].sum():][: step.history_counts[r]]
+        want = (req.all_token_ids if p.repetition_penalty != 1.0 else req.output_token_ids) \
+            if p.penalized else []
+        assert hist.tolist() == want and step.history_outputs[r] == (1 if p.penalized else 0)
+        left = max(0, p.min_tokens - 1)
+        assert step.min_left[r] == left
+        stops = step.suppress_ids[step.suppress_counts[:r].sum():][: step.suppress_counts[r]]
+        want_stops = sorted(set(p.stop_token_ids) | ({2} if not p.ignore_eos else set()))
+        assert stops.tolist() == (want_stops if left else [])
+        bias = step.bias_ids[step.bias_counts[:r].sum():][: step.bias_counts[r]]
+        assert bias.tolist() == list(p.logit_bias)
+        assert step.logprobs[r] == (-1 if p.logprobs is None else p.logprobs)
+    assert step.processed.tolist() == [False, True, True, False] and step.eager
+    back = StepInput.decode(step.encode())
+    assert back.equals(step)
+    sub = step.select([2, 1])
+    assert sub.bias_values.tolist() == [1.5, -100.0] and sub.history_ids.tolist() == \
+        [22] + out.scheduled[1].request.all_token_ids
+    plain = build_step_input(out).select([0])
+    assert not plain.eager and len(plain.history_ids) == len(plain.bias_ids) == 0

@@ -159,3 +159,25 @@ def test_tp_adaptive_policy_and_mode_switches_equal_tp1(pair, reference) -> None
     digests = llm.engine.executor.close()
     assert all(d == llm.engine.executor.digest for d in digests.values())
     llm.close()
+
+
+def test_tp_logits_processing_equals_tp1(pair) -> None:
+    """Penalties, min_tokens, logit_bias and log-probs at TP 2 (chain, preemption): every rank
+    builds the same processing state from the StepInput, so the tokens (and every rank's
+    digest) are TP 1's, and rank 0's log-probs match."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, repetition_penalty=1.3,
+                            frequency_penalty=0.5, presence_penalty=0.3, min_tokens=4,
+                            logit_bias={7: 3.0}, logprobs=2)
+    outs = {}
+    for tp in (1, 2):
+        llm = _llm(pair, tp, SPECS["chain3"])
+        preempted = record_preemptions(llm.engine.scheduler)
+        outs[tp] = llm.generate(_prompts(), params)
+        assert preempted
+        if tp == 2:
+            digests = llm.engine.executor.close()
+            assert all(d == llm.engine.executor.digest for d in digests.values())
+        llm.close()
+    for a, b in zip(outs[1], outs[2]):
+        assert a.token_ids == b.token_ids
+        assert [e[0] for e in a.logprobs] == pytest.approx([e[0] for e in b.logprobs], abs=1e-4)

@@ -18,12 +18,12 @@ import json
 import logging
 import random
 import time
-from dataclasses import dataclass
 
 from specserve.config import EngineConfig
 from specserve.engine.executor import Executor
 from specserve.engine.local_worker import ProposerFactory, resolve_model
 from specserve.engine.memory import check_fits
+from specserve.engine.outputs import RequestOutput, record_logprobs, record_prompt_logprobs
 from specserve.engine.request import Request
 from specserve.engine.scheduler import Scheduler, SchedulerOutput
 from specserve.engine.spec_policy import AdaptivePolicy, SpecPolicy, StaticPolicy
@@ -45,18 +45,6 @@ from specserve.worker.device import resolve_device, resolve_dtype
 from specserve.worker.step_input import StepOutput
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str  # UTF-8-safe delta; stop strings already applied
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort"
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 class _TextState:
@@ -232,6 +220,16 @@ class Engine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self._prompt_ids(prompt)
+        cap = self.config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > cap:
+                raise ValueError(f"{name} must be at most {cap} (--max-logprobs), got {k}")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.logit_bias if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias token ids must be < the vocab size {vocab}, got "
+                             f"{bad[0]}")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         req = Request(request_id, ids, params, seed=seed)
         self.scheduler.add(req)  # validates lengths; may raise ValueError / QueueFullError
@@ -281,10 +279,16 @@ class Engine:
         if not out.scheduled:
             self._release(out)
             return []
-        result = self.executor.execute(build_step_input(out, mode))
+        step = build_step_input(out, mode, eos_token_ids=self.scheduler.eos_token_ids)
+        result = self.executor.execute(step)
         accepted = self._record_spec(out, result)
+        before = [s.request.num_output_tokens for s in out.scheduled]
         self.scheduler.update(out, result.token_ids, result.num_computed,
                               result.draft_computed)
+        if result.logprobs is not None:
+            record_logprobs(out, before, result.logprobs)
+        if result.prompt_logprobs is not None:
+            record_prompt_logprobs(out, result.prompt_logprobs)
         outputs = self._postprocess(out)
         if policy is not None:
             pure = all(s.is_decode for s in out.scheduled)
@@ -323,11 +327,15 @@ class Engine:
             new_ids = req.output_token_ids[state.emitted:]
             if not new_ids and not req.is_finished:
                 continue
+            first = state.emitted == 0
             state.emitted = len(req.output_token_ids)
             text = self._detokenize(req, state, new_ids)
+            lps = (None if req.output_logprobs is None
+                   else req.output_logprobs[len(req.output_logprobs) - len(new_ids):])
             results.append(RequestOutput(
                 req.request_id, new_ids, text, req.is_finished, req.finish_reason,
-                req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens))
+                req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens, lps,
+                req.prompt_logprobs if first else None))
             if req.is_finished:
                 if self.spec_policy is not None:
                     self.spec_policy.forget(req.request_id)

@@ -41,6 +41,14 @@ class Request:
         self.stop_token_set: frozenset[int] = frozenset(self.params.stop_token_ids)
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []  # append through append_token only
+        # per output token when params.logprobs is set: [log-prob, [top ids], [top log-probs]]
+        self.output_logprobs: list[list] | None = [] if self.params.logprobs is not None else None
+        # params.prompt_logprobs: entry p for prompt position p (None at 0 and until computed)
+        self.prompt_logprobs: list[list | None] | None = None
+        self.prompt_logprobs_left = 0  # prompt positions still without an entry
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+            self.prompt_logprobs_left = len(self.prompt_token_ids) - 1
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.page_ids: list[int] = []  # the block table

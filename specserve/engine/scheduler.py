@@ -278,7 +278,9 @@ class Scheduler:
             budget = self.config.max_num_batched_tokens - plan.used
             req = self.waiting[0]
             pc = self.prefix_cache
-            hit = pc.match(req.all_token_ids, req.page_keys) if pc is not None else []
+            # prompt log-probs need every prompt position computed: no cache hit
+            hit = (pc.match(req.all_token_ids, req.page_keys)
+                   if pc is not None and not req.prompt_logprobs_left else [])
             start = len(hit) * self.page_size
             n = min(req.num_tokens - start, budget)
             # keep one free page per running request so their next decode rarely preempts;

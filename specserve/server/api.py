@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.config import EngineConfig
 from specserve.server import errors as E
+from specserve.server import tokenize as T
 from specserve.server.async_engine import AsyncEngine
 from specserve.server.guard import (
     RETRY_AFTER_S,
@@ -173,6 +174,16 @@ def build_app(
 
     app.post("/v1/completions")(handler.completions)
     app.post("/v1/chat/completions")(handler.chat)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        return await T.tokenize(handler, request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        return await T.detokenize(handler, request)
+
+    app.get("/version")(T.version)
     return app
 
 

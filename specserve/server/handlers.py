@@ -10,6 +10,7 @@ long prompt stalls neither the event loop nor the engine.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -21,14 +22,17 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from specserve.engine.engine import RequestOutput
 from specserve.engine.scheduler import QueueFullError
 from specserve.sampling_params import SamplingParams
 from specserve.server import errors as E
 from specserve.server import protocol as P
 from specserve.server import responses as R
 from specserve.server.async_engine import AsyncEngine
+from specserve.server.choices import Choices as _Choices
+from specserve.server.choices import choice_seed
+from specserve.server.choices import merged as _merged
 from specserve.server.guard import RETRY_AFTER_S
+from specserve.server.logprobs import LogprobFormatter
 from specserve.server.streams import (
     EngineDeadError,
     EngineDrainingError,
@@ -101,6 +105,7 @@ class Handler:
         # the model's generation-config sampling values, for fields a request leaves out
         self.defaults = engine.engine.generation_defaults.params
         self.max_len = engine.max_model_len
+        self.max_logprobs = engine.engine.config.max_logprobs
         per_token = getattr(engine.tokenizer, "max_chars_per_token", None)
         # characters a prompt may have and still fit the context (None: no sound bound)
         self.max_chars = None if per_token is None else self.max_len * per_token
@@ -165,7 +170,12 @@ class Handler:
         else:
             ids = prompt
         params = self._params(req, req.max_tokens, ids, COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
-        return await self._run(request, req, R.new_id("cmpl"), ids, params, chat=False)
+        echo = None
+        if req.echo:  # the prompt text before the completion (token-id prompts decoded)
+            echo = prompt if isinstance(prompt, str) else await asyncio.to_thread(
+                self.engine.tokenizer.decode, prompt)
+        return await self._run(request, req, R.new_id("cmpl"), ids, params, chat=False,
+                               echo=echo)
 
     async def chat(self, request: Request) -> Response:
         why = "each takes at least one token of the context"
@@ -178,6 +188,13 @@ class Handler:
         params = self._params(req, req.requested_max_tokens(), ids, None, "messages")
         return await self._run(request, req, R.new_id("chatcmpl"), ids, params, chat=True)
 
+    def _check_logprobs(self, req: P.CommonRequest, params: SamplingParams) -> None:
+        cap = self.max_logprobs
+        if params.logprobs is not None and params.logprobs > cap:
+            name = "top_logprobs" if isinstance(req, P.ChatCompletionRequest) else "logprobs"
+            raise E.bad_request(f"{name} must be at most {cap} (the server's --max-logprobs), "
+                                f"got {params.logprobs}", name)
+
     async def _run(
         self,
         request: Request,
@@ -186,88 +203,92 @@ class Handler:
         ids: list[int],
         params: SamplingParams,
         chat: bool,
+        echo: str | None = None,
     ) -> Response:
+        """One engine request per choice (choice i > 0 of a seeded request gets a seed
+        derived from (seed, i)); the prefix cache shares their prompt."""
+        self._check_logprobs(req, params)
+        n = req.num_choices
+        streams: list[RequestStream] = []
         try:
-            stream = await self.engine.add_request(rid, ids, params)
-        except _ENGINE_ERRORS as exc:
+            for i in range(n):
+                choice_params = params if i == 0 or params.seed is None else \
+                    dataclasses.replace(params, seed=choice_seed(params.seed, i))
+                streams.append(await self.engine.add_request(
+                    rid if n == 1 else f"{rid}-{i}", ids, choice_params))
+        except (*_ENGINE_ERRORS, ValueError) as exc:
+            for st in streams:
+                st.close()
+            if isinstance(exc, ValueError):
+                raise E.bad_request(str(exc)) from None
             raise engine_error(exc) from None
-        except ValueError as exc:
-            raise E.bad_request(str(exc)) from None
+        view = _Choices(chat, LogprobFormatter(self.engine.tokenizer), echo, ids,
+                        params.prompt_logprobs is not None, n)
         if req.stream:
-            return _SSEResponse(self._events(stream, rid, chat, req.include_usage), stream.close)
-        return await self._collect(request, stream, rid, chat)
+            return _SSEResponse(self._events(streams, rid, view, req.include_usage),
+                                lambda: [st.close() for st in streams])
+        return await self._collect(request, streams, rid, view)
 
-    async def _collect(
-        self, request: Request, stream: RequestStream, rid: str, chat: bool
-    ) -> Response:
+    async def _collect(self, request: Request, streams: list[RequestStream], rid: str,
+                       view: _Choices) -> Response:
         async def close_on_disconnect() -> None:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
-            stream.close()  # aborts the request and ends the iteration below
+            for st in streams:
+                st.close()  # aborts the requests and ends the iteration below
 
         watcher = asyncio.create_task(close_on_disconnect())
-        texts: list[str] = []
-        last: RequestOutput | None = None
         try:
-            async for out in stream:
-                texts.append(out.new_text)
-                last = out
+            async for i, out in _merged(streams):
+                view.add(i, out)
         except _ENGINE_ERRORS as exc:
             raise engine_error(exc) from None
         finally:
             watcher.cancel()
-            stream.close()
-        if last is None or not last.finished:
+            for st in streams:
+                st.close()
+        lasts = view.last
+        if any(last is None or not last.finished for last in lasts):
             return Response(status_code=499)  # the client left; nobody reads this
-        if last.finish_reason not in ("stop", "length"):
+        if any(last.finish_reason not in ("stop", "length") for last in lasts):
             raise E.APIError(
                 503, "the request was aborted; retry it", type="server_error", code="aborted"
             )
-        body = R.full_response(
-            chat,
-            rid,
-            self.model_name,
-            "".join(texts),
-            last.finish_reason,
-            R.Usage.of(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens),
-        )
+        body = R.full_response(view.chat, rid, self.model_name, view.choices(), view.usage())
         return Response(body.model_dump_json(), media_type="application/json")
 
-    async def _events(
-        self, stream: RequestStream, rid: str, chat: bool, include_usage: bool
-    ) -> AsyncIterator[str]:
+    async def _events(self, streams: list[RequestStream], rid: str, view: _Choices,
+                      include_usage: bool) -> AsyncIterator[str]:
         created = int(time.time())
 
-        def chunk(
-            text: str | None,
-            finish: str | None = None,
-            usage: R.Usage | None = None,
-            role: bool = False,
-        ) -> str:
-            return _sse(
-                R.stream_chunk(chat, rid, self.model_name, created, text, finish, usage, role)
-            )
+        def chunk(i: int, text: str | None, finish: str | None = None,
+                  usage: R.Usage | None = None, role: bool = False,
+                  logprobs: dict[str, Any] | None = None) -> str:
+            return _sse(R.stream_chunk(view.chat, rid, self.model_name, created, text, finish,
+                                       usage, role, i, logprobs))
 
         try:
-            if chat:
-                yield chunk("", role=True)
-            last: RequestOutput | None = None
-            async for out in stream:
-                last = out
+            for i in range(len(streams)):
+                if view.chat:
+                    yield chunk(i, "", role=True)
+                elif view.echo and not view.prompt_logprobs:
+                    yield chunk(i, view.echo)
+            async for i, out in _merged(streams):
                 if out.finished and out.finish_reason not in ("stop", "length"):
                     yield _sse(
                         E.error_body("the request was aborted", "server_error", None, "aborted")
                     )
                     return
-                if out.new_text or out.finished:
-                    yield chunk(out.new_text, out.finish_reason if out.finished else None)
-            if last is None:
+                view.add(i, out)
+                if out.prompt_logprobs is not None and view.echo:  # the echo, once its
+                    yield chunk(i, view.echo, logprobs=view.prompt_block(i))  # log-probs exist
+                if out.new_text or out.finished:  # log-probs of held-back text wait for it
+                    yield chunk(i, out.new_text, out.finish_reason if out.finished else None,
+                                logprobs=view.pending_logprobs(i))
+            if any(last is None for last in view.last):
                 return  # closed without output: the client left
             if include_usage:
-                usage = R.Usage.of(
-                    last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens
-                )
-                yield chunk(None, usage=usage)
+                yield chunk(0, None, usage=view.usage())
             yield _sse("[DONE]")
         except _ENGINE_ERRORS as exc:
             yield _sse(engine_error(exc).body())
@@ -275,4 +296,6 @@ class Handler:
             log.exception("stream %s failed", rid)
             yield _sse(E.error_body(INTERNAL_ERROR, "server_error", None, 500))
         finally:
-            stream.close()
+            for st in streams:
+                st.close()
+

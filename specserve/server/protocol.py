@@ -2,28 +2,39 @@
 
 Requests are parsed strictly (no "10" -> 10, no 1.5 -> 1, no NaN / Infinity): anything a client
 gets wrong becomes an `APIError` carrying the OpenAI error envelope, with `param` naming the
-offending field and a message that says what to change. Fields OpenAI defines but we do not
-implement (n > 1, logprobs, echo, penalties, tools) are refused with a 400 rather than ignored.
-Unknown fields are ignored, as OpenAI clients send extras (user, metadata, store, ...).
+offending field and a message that says what to change. Implemented: n (<= MAX_N, one
+engine request per choice), logprobs / top_logprobs (<= --max-logprobs), echo (with logprobs:
+the prompt's log-probs too), presence/frequency/repetition penalties, min_tokens, logit_bias.
+Fields OpenAI defines but we do not implement (tools, tool_choice, functions, response_format
+other than text, suffix, best_of other than n, ...) are declared and refused with a 400
+naming them, and so are vLLM extensions we lack (REFUSED_EXTRAS). Other unknown fields are
+ignored, as OpenAI clients send extras (metadata, store, ...).
 """
 
 from __future__ import annotations
 
-import json
-import re
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from specserve.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
+from specserve.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
 from specserve.server.errors import bad_request, echo, validation_error
+from specserve.server.parsing import parse_request_json
 
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-
-
-def _reject_constant(token: str) -> Any:
-    raise ValueError(f"{token} is not valid JSON; send finite numbers")
+MAX_N = 16  # choices per request (each one is an engine request)
+# vLLM extensions a client may send expecting an effect that this server does not have:
+# refused by name when set, never silently ignored
+REFUSED_EXTRAS = ("prompt_logprobs", "allowed_token_ids", "bad_words", "guided_json",
+                  "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+                  "truncate_prompt_tokens", "use_beam_search", "length_penalty",
+                  "chat_template", "chat_template_kwargs", "continue_final_message",
+                  "logits_processors", "return_tokens_as_token_ids")
 
 
 def parse_request(
@@ -36,27 +47,11 @@ def parse_request(
 
     max_items: field -> (most list items, why), checked on the parsed JSON before validation
     (a field ending in "[].content" caps the content parts of each message)."""
-    if content_type.split(";")[0].strip().lower() != "application/json":
-        raise bad_request(
-            f"Content-Type must be application/json, got "
-            f"{echo(content_type) if content_type else 'none'}"
-        )
-    if not body.strip():
-        raise bad_request("the request body is empty; send a JSON object")
-    try:
-        obj = json.loads(body, parse_constant=_reject_constant)
-        if _SURROGATE_ESCAPE.search(body):  # a lone surrogate needs a \ud800-style escape
-            json.dumps(obj, ensure_ascii=False).encode("utf-8")
-    except UnicodeError:
-        raise bad_request(
-            "the request body is not valid UTF-8 / Unicode (a lone surrogate?); "
-            "send valid UTF-8 JSON"
-        ) from None
-    except RecursionError:
-        raise bad_request("the request body is nested too deeply") from None
-    except ValueError as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}") from None
-    _check_list_lengths(obj, {**model.MAX_ITEMS, **(max_items or {})})
+    obj = parse_request_json(body, content_type, {**model.MAX_ITEMS, **(max_items or {})})
+    if isinstance(obj, dict):
+        for name in REFUSED_EXTRAS:
+            if obj.get(name) not in (None, False, [], {}):
+                raise bad_request(f"{name} is not supported; omit the field", name)
     try:
         req = model.model_validate(obj)
     except ValidationError as exc:
@@ -64,31 +59,8 @@ def parse_request(
     for name, accepted, hint in req.UNSUPPORTED:
         if not accepted(getattr(req, name)):
             raise bad_request(f"{name}={echo(getattr(req, name))} is not supported; {hint}", name)
+    req.check_choices()
     return req
-
-
-def _check_list_lengths(obj: Any, limits: dict[str, tuple[int, str]]) -> None:
-    if not isinstance(obj, dict):
-        return  # validation names the problem
-    for field, (cap, why) in limits.items():
-        outer, _, inner = field.partition("[].")
-        items = obj.get(outer)
-        if not isinstance(items, list):
-            continue
-        lists = (
-            [(outer, items)]
-            if not inner
-            else [
-                (f"{outer}[{i}].{inner}", item.get(inner))
-                for i, item in enumerate(items)
-                if isinstance(item, dict) and isinstance(item.get(inner), list)
-            ]
-        )
-        for name, value in lists:
-            if len(value) > cap:
-                raise bad_request(
-                    f"{name} holds {len(value)} items; at most {cap} are accepted ({why})", name
-                )
 
 
 class _Strict(BaseModel):
@@ -110,13 +82,10 @@ class CommonRequest(_Strict):
     MAX_ITEMS: ClassVar[dict[str, tuple[int, str]]] = {
         "stop": (MAX_STOP_STRINGS, "the stop-string cap"),
         "stop_token_ids": (MAX_STOP_TOKEN_IDS, "the stop-token cap"),
+        "logit_bias": (MAX_LOGIT_BIAS, "the logit_bias cap"),
     }
     # (field, accepts its value?, what to do instead): OpenAI fields we do not implement
-    UNSUPPORTED: ClassVar[tuple[tuple[str, Callable[[Any], bool], str], ...]] = (
-        ("presence_penalty", _unset, "leave it at 0"),
-        ("frequency_penalty", _unset, "leave it at 0"),
-        ("logit_bias", _unset, "leave it empty"),
-    )
+    UNSUPPORTED: ClassVar[tuple[tuple[str, Callable[[Any], bool], str], ...]] = ()
 
     model: str | None = None
     max_tokens: int | None = None
@@ -134,17 +103,31 @@ class CommonRequest(_Strict):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: str | None = None  # an end-user id for abuse tracking: nothing to apply
 
     @field_validator("n")
     @classmethod
     def _check_n(cls, n: int | None) -> int | None:
-        if n is not None and n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        if n is not None and n > 1:
-            raise ValueError(f"n > 1 is not supported (got {n}); send {n} separate requests")
+        if n is not None and not 1 <= n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {n}")
         return n
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    def logprobs_k(self) -> int | None:
+        """Alternatives per token the request asks for; None: no log-probs."""
+        raise NotImplementedError
+
+    def check_choices(self) -> None:
+        """Cross-field checks of the request kind (after the field checks)."""
+
+    def prompt_logprobs_k(self) -> int | None:
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -190,23 +173,37 @@ class CommonRequest(_Strict):
         else:
             max_tokens = requested
         params = self.sampling_params(max_tokens, defaults)
-        for t in params.stop_token_ids:
-            if t >= vocab_size:
-                raise bad_request(
-                    f"stop_token_ids must be < the vocab size {vocab_size}, got {t}",
-                    "stop_token_ids",
-                )
+        for name, ids in (("stop_token_ids", params.stop_token_ids),
+                          ("logit_bias", params.logit_bias)):
+            for t in ids:
+                if t >= vocab_size:
+                    raise bad_request(
+                        f"{name} token ids must be < the vocab size {vocab_size}, got {t}", name
+                    )
         return params
 
     def sampling_params(self, max_tokens: int,
                         defaults: dict[str, Any] | None = None) -> SamplingParams:
         """Build SamplingParams; APIError(400) naming the field on an out-of-range value.
         Sampling fields left out take `defaults`, else OpenAI's defaults."""
-        given = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p")}
+        given = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p",
+                                                "repetition_penalty")}
         sampling = {**(defaults or {}), **{k: v for k, v in given.items() if v is not None}}
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdigit():
+                raise bad_request(f"logit_bias keys must be token ids, got {echo(key)}",
+                                  "logit_bias")
+            bias[int(key)] = value
         try:
             return SamplingParams(
                 **sampling,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                min_tokens=self.min_tokens,
+                logit_bias=bias,
+                logprobs=self.logprobs_k(),
+                prompt_logprobs=self.prompt_logprobs_k(),
                 seed=self.seed,
                 max_tokens=max_tokens,
                 stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
@@ -225,10 +222,7 @@ class CommonRequest(_Strict):
 
 class CompletionRequest(CommonRequest):
     UNSUPPORTED = CommonRequest.UNSUPPORTED + (
-        ("logprobs", lambda v: v is None, "omit the field"),
-        ("echo", _unset, "prepend the prompt yourself"),
-        ("suffix", _unset, "omit the field"),
-        ("best_of", lambda v: v in (None, 1), "send one request per sequence"),
+        ("suffix", _unset, "omit the field (no fill-in-the-middle)"),
     )
 
     prompt: str | list[int] | list[str] | list[list[int]]
@@ -236,6 +230,24 @@ class CompletionRequest(CommonRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+    def logprobs_k(self) -> int | None:
+        if self.logprobs is not None and self.logprobs < 0:
+            raise bad_request(f"logprobs must be >= 0, got {self.logprobs}", "logprobs")
+        return self.logprobs
+
+    def prompt_logprobs_k(self) -> int | None:
+        """echo with logprobs reports the prompt tokens' log-probs too."""
+        return self.logprobs if self.echo else None
+
+    def check_choices(self) -> None:
+        """best_of: only the trivial best_of == n (no ranking of extra candidates)."""
+        if self.best_of is not None and self.best_of != self.num_choices:
+            raise bad_request(
+                f"best_of={self.best_of} is not supported; leave it out or equal to n "
+                f"({self.num_choices}), or send n={self.best_of} and rank the choices yourself",
+                "best_of",
+            )
 
     def single_prompt(self, vocab_size: int) -> str | list[int]:
         """The one prompt: a string or token ids in [0, vocab_size) (no batches)."""
@@ -290,15 +302,20 @@ class ChatMessage(_Strict):
 
 
 class ChatCompletionRequest(CommonRequest):
-    UNSUPPORTED = CommonRequest.UNSUPPORTED + (
-        ("logprobs", _unset, "set it to false"),
-        ("top_logprobs", lambda v: v is None, "omit the field"),
-        ("tools", _unset, "omit the field"),
+    UNSUPPORTED = CommonRequest.UNSUPPORTED + tuple(
+        (name, _unset, "omit the field (no tool or function calling)")
+        for name in ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls")
+    ) + (
         (
             "response_format",
             lambda v: v is None or v.get("type") == "text",
-            "only {'type': 'text'} is supported",
+            "only {'type': 'text'} is supported (no structured output)",
         ),
+        ("audio", _unset, "omit the field (text only)"),
+        ("modalities", lambda v: v is None or v == ["text"], "only ['text'] is supported"),
+        ("prediction", _unset, "omit the field"),
+        ("reasoning_effort", _unset, "omit the field"),
+        ("web_search_options", _unset, "omit the field"),
     )
 
     messages: list[ChatMessage]
@@ -306,7 +323,25 @@ class ChatCompletionRequest(CommonRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
     response_format: dict[str, Any] | None = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+
+    def logprobs_k(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+        if self.top_logprobs is not None and self.top_logprobs < 0:
+            raise bad_request(f"top_logprobs must be >= 0, got {self.top_logprobs}",
+                              "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
     @field_validator("messages")
     @classmethod
@@ -327,6 +362,7 @@ class ChatCompletionRequest(CommonRequest):
     def chat_messages(self) -> list[dict[str, str]]:
         # "developer" is OpenAI's newer name for "system"; chat templates know only the latter.
         return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text(i),
+             **({"name": m.name} if m.name is not None else {})}
             for i, m in enumerate(self.messages)
         ]

@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel
+
+from specserve import __version__
+
+# names the build that answered (OpenAI's system_fingerprint): the server version
+SYSTEM_FINGERPRINT = f"fp_specserve_{__version__}"
 
 
 class PromptTokensDetails(BaseModel):
@@ -33,21 +38,22 @@ class Usage(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    # {tokens, token_logprobs, top_logprobs, text_offset} when asked (server/logprobs.py)
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None  # "stop" | "length"; None until the last chunk
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: dict[str, str]  # {"role": "assistant", "content": ...}
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None  # {"content": [...]} when asked
     finish_reason: str | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: dict[str, str]  # {"role": "assistant", "content": ""} first, then {"content": ...}
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
 
 
@@ -58,6 +64,7 @@ class ResponseBody(BaseModel):
     model: str
     choices: list[CompletionChoice | ChatChoice | ChatChunkChoice]
     usage: Usage | None = None  # streams: null, then a last usage-only chunk if asked for
+    system_fingerprint: str = SYSTEM_FINGERPRINT
 
 
 def new_id(prefix: str) -> str:
@@ -65,20 +72,25 @@ def new_id(prefix: str) -> str:
 
 
 def full_response(
-    chat: bool, rid: str, model: str, text: str, finish_reason: str, usage: Usage
+    chat: bool,
+    rid: str,
+    model: str,
+    choices: list[tuple[str, str, dict[str, Any] | None]],
+    usage: Usage,
 ) -> ResponseBody:
-    """The non-streamed answer."""
-    choice = (
-        ChatChoice(message={"role": "assistant", "content": text}, finish_reason=finish_reason)
-        if chat
-        else CompletionChoice(text=text, finish_reason=finish_reason)
-    )
+    """The non-streamed answer; choices: (text, finish reason, logprobs) per choice."""
     return ResponseBody(
         id=rid,
         object="chat.completion" if chat else "text_completion",
         created=int(time.time()),
         model=model,
-        choices=[choice],
+        choices=[
+            ChatChoice(index=i, message={"role": "assistant", "content": text},
+                       finish_reason=finish, logprobs=lp)
+            if chat
+            else CompletionChoice(index=i, text=text, finish_reason=finish, logprobs=lp)
+            for i, (text, finish, lp) in enumerate(choices)
+        ],
         usage=usage,
     )
 
@@ -92,14 +104,19 @@ def stream_chunk(
     finish_reason: str | None = None,
     usage: Usage | None = None,
     role: bool = False,
+    index: int = 0,
+    logprobs: dict[str, Any] | None = None,
 ) -> ResponseBody:
-    """One streamed chunk; text None = the final usage-only chunk (empty choices)."""
+    """One streamed chunk of choice `index`; text None = the final usage-only chunk (empty
+    choices)."""
     choices: list[CompletionChoice | ChatChoice | ChatChunkChoice] = []
     if text is not None and chat:
         delta = {"role": "assistant", "content": text} if role else {"content": text}
-        choices = [ChatChunkChoice(delta=delta, finish_reason=finish_reason)]
+        choices = [ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason,
+                                   logprobs=logprobs)]
     elif text is not None:
-        choices = [CompletionChoice(text=text, finish_reason=finish_reason)]
+        choices = [CompletionChoice(index=index, text=text, finish_reason=finish_reason,
+                                    logprobs=logprobs)]
     return ResponseBody(
         id=rid,
         object="chat.completion.chunk" if chat else "text_completion",

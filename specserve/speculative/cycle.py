@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from specserve.kernels.kv_compact import compact_kv
+from specserve.layers.logits_processor import LogitsProcess, token_logprobs
 from specserve.layers.sampler import (
     SYNTHETIC_DRAW_SALT,
     SYNTHETIC_RATE_SALT,
@@ -61,28 +62,42 @@ class SpecCycle:
 
     def run(self, mode: str, state: torch.Tensor, root_pos: torch.Tensor,
             root_tokens: torch.Tensor, page_table: torch.Tensor, valid: torch.Tensor,
-            st: SamplingTensors) -> tuple[torch.Tensor, ...]:
+            st: SamplingTensors, proc: LogitsProcess | None = None,
+            logprobs_k: int = -1) -> tuple[torch.Tensor, ...]:
         """state [bs, S] (the proposer's state at P - 1); root_pos [bs] = P; root_tokens
         [bs]; page_table [bs, max_pages]; valid [bs]. Returns emitted [bs, W] (-1 padded),
-        num_emitted [bs] and the proposer's new state [bs, S]."""
+        num_emitted [bs] and the proposer's new state [bs, S]; with logprobs_k >= 0 also the
+        emitted tokens' raw log-probs (chosen [bs, W], top values and ids [bs, W, k]), from
+        the target's logits at the accepted path's nodes. proc: the rows' logits processing
+        (eager cycles only)."""
         tree = self.proposer.propose(self.shape, state, root_pos, root_tokens, page_table,
                                      valid)
         # KV slots of positions P .. P + lookahead (every slot the cycle writes past P), once
         span = torch.arange(self.lookahead + 1, device=root_pos.device)
         window = kv_slots(page_table, root_pos[:, None] + span, self.runner.page_size)
-        result, feats = self.verify(mode, tree, root_pos, page_table, valid, st, window)
+        result, feats, logits = self.verify(mode, tree, root_pos, page_table, valid, st,
+                                            window, proc)
         if self.k > 1:
             self.compact_kv(result, window, valid)
         new_state = self.proposer.extend_accepted(self.shape, result, feats, root_pos,
                                                   page_table, valid, window)
-        return result.emitted, result.num_emitted, new_state
+        if logprobs_k < 0:
+            return result.emitted, result.num_emitted, new_state
+        nodes = result.accepted_nodes.clamp(min=0)  # [bs, W]: node that decided each token
+        at = logits.gather(1, nodes[:, :, None].expand(-1, -1, logits.shape[-1]))
+        return (result.emitted, result.num_emitted, new_state,
+                *token_logprobs(at, result.emitted, logprobs_k))
 
     def verify(self, mode: str, tree: DraftTree, root_pos: torch.Tensor,
                page_table: torch.Tensor, valid: torch.Tensor, st: SamplingTensors,
-               window: torch.Tensor) -> tuple[VerifyResult, torch.Tensor | None]:
+               window: torch.Tensor, proc: LogitsProcess | None = None
+               ) -> tuple[VerifyResult, torch.Tensor | None, torch.Tensor]:
         """Target forward over the n tree nodes (node i at slot P + i, RoPE position
-        P + depth, the ancestor mask), then acceptance. Returns the result and, when the
-        proposer needs them, the aux features of every node [bs, n, F]."""
+        P + depth, the ancestor mask), then acceptance. Returns the result, the aux
+        features of every node [bs, n, F] when the proposer needs them, and the raw logits
+        [bs, n, V]. With proc, node i's distribution is processed as if the draft tokens on
+        its path were already generated (LogitsProcess.for_tree): lossless for penalties,
+        min_tokens and logit_bias alike."""
         runner, capture = self.runner, self.capture
         bs, n = tree.tokens.shape
         slots = torch.where(valid[:, None], window[:, :n], -1)
@@ -95,17 +110,21 @@ class SpecCycle:
         if capture is not None:
             feats = capture.pop().view(bs, n, -1)
             capture.disable()
-        logits = runner.compute_logits(hidden).view(bs, n, -1)  # [bs, n, V]
+        raw = runner.compute_logits(hidden).view(bs, n, -1)  # [bs, n, V]
+        v = raw.shape[-1]
+        logits = raw
+        if proc is not None and mode != "synthetic":
+            logits = proc.for_tree(tree.tokens, tree.mask, tree.depth).apply(
+                raw.view(bs * n, v)).view(bs, n, v)
         if mode == "synthetic":
             return synthetic_accept(tree, self._synthetic_lengths(tree, st, root_pos),
-                                    logits), feats
+                                    logits), feats, raw
         if mode == "greedy":
-            return walk_tree(tree, logits.argmax(dim=-1)), feats
-        v = logits.shape[-1]
+            return walk_tree(tree, logits.argmax(dim=-1)), feats, raw
         probs = probs_from_logits(logits.view(bs * n, v), st.repeat_interleave(n)).view(bs, n, v)
         # node i decides the token at its position + 1: the draw is keyed by that position
         uniforms = token_uniforms(st.seeds, tree.positions(root_pos) + 1)
-        return verify(tree, probs, uniforms), feats
+        return verify(tree, probs, uniforms), feats, raw
 
     def _synthetic_lengths(self, tree: DraftTree, st: SamplingTensors,
                            root_pos: torch.Tensor) -> int | torch.Tensor:

@@ -19,9 +19,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specserve.layers.logits_processor import LogitsProcess
 from specserve.layers.sampler import SamplingTensors, graph_sampling_inputs
 from specserve.speculative.cycle import MODES, SpecCycle
 from specserve.worker.cuda_graph import BatchGraphs
+from specserve.worker.logits import logits_process, logprob_lists
 from specserve.worker.step_input import StepInput
 
 
@@ -118,14 +120,17 @@ class CycleRunner:
         page_table: torch.Tensor,
         valid: torch.Tensor,
         st: SamplingTensors,
+        proc: LogitsProcess | None = None,
+        logprobs_k: int = -1,
     ) -> tuple[torch.Tensor, ...]:
         """The cycle plus the inputs of the cycle after it, on the device: (emitted,
-        num_emitted, new state, next root position, next root token)."""
-        emitted, num, new_state = self.cycle.run(
-            mode, state, root_pos, root_tokens, page_table, valid, st
+        num_emitted, new state, next root position, next root token), then the log-prob
+        tensors when logprobs_k >= 0 (eager cycles only, see SpecCycle.run)."""
+        emitted, num, new_state, *lp = self.cycle.run(
+            mode, state, root_pos, root_tokens, page_table, valid, st, proc, logprobs_k
         )
         last = emitted.gather(1, (num - 1).clamp(min=0)[:, None]).squeeze(1)
-        return emitted, num, new_state, root_pos + num, last
+        return emitted, num, new_state, root_pos + num, last, *lp
 
     @property
     def num_graphs(self) -> int:
@@ -137,8 +142,8 @@ class CycleRunner:
     ) -> tuple[list[list[int]], torch.Tensor]:
         """One cycle over the rows (all decodes at their roots). state_of() gives the rows'
         proposer state [bs, S] (not called when the cycle launched ahead holds every row).
-        Returns each row's emitted tokens and the new state [bs, S] (a copy: graph outputs
-        are reused)."""
+        Returns each row's emitted tokens, the new state [bs, S] (a copy: graph outputs
+        are reused) and, when a row asks, per row the emitted tokens' log-prob entries."""
         starts = rows.starts.tolist()
         launched, self._launched = self._launched, None
         match = self.match(launched, rows.request_ids, starts)
@@ -157,7 +162,7 @@ class CycleRunner:
                     match, dtype=torch.long, pin_memory=self.runner.device.type == "cuda"
                 ).to(self.runner.device, non_blocking=True)
                 out = tuple(t.index_select(0, idx) for t in out)
-        emitted, num_emitted, new_state, next_root, next_token = out
+        emitted, num_emitted, new_state, next_root, next_token, *lp = out
         new_state = new_state.clone()  # graph outputs are overwritten by the next replay
         host = torch.cat([num_emitted[:, None], emitted], dim=1).to("cpu", non_blocking=True)
         done = torch.cuda.Event() if self.runner.device.type == "cuda" else None
@@ -170,7 +175,14 @@ class CycleRunner:
         tokens = [row[1 : 1 + row[0]] for row in host.tolist()]
         if self._launched is not None:
             self._launched.starts[:] = [a + len(t) for a, t in zip(starts, tokens)]
-        return tokens, new_state
+        logprobs = None
+        if lp:
+            w = emitted.shape[1]
+            ks = np.repeat(rows.logprobs, w).tolist()
+            flat = logprob_lists(tuple(lp), ks)
+            logprobs = [None if k < 0 else flat[j * w: j * w + len(t)]
+                        for j, (k, t) in enumerate(zip(rows.logprobs.tolist(), tokens))]
+        return tokens, new_state, logprobs
 
     def run(self, rows: StepInput, inputs: dict[str, object]) -> tuple[torch.Tensor, ...]:
         """Launch one cycle over the rows (inputs: state, root_pos, root_tokens, host or
@@ -182,7 +194,7 @@ class CycleRunner:
         table, width = runner.page_table(rows)
         inputs.update(page_table=table, valid=np.ones(rows.bs, dtype=bool))
         graphs = self.graphs.get(mode) if self.graphs else None
-        if graphs is not None and rows.bs <= graphs.max_bs:
+        if graphs is not None and rows.bs <= graphs.max_bs and not rows.eager:
             inputs.update(runner.sampling_fields(rows))
             return graphs.replay(rows.bs, widths={"page_table": width}, **inputs)
         # counters are unused: verification keys its noise by root position
@@ -196,6 +208,8 @@ class CycleRunner:
             dev["page_table"],
             dev["valid"],
             st,
+            logits_process(runner, rows, runner.model_config.vocab_size),
+            int(rows.logprobs.max()),
         )
 
     @staticmethod
@@ -229,6 +243,8 @@ class CycleRunner:
             return
         if (rows.tokens_left <= 1).all():
             return  # this cycle ends every one of them
+        if rows.eager:
+            return  # logits processing reads tokens the host has not seen yet
         out = self.run(
             rows, {"state": new_state, "root_pos": next_root, "root_tokens": next_token}
         )

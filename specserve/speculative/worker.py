@@ -43,6 +43,7 @@ from specserve.speculative.cycle import SpecCycle
 from specserve.speculative.cycle_runner import CycleRunner
 from specserve.speculative.proposer import DraftShape, Proposer, draft_shapes
 from specserve.worker.forward_batch import build_attention_metadata
+from specserve.worker.logits import logprob_lists, prompt_logprobs, sample_logits
 from specserve.worker.step_input import StepInput, StepOutput
 
 log = logging.getLogger(__name__)
@@ -249,30 +250,36 @@ class SpecWorker:
         tokens: list[list[int]] = [[] for _ in range(step.bs)]
         computed = step.num_new_tokens.tolist()
         drafted = [0] * step.bs
+        logprobs: list | None = [None] * step.bs if (step.logprobs >= 0).any() else None
+        prompt_lps: list | None = [None] * step.bs if (step.prompt_logprobs >= 0).any() \
+            else None
         decodes = [i for i in range(step.bs) if self._can_speculate(step, i, mode)]
         spec = set(decodes)
         others = [i for i in range(step.bs) if i not in spec]
         if others:
-            self._target_rows(step.select(others), others, tokens)
+            self._target_rows(step.select(others), others, tokens, logprobs, prompt_lps)
         if decodes:
             rows = step.select(decodes)
             self._catch_up(rows)
             # requests finishing their prefill here speculate next step: no launch ahead
             joining = bool(step.samples[others].any()) if others else False
-            emitted, new_state = mode.cycles.speculate(
+            emitted, new_state, lps = mode.cycles.speculate(
                 rows, lambda: self._states(rows, mode.shape), launch_next=not joining
             )
             proposed = mode.shape.num_draft_tokens - 1
             for j, (i, rid) in enumerate(zip(decodes, rows.request_ids)):
                 m = len(emitted[j])
                 tokens[i], computed[i], drafted[i] = emitted[j], m, proposed
+                if lps is not None:
+                    logprobs[i] = lps[j]
                 self._set_state(rid, new_state[j], int(rows.starts[j]) + m)
                 self._count(m - 1, proposed)
         else:
             mode.cycles.discard_launched()
         if self.host_drafts:
             self.proposer.observe(step, tokens)
-        return StepOutput(tokens, computed, drafted, self._draft_computed(step))
+        return StepOutput(tokens, computed, drafted, self._draft_computed(step), logprobs,
+                          prompt_lps)
 
     def _restore_cached(self, step: StepInput) -> None:
         """Rows admitted on a cached prefix: the draft KV of [0, start) is in their pages."""
@@ -305,7 +312,8 @@ class SpecWorker:
             self.covered[rid] = covered
             self.pending.pop(rid, None)
 
-    def _target_rows(self, rows: StepInput, index: list[int], tokens: list[list[int]]) -> None:
+    def _target_rows(self, rows: StepInput, index: list[int], tokens: list[list[int]],
+                     logprobs: list | None, prompt_lps: list | None) -> None:
         """Plain target forward over rows that do not speculate; the prefill chunks that may
         speculate and whose proposer is caught up then feed it (pairs f_i, t_{i+1})."""
         runner, proposer = self.runner, self.proposer
@@ -325,13 +333,21 @@ class SpecWorker:
         if capture is not None:
             feats = capture.pop()  # [T, F]
             capture.disable()
+        if prompt_lps is not None:
+            for j, entries in enumerate(prompt_logprobs(runner, rows, hidden) or []):
+                prompt_lps[index[j]] = entries
         sampled: dict[int, int] = {}
         if batch.sample_index:
             logits = runner.compute_logits(hidden[batch.sample_rows])
-            st = runner.sampling_tensors(rows, batch.sample_index)
-            for j, tok in zip(batch.sample_index, runner.sampler.sample(logits, st).tolist()):
+            sub = rows.select(batch.sample_index)
+            out, lp = sample_logits(runner, sub, logits, runner.sampling_tensors(sub))
+            for j, tok in zip(batch.sample_index, out.tolist()):
                 sampled[j] = tok
                 tokens[index[j]] = [tok]
+            if lp is not None:
+                for j, entry in zip(batch.sample_index,
+                                    logprob_lists(lp, sub.logprobs.tolist())):
+                    logprobs[index[j]] = None if entry is None else [entry]
         fed = set(feed)
         self._record(rows, [j for j in range(rows.bs) if j not in fed])
         if not feed:

@@ -40,6 +40,7 @@ from specserve.models.presets import random_init
 from specserve.worker.cuda_graph import BatchGraphs, comm_message_rows
 from specserve.worker.device import resolve_device, resolve_dtype, select_backend
 from specserve.worker.forward_batch import build_attention_metadata, to_device
+from specserve.worker.logits import logprob_lists, prompt_logprobs, sample_logits
 from specserve.worker.step_input import StepInput, StepOutput
 
 log = logging.getLogger(__name__)
@@ -251,7 +252,7 @@ class ModelRunner:
         or None when no graph applies. The outputs live in the graph's buffers."""
         if self.decode_graphs is None or step.bs > self.graph_max_bs:
             return None
-        if not (step.samples.all() and (step.num_new_tokens == 1).all()):
+        if not (step.samples.all() and (step.num_new_tokens == 1).all()) or step.eager:
             return None
         return self._replay_decode(step, step.starts, step.token_ids)
 
@@ -268,19 +269,24 @@ class ModelRunner:
             positions=pos[:, None], slots=slots[:, None], seq_lens=pos + 1, page_table=table,
             **self.sampling_fields(rows))
 
-    def launch(self, step: StepInput) -> tuple[list[int], torch.Tensor | None]:
+    def launch(self, step: StepInput
+               ) -> tuple[list[int], torch.Tensor | None, tuple | None, list | None]:
         """Enqueue forward + sampling over the step's rows without waiting for the device:
-        (indices of the rows that sample, their tokens on the device)."""
+        (indices of the rows that sample, their tokens on the device, their log-probs when
+        a row asks, the prompt log-probs per row when one asks: see worker/logits.py)."""
         graphed = self._graph_decode(step)
         if graphed is not None:
-            return list(range(step.bs)), graphed[0]
+            return list(range(step.bs)), graphed[0], None, None
         batch = self.prepare(step)
         hidden = self.forward(batch.input_ids, batch.positions, batch.md)
+        prompt_lps = prompt_logprobs(self, step, hidden)
         if not batch.sample_index:
-            return [], None
+            return [], None, None, prompt_lps
         logits = self.compute_logits(hidden[batch.sample_rows])
-        st = self.sampling_tensors(step, batch.sample_index)
-        return batch.sample_index, self.sampler.sample(logits, st)
+        rows = step.select(batch.sample_index)
+        st = self.sampling_tensors(rows)
+        tokens, lp = sample_logits(self, rows, logits, st)
+        return batch.sample_index, tokens, lp, prompt_lps
 
     def _decode_rows(self, rows: StepInput, starts: np.ndarray, ids: torch.Tensor) -> torch.Tensor:
         """Sampled tokens [n] of one decode step whose input ids are already on the device."""
@@ -348,15 +354,25 @@ class ModelRunner:
             where.update(matched)
             self.rows_launched_ahead += len(matched)
         rest = [i for i in range(step.bs) if i not in matched]
+        logprobs = prompt_logprobs = None
         if rest:
-            index, tokens = self.launch(step if not matched else step.select(rest))
+            index, tokens, lp, plp = self.launch(step if not matched else step.select(rest))
+            if plp is not None:
+                prompt_logprobs = [None] * step.bs
+                for j, entries in enumerate(plp):
+                    prompt_logprobs[rest[j]] = entries
+            if lp is not None:
+                logprobs = [None] * step.bs
+                ks = step.logprobs.tolist()
+                for j, entry in zip(index, logprob_lists(lp, [ks[rest[j]] for j in index])):
+                    logprobs[rest[j]] = [entry]
             if tokens is not None:
                 base = len(launched.tokens) if matched else 0
                 where.update({rest[j]: base + k for k, j in enumerate(index)})
                 parts.append(tokens)
         out: list[list[int]] = [[] for _ in range(step.bs)]
         if not parts:
-            return StepOutput(out)
+            return StepOutput(out, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         step_tokens = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
         host = step_tokens.to("cpu", non_blocking=True)
         done = None
@@ -370,12 +386,14 @@ class ModelRunner:
         values = host.tolist()
         for i, row in where.items():
             out[i] = [values[row]]
-        return StepOutput(out)
+        return StepOutput(out, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     def _launch_next(self, step: StepInput, where: dict[int, int],
                      step_tokens: torch.Tensor) -> None:
         """Launch the next decode step of this step's decodes that will still run it."""
         ps = self.page_size
+        if step.eager:
+            return  # logits processing reads tokens the host has not seen yet
         index = [i for i in range(step.bs)
                  if i in where and step.num_new_tokens[i] == 1
                  and step.page_counts[i] * ps > step.starts[i] + 1  # a slot for it (yet)

@@ -41,10 +41,36 @@ ROW_ARRAYS: dict[str, type] = {
     "top_p": np.float32,
     "min_p": np.float32,
     "seed": np.int64,
+    # logits processing (layers/logits_processor.py); neutral values on rows without it
+    "presence_penalty": np.float32,
+    "frequency_penalty": np.float32,
+    "repetition_penalty": np.float32,  # 1 = off
+    "min_left": np.int64,  # outputs still due before the row's suppress ids may be emitted
+    "history_counts": np.int64,  # penalized rows that sample: prompt (repetition) + outputs
+    "history_outputs": np.int64,  # how many of those are outputs (the last ones)
+    "bias_counts": np.int64,
+    "suppress_counts": np.int64,  # EOS + stop_token_ids, only while min_left > 0
+    "logprobs": np.int64,  # -1: none; k: the emitted tokens' log-probs and top k
+    # -1: none; k: log-probs (and top k) of the prompt tokens after the chunk's positions
+    # (those below num_prompt - 1); num_prompt: the request's prompt length
+    "prompt_logprobs": np.int64,
+    "num_prompt": np.int64,
 }
-FLAT_ARRAYS: dict[str, type] = {"token_ids": np.int64, "page_ids": np.int32}
+FLAT_ARRAYS: dict[str, type] = {"token_ids": np.int64, "page_ids": np.int32,
+                                "history_ids": np.int64, "bias_ids": np.int64,
+                                "bias_values": np.float32, "suppress_ids": np.int64}
+# the per-row count array of each flat array
+FLAT_COUNTS = {"token_ids": "num_new_tokens", "page_ids": "page_counts",
+               "history_ids": "history_counts", "bias_ids": "bias_counts",
+               "bias_values": "bias_counts", "suppress_ids": "suppress_counts"}
 ARRAYS = {**ROW_ARRAYS, **FLAT_ARRAYS}
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+# the logits-processing arrays and their neutral values (StepInput's defaults)
+NEUTRAL_ROWS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+                "min_left": 0, "history_counts": 0, "history_outputs": 0, "bias_counts": 0,
+                "suppress_counts": 0, "logprobs": -1, "prompt_logprobs": -1, "num_prompt": 0}
+# sent only when some row uses them (StepInput.eager)
+PROCESSING = {*NEUTRAL_ROWS, "history_ids", "bias_ids", "bias_values", "suppress_ids"}
 
 
 @dataclass
@@ -68,6 +94,22 @@ class StepInput:
     seed: np.ndarray
     token_ids: np.ndarray
     page_ids: np.ndarray
+    # logits processing: None = neutral on every row (filled in __post_init__)
+    presence_penalty: np.ndarray | None = None
+    frequency_penalty: np.ndarray | None = None
+    repetition_penalty: np.ndarray | None = None
+    min_left: np.ndarray | None = None
+    history_counts: np.ndarray | None = None
+    history_outputs: np.ndarray | None = None
+    bias_counts: np.ndarray | None = None
+    suppress_counts: np.ndarray | None = None
+    logprobs: np.ndarray | None = None
+    prompt_logprobs: np.ndarray | None = None
+    num_prompt: np.ndarray | None = None
+    history_ids: np.ndarray | None = None
+    bias_ids: np.ndarray | None = None
+    bias_values: np.ndarray | None = None
+    suppress_ids: np.ndarray | None = None
     # requests whose per-request state (draft KV bookkeeping, a step launched ahead) every
     # rank drops before running this step: finished or aborted since the last step, and
     # preempted by this step's schedule
@@ -79,11 +121,15 @@ class StepInput:
     def __post_init__(self) -> None:
         bs = len(self.request_ids)
         for name, dtype in ARRAYS.items():
-            arr = np.asarray(getattr(self, name), dtype=dtype)
+            value = getattr(self, name)
+            if value is None:
+                value = np.full(bs, NEUTRAL_ROWS[name]) if name in NEUTRAL_ROWS else []
+            arr = np.asarray(value, dtype=dtype)
             setattr(self, name, arr)
             assert arr.ndim == 1 and (name in FLAT_ARRAYS or len(arr) == bs), (name, arr.shape)
-        assert len(self.token_ids) == int(self.num_new_tokens.sum())
-        assert len(self.page_ids) == int(self.page_counts.sum())
+        for flat, counts in FLAT_COUNTS.items():
+            assert len(getattr(self, flat)) == int(getattr(self, counts).sum()), flat
+        self._flags()
         self.tok_off = _offsets(self.num_new_tokens)  # [bs + 1]
         self.page_off = _offsets(self.page_counts)  # [bs + 1]
 
@@ -95,6 +141,16 @@ class StepInput:
     @property
     def greedy(self) -> np.ndarray:
         return self.temperature == 0.0
+
+    def _flags(self) -> None:
+        """processed [bs]: rows whose logits get processed (penalties, min_tokens,
+        logit_bias); eager: some row needs the eager path, processing or log-probs (no CUDA
+        graph holds them, and no step is launched ahead for them). Decided once."""
+        self.processed = ((self.presence_penalty != 0) | (self.frequency_penalty != 0)
+                          | (self.repetition_penalty != 1) | (self.suppress_counts > 0)
+                          | (self.bias_counts > 0))
+        self.eager = bool(self.processed.any() or (self.logprobs >= 0).any()
+                          or (self.prompt_logprobs >= 0).any())
 
     @property
     def seq_lens(self) -> np.ndarray:
@@ -132,8 +188,8 @@ class StepInput:
         """The rows `index`, in that order, as a StepInput of their own (no release lists)."""
         index = np.asarray(index, dtype=np.int64)
         rows = {name: getattr(self, name)[index] for name in ROW_ARRAYS}
-        rows["token_ids"] = _gather(self.token_ids, self.tok_off, index)
-        rows["page_ids"] = _gather(self.page_ids, self.page_off, index)
+        for flat, counts in FLAT_COUNTS.items():
+            rows[flat] = _gather(getattr(self, flat), _offsets(getattr(self, counts)), index)
         return StepInput(request_ids=[self.request_ids[i] for i in index.tolist()],
                          spec_mode=self.spec_mode, **rows)
 
@@ -148,6 +204,8 @@ class StepInput:
             "spec_mode": self.spec_mode,
         }
         for name, dtype in ARRAYS.items():
+            if name in PROCESSING and not self.eager:
+                continue  # neutral on every row: decode fills them in
             msg[name] = (
                 getattr(self, name).astype(np.dtype(dtype).newbyteorder("<"), copy=False).tobytes()
             )
@@ -160,7 +218,7 @@ class StepInput:
             raise ValueError(f"step message format {msg.get('v')!r}, expected {FORMAT_VERSION}")
         arrays = {
             name: np.frombuffer(msg[name], dtype=np.dtype(dtype).newbyteorder("<"))
-            for name, dtype in ARRAYS.items()
+            for name, dtype in ARRAYS.items() if name in msg
         }
         return cls(
             request_ids=msg["request_ids"],
@@ -196,6 +254,12 @@ class StepOutput:
     # positions whose draft KV (the proposer's own layers) is valid per row after the step;
     # None: the worker keeps no draft KV in the pages (plain, or a stateless proposer)
     draft_computed: list[int] | None = None
+    # per row, per emitted token (aligned with token_ids) of rows that asked (logprobs >= 0):
+    # [log-prob, [top ids], [top log-probs]] of the raw distribution; None: no row asked
+    logprobs: list[list[list] | None] | None = None
+    # per row that asked (prompt_logprobs >= 0): the entries of prompt positions
+    # starts + 1 .. (the tokens after the chunk's positions, within the prompt); else None
+    prompt_logprobs: list[list[list] | None] | None = None
 
 
 def _offsets(counts: np.ndarray) -> np.ndarray:
