@@ -1,5 +1,5 @@
 """Penalties, min_tokens, logit_bias and log-probs through the whole engine: EAGLE-3 (chain
-and tree) greedy output == plain greedy output with the same feature, token for token, under
+and tree), n-gram and suffix greedy output == plain greedy output with the same feature, token for token, under
 continuous batching with forced preemptions, with decode/speculative overlap on for some
 engines, the feature on every other request of the batch (the rest must give their
 unprocessed output); the bundled tiny-code pair in fp32 (CPU, and CUDA with graphs when
@@ -32,7 +32,10 @@ CHAIN = dict(algorithm="eagle3", draft_model=HEAD, num_steps=3, topk=1)
 TREE = dict(algorithm="eagle3", draft_model=HEAD, num_steps=3, topk=2, num_draft_tokens=6)
 # name: (speculative config, decode overlap); "plain" is the reference
 SPEC = {"plain": (None, "off"), "plain+overlap": (None, "on"), "chain3+overlap": (CHAIN, "on"),
-        "tree2x6": (TREE, "off")}
+        "tree2x6": (TREE, "off"),
+        # the model-free drafters through the same verify (prompt lookup, suffix tree)
+        "ngram3": (dict(algorithm="ngram", num_steps=3), "on"),
+        "suffix2x6": (dict(algorithm="suffix", num_steps=3, topk=2, num_draft_tokens=6), "off")}
 DEVICE = "cpu"
 device = device_fixture(globals())
 FEATURES = {
@@ -81,7 +84,7 @@ def test_greedy_speculation_equals_plain_with_feature(llms, unprocessed, feature
     # the feature does something (some featured prompt's output changes) and only there
     assert any(o.token_ids != u for o, u in zip(plain[::2], unprocessed[::2])), feature
     assert [o.token_ids for o in plain[1::2]] == unprocessed[1::2]
-    for name in ("plain+overlap", "chain3+overlap", "tree2x6"):
+    for name in ("plain+overlap", "chain3+overlap", "tree2x6", "ngram3", "suffix2x6"):
         if name == "plain+overlap" and feature != "everything":
             continue  # one feature is enough for the plain step's overlap
         before = len(preempted[name])
