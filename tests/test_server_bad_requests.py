@@ -222,3 +222,19 @@ def test_still_serves_and_no_kv_leak(live: LiveServer) -> None:
     assert stats["kv_free_pages"] == live.initial_free_pages
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0
     assert httpx.get(live.url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("kind,says", [("image_url", "served text-only"),
+                                       ("input_audio", "served text-only"),
+                                       ("refusal", "only text parts are")])
+def test_non_text_content_parts_say_why(kind: str, says: str) -> None:
+    """An image (e.g. to a Kimi K2.5 checkpoint, served as its language model) is refused with
+    the reason, naming the part."""
+    from specserve.server.errors import APIError
+    from specserve.server.protocol import ChatMessage
+
+    msg = ChatMessage.model_validate({"role": "user", "content": [
+        {"type": "text", "text": "look:"}, {"type": kind}]})
+    with pytest.raises(APIError) as err:
+        msg.text(2)
+    assert says in err.value.message and err.value.param == "messages[2].content[1].type"

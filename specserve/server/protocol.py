@@ -293,8 +293,12 @@ class ChatMessage(_Strict):
         texts = []
         for j, part in enumerate(self.content):
             if part.type != "text" or part.text is None:
+                media = any(m in part.type for m in ("image", "video", "audio", "file"))
+                why = ("this server runs the model's language part only (a vision-language "
+                       "checkpoint is served text-only: its vision tower is not loaded); send "
+                       "text parts" if media else "only text parts are")
                 raise bad_request(
-                    f"content part type {echo(part.type)} is not supported; only text parts are",
+                    f"content part type {echo(part.type)} is not supported; {why}",
                     f"messages[{index}].content[{j}].type",
                 )
             texts.append(part.text)
