@@ -25,7 +25,8 @@ from specserve.spec_config import speculative_config
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 FAMILIES = ["deepseek_v3", "glm4_moe"]
-ALL = [*FAMILIES, "glm4_moe_lite"]  # + GLM-4.7-Flash: MLA, mlp_layer_types, no MTP entry
+ALL = [*FAMILIES, "glm4_moe_lite",  # + GLM-4.7-Flash: MLA, mlp_layer_types, no MTP entry
+       "glm_moe_dsa", "glm_moe_dsa_sparse"]  # + GLM-5: index_topk past every length, and 4
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +38,9 @@ def ckpts(tmp_path_factory) -> dict[str, tuple[str, torch.nn.Module]]:
         "deepseek_v3": make_mtp_checkpoint(str(root / "ds"), "deepseek_v3", own_head=True),
         "glm4_moe": make_mtp_checkpoint(str(root / "glm"), "glm4_moe"),
         "glm4_moe_lite": make_mtp_checkpoint(str(root / "lite"), "glm4_moe_lite"),
+        "glm_moe_dsa": make_mtp_checkpoint(str(root / "glm5"), "glm_moe_dsa"),
+        "glm_moe_dsa_sparse": make_mtp_checkpoint(str(root / "glm5s"), "glm_moe_dsa",
+                                                  index_topk=4),
     }
 
 
