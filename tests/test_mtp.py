@@ -221,10 +221,14 @@ def test_mtp_tree_and_prefix_caching_equal_plain(ckpts, plain, name: str) -> Non
     assert len(drafts[True]) > 50 and drafts[True] == drafts[False]
 
 
-def test_random_weights_draft_with_a_random_mtp_layer(ckpts) -> None:
-    """--load-format dummy (cost benchmarks, the *-mtp presets): a random MoE MTP layer,
-    nothing read from the files; the tokens are still plain decoding's."""
-    path = ckpts["deepseek_v3"][0]
+@pytest.mark.parametrize("name", ["deepseek_v3", "glm_moe_dsa"])
+def test_random_weights_draft_with_a_random_mtp_layer(ckpts, name: str) -> None:
+    """--load-format dummy (cost benchmarks, the *-mtp presets): a random MoE MTP layer (GLM-5:
+    with a random indexer), nothing read from the files; the tokens are still plain
+    decoding's. (GLM-5 at index_topk past the lengths: the dummy weights' index scores tie
+    exactly at a top-4 boundary, e.g. all-zero relu sums, and a tied selection may break
+    differently in a verify forward than in a decode step, speculation or not.)"""
+    path = ckpts[name][0]
     outs = {}
     for spec in (None, _mtp(2)):
         llm = LLM(path, device="cpu", dtype="float32", load_format="dummy",
@@ -250,6 +254,30 @@ def test_glm5_checkpoint_lacking_an_mtp_indexer_tensor_is_refused(tmp_path, drop
     with pytest.raises(ValueError, match=f"lacks the MTP tensor "
                                          rf"model\.layers\.3\.self_attn\.indexer\.{drop}"):
         LLM(path, device="cpu", dtype="float32", speculative_config=_mtp())
+
+
+@pytest.mark.parametrize("types", [None, ["full", "shared", "shared"]])
+def test_glm5_mtp_preset_builds_a_full_dsa_layer(types) -> None:
+    """glm-5-3l-mtp (GLM-5 dims, random weights), also with GLM-5.2's shared indexers: the MTP
+    layer built on the meta device runs its own indexer (GLM-5's dims) and its pool layer
+    keeps the latent and the index keys; the memory check's one-layer config counts it."""
+    from specserve.config import ModelConfig
+    from specserve.models.loader import build_model
+    from specserve.models.mtp_layer import MTPLayer
+    from specserve.models.presets import PRESETS
+    from specserve.speculative.mtp import check_mtp_target, mtp_kv_specs
+
+    cfg = ModelConfig.from_hf({**PRESETS["glm-5-3l-mtp"], "indexer_types": types})
+    assert cfg.num_mtp_layers == 1 and cfg.dsa_index_layers == (1 if types else 3)
+    target = build_model(cfg, torch.bfloat16, "meta")
+    with torch.device("meta"):
+        layer = MTPLayer(cfg, target, moe=True, own_embed=False, own_head=False)
+    attn = layer.self_attn
+    assert attn.layer_idx == 3 and attn.indexer.wq_b.weight.shape == (32 * 128, 2048)
+    assert mtp_kv_specs(cfg) == [attn.kv_spec] and attn.kv_spec.names == ("latent", "index_k")
+    assert attn.kv_spec.elements_per_token == 512 + 64 + 128
+    one = check_mtp_target(speculative_config(_mtp()), None, cfg)
+    assert one.num_layers == 1 and one.dsa_index_layers == 1
 
 
 def test_missing_block_tensor_and_config_without_mtp_are_refused(tmp_path) -> None:
@@ -352,7 +380,7 @@ def test_sampled_mtp_matches_plain_distribution(sampling, drafts: str) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("spec", [dict(), dict(topk=2, num_draft_tokens=6)])
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", [*FAMILIES, "glm_moe_dsa_sparse"])
 def test_cuda_graphs_equal_eager_and_plain(ckpts, name: str, spec: dict) -> None:
     """fp32 on the GPU (Triton backend): the speculative cycle captured as CUDA graphs with
     the MTP layer inside gives the eager engine's tokens, and plain decoding's."""
