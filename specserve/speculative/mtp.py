@@ -1,4 +1,4 @@
-"""MTPProposer: drafting with the target's own MTP / NextN layer (DeepSeek-V3, GLM-4.5+).
+"""MTPProposer: drafting with the target's own MTP / NextN layer (DeepSeek-V3, GLM-4.5+, GLM-5).
 
 `--speculative-config '{"method": "mtp", "num_speculative_tokens": K}'`: no draft model; the
 layer `model.layers.{num_hidden_layers}` is read from the target's own files
@@ -54,8 +54,8 @@ def _one_layer(config: ModelConfig) -> ModelConfig:
 
 def mtp_kv_specs(config: ModelConfig) -> list[KVCacheSpec]:
     """The one KV layer the MTP layer adds to the pool: its attention's (the target's kind,
-    heads local to this TP rank; KVCacheSpec.dsa for GLM-5's), read from a one-layer build of the target on the meta
-    device."""
+    heads local to this TP rank; KVCacheSpec.dsa for GLM-5's), read from a one-layer build of
+    the target on the meta device."""
     from specserve.models.loader import build_model
 
     decoder = find_decoder_model(build_model(_one_layer(config), torch.float32, "meta"))
