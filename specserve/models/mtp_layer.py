@@ -23,8 +23,9 @@ are the layer's own copies when the checkpoint stores them (`embed_tokens.weight
 GLM-5 (DSA targets): the block's attention is a DSAAttention with an indexer of its own, read
 from `self_attn.indexer.{wq_b,wk,weights_proj}.weight` and `self_attn.indexer.k_norm.{weight,
 bias}` below the layer's prefix, the names every full layer of the target uses (research notes
-1.3 / 1.6: the MTP layer `model.layers.78.*` is a full decoder layer of the target's kind), so
-its pool layer is KVCacheSpec.dsa (latent page + index-key page) like a target full layer's.
+1.6: the MTP layer `model.layers.78.*` is a full decoder layer of the target's kind; 1.2 / 5:
+an indexer's tensors sit at `self_attn.indexer.*` of its layer; no other spelling is known
+for layer 78), so its pool layer is KVCacheSpec.dsa (latent page + index-key page) like a target full layer's.
 It is never "shared" (GLM-5.2's indexer_types), whatever the config lists: a shared layer
 reuses the slots the previous full layer picked in the same forward, and the MTP layer runs in
 forwards of its own, over positions and scratch slots the target never scored, so there is no
