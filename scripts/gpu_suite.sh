@@ -266,9 +266,10 @@ if has policy; then
 fi
 if has mtp; then
   # MTP drafting (the target's own MTP layer): the GPU tests (CUDA-graph cycles == plain), then
-  # cost at real per-layer dims with random weights: DeepSeek-V3 (MLA + MoE MTP layer) and
-  # GLM-4.5-Air (GQA), chain 1 and chain 3 at synthetic acceptance 0.8 against plain decoding
-  # (bench latency's speculative efficiency: spec tok/s / (accept length x plain tok/s))
+  # cost at real per-layer dims with random weights: DeepSeek-V3 (MLA + MoE MTP layer),
+  # GLM-4.5-Air (GQA) and GLM-5 (MLA + DSA, 8k context), chain 1 and chain 3 at synthetic
+  # acceptance 0.8 against plain decoding (bench latency's speculative efficiency: spec tok/s
+  # / (accept length x plain tok/s))
   timeout 300 python -m pytest -q -m gpu -rfE --tb=short -p no:cacheprovider tests/test_mtp.py \
     > "$out/mtp_tests.log" 2>&1
   echo "mtp tests rc=$?"; tail -4 "$out/mtp_tests.log"
@@ -282,6 +283,18 @@ if has mtp; then
         > "$out/$preset-mtp$k.log" 2>&1
       echo "$preset mtp chain$k rc=$?"; tail -10 "$out/$preset-mtp$k.log"
     done
+  done
+  # GLM-5 dims at 8k context: the target's layers and the MTP layer (its own indexer and
+  # index-key page) attend over their top 2048 tokens; compare with the glm step's glm-5-3l
+  # ctx8k plain rows
+  for k in 1 3; do
+    timeout 400 "${ss[@]}" bench latency --model glm-5-3l-mtp --load-format dummy \
+      --speculative-config "{\"method\": \"mtp\", \"num_speculative_tokens\": $k}" \
+      --spec-synthetic-accept-rate 0.8 --output-len 64 --runs 3 --warmup 1 --context-len 8192 \
+      --batch-sizes 1,16 --max-num-seqs 16 --max-model-len 8448 --log --exp-dir experiments \
+      --label "glm-5-3l-mtp ctx8k mtp chain$k" --json-out "$out/glm-5-3l-mtp-8k-mtp$k.json" \
+      > "$out/glm-5-3l-mtp-8k-mtp$k.log" 2>&1
+    echo "glm-5-3l-mtp ctx8k mtp chain$k rc=$?"; tail -10 "$out/glm-5-3l-mtp-8k-mtp$k.log"
   done
 fi
 if has drafters; then

@@ -1,12 +1,16 @@
 """MTP / NextN drafting (speculative/mtp.py) on tiny DeepSeek-V3 (MLA + MoE), GLM-4.5 (GQA +
-MoE) and GLM-4.7-Flash (MLA, per-layer mlp_layer_types) checkpoints carrying an MTP layer (tests/tiny_mtp.py), fp32 on the CPU:
+MoE), GLM-4.7-Flash (MLA, per-layer mlp_layer_types) and GLM-5 (MLA + DSA: index_topk past
+every length, and 4 with a shared-indexer layer) checkpoints carrying an MTP layer
+(tests/tiny_mtp.py), fp32 on the CPU:
   - the proposer's draft logits for a chain of k steps, over the first cycles of a request
     (the prefill extend, then extends over accepted tokens), equal a plain-torch reference of
-    the MTP math (transformers' own decoder layer as the block);
+    the MTP math (transformers' own decoder layer as the block; GLM-5's runs its own indexer:
+    dense MLA, or top-4 selection in the extends and the chained steps over scratch slots);
   - greedy output with MTP speculation equals plain decoding for 8 prompts under continuous
     batching with chunked prefill and a forced preemption (and with prefix caching);
-  - a checkpoint lacking the layer, or a config declaring none, is refused naming what is
-    missing; the speculative config takes mtp without a model and refuses one.
+  - a checkpoint lacking the layer (or GLM-5's MTP indexer tensors), or a config declaring
+    none, is refused naming what is missing; the speculative config takes mtp without a
+    model and refuses one.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from specserve.spec_config import speculative_config
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 FAMILIES = ["deepseek_v3", "glm4_moe"]
-ALL = [*FAMILIES, "glm4_moe_lite"]  # + GLM-4.7-Flash: MLA, mlp_layer_types, no MTP entry
+ALL = [*FAMILIES, "glm4_moe_lite",  # + GLM-4.7-Flash: MLA, mlp_layer_types, no MTP entry
+       "glm_moe_dsa", "glm_moe_dsa_sparse"]  # + GLM-5: index_topk past every length, and 4
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +42,12 @@ def ckpts(tmp_path_factory) -> dict[str, tuple[str, torch.nn.Module]]:
         "deepseek_v3": make_mtp_checkpoint(str(root / "ds"), "deepseek_v3", own_head=True),
         "glm4_moe": make_mtp_checkpoint(str(root / "glm"), "glm4_moe"),
         "glm4_moe_lite": make_mtp_checkpoint(str(root / "lite"), "glm4_moe_lite"),
+        "glm_moe_dsa": make_mtp_checkpoint(str(root / "glm5"), "glm_moe_dsa"),
+        # GLM-5 with sparse attention past 4 tokens, its layer 1 sharing layer 0's selection
+        # (GLM-5.2's indexer_types): the MTP layer (transformers' layer 3, "full") indexes
+        "glm_moe_dsa_sparse": make_mtp_checkpoint(
+            str(root / "glm5s"), "glm_moe_dsa", index_topk=4,
+            indexer_types=["full", "shared", "full", "full"]),
     }
 
 
@@ -100,6 +111,7 @@ def test_draft_logits_equal_the_reference(ckpts, name: str) -> None:
         return logits
 
     proposer.propose, head.compute_logits = oracle, spy_logits
+    dsa_paths = _dsa_spy(head) if name.startswith("glm_moe_dsa") else None
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=13, ignore_eos=True))
     assert prompt + out[0].token_ids == seq[:len(prompt) + 13]
     assert llm.engine.drafter.counters.accepted_per_pos[k - 1] > 0  # whole chains accepted
@@ -109,6 +121,49 @@ def test_draft_logits_equal_the_reference(ckpts, name: str) -> None:
         got = torch.stack(logits)
         assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    if dsa_paths is not None:
+        _check_glm5_mtp_layer(llm, name, dsa_paths)
+        if name == "glm_moe_dsa_sparse":  # the MTP layer's own top-4 shapes its logits
+            indexer = hf4.model.layers[3].self_attn.indexer
+            indexer.index_topk = 4096
+            try:
+                dense = reference_chain(path, hf4, seq[: root + 1], k)
+            finally:
+                indexer.index_topk = 4
+            assert (dense - want).abs().max().item() > 1e-2
+
+
+def _dsa_spy(head) -> list[tuple[bool, bool]]:
+    """(sparse, tree-masked) of every forward of the MTP layer's DSA attention."""
+    attn, calls = head.self_attn, []
+    index = attn._index
+
+    def spy(ops, positions, hidden, q_resid, md, sparse):
+        calls.append((sparse, md.custom_mask is not None))
+        return index(ops, positions, hidden, q_resid, md, sparse)
+
+    attn._index = spy
+    return calls
+
+
+def _check_glm5_mtp_layer(llm: LLM, name: str, calls: list[tuple[bool, bool]]) -> None:
+    """The MTP layer is a full DSA layer: its own indexer, its own pool layer (latent and
+    index-key pages, not a target layer's), dense MLA at index_topk 4096 and the indexer's
+    selection at 4, in the extends and in the chained steps over scratch slots (masked)."""
+    from specserve.layers.dsa import DSAAttention
+
+    proposer = llm.engine.drafter.proposer
+    attn, runner = proposer.head.self_attn, proposer.runner
+    assert isinstance(attn, DSAAttention) and attn.indexer is not None
+    assert attn.selection is not runner.attn_layers[0].selection
+    assert runner.kv_pool.specs[-1].names == ("latent", "index_k") == attn.kv_spec.names
+    assert len(runner.kv_pool.specs) == len(runner.attn_layers) + 1
+    ptrs = {m.index_k_cache.data_ptr() for m in runner.attn_layers if m.indexer is not None}
+    assert attn.index_k_cache.numel() > 0 and attn.index_k_cache.data_ptr() not in ptrs
+    if name == "glm_moe_dsa_sparse":
+        assert [m.indexer is None for m in runner.attn_layers] == [False, True, False]
+    sparse = name == "glm_moe_dsa_sparse"
+    assert {(sparse, False), (sparse, True)} == set(calls)
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -140,11 +195,14 @@ def _drafts_spy(llm: LLM) -> list[list[int]]:
 
 
 @pytest.mark.slow
-def test_mtp_tree_and_prefix_caching_equal_plain(ckpts, plain) -> None:
-    """A tree (topk 2) over the MLA target, every prompt run twice, prefix caching off and
-    on: the second wave's requests start on cached pages holding the MTP layer's KV, and
-    draft exactly the trees they draft without caching (one request at a time)."""
-    path, _ = ckpts["deepseek_v3"]
+@pytest.mark.parametrize("name", ["deepseek_v3", "glm_moe_dsa_sparse"])
+def test_mtp_tree_and_prefix_caching_equal_plain(ckpts, plain, name: str) -> None:
+    """A tree (topk 2) over the MLA target (and GLM-5's, whose MTP layer scores the tree's
+    scratch slots through the tree mask), every prompt run twice, prefix caching off and
+    on: the second wave's requests start on cached pages holding the MTP layer's KV (and
+    index keys), and draft exactly the trees they draft without caching (one request at a
+    time)."""
+    path, _ = ckpts[name]
     drafts, cached = {}, {}
     for caching in (False, True):
         llm = LLM(path, device="cpu", dtype="float32",
@@ -155,7 +213,7 @@ def test_mtp_tree_and_prefix_caching_equal_plain(ckpts, plain) -> None:
         drafts[caching] = _drafts_spy(llm)
         for _ in range(2):
             outs = llm.generate(_prompts(8)[:4], GREEDY)
-            assert [o.token_ids for o in outs] == plain["deepseek_v3"][:4]
+            assert [o.token_ids for o in outs] == plain[name][:4]
         cached[caching] = sum(o.num_cached_tokens for o in outs)
         assert llm.engine.allocator.num_free == llm.engine.allocator.num_total
     assert cached[False] == 0 and cached[True] > 30
@@ -163,10 +221,14 @@ def test_mtp_tree_and_prefix_caching_equal_plain(ckpts, plain) -> None:
     assert len(drafts[True]) > 50 and drafts[True] == drafts[False]
 
 
-def test_random_weights_draft_with_a_random_mtp_layer(ckpts) -> None:
-    """--load-format dummy (cost benchmarks, the *-mtp presets): a random MoE MTP layer,
-    nothing read from the files; the tokens are still plain decoding's."""
-    path = ckpts["deepseek_v3"][0]
+@pytest.mark.parametrize("name", ["deepseek_v3", "glm_moe_dsa"])
+def test_random_weights_draft_with_a_random_mtp_layer(ckpts, name: str) -> None:
+    """--load-format dummy (cost benchmarks, the *-mtp presets): a random MoE MTP layer (GLM-5:
+    with a random indexer), nothing read from the files; the tokens are still plain
+    decoding's. (GLM-5 at index_topk past the lengths: the dummy weights' index scores tie
+    exactly at a top-4 boundary, e.g. all-zero relu sums, and a tied selection may break
+    differently in a verify forward than in a decode step, speculation or not.)"""
+    path = ckpts[name][0]
     outs = {}
     for spec in (None, _mtp(2)):
         llm = LLM(path, device="cpu", dtype="float32", load_format="dummy",
@@ -183,6 +245,39 @@ def test_checkpoint_lacking_an_mtp_tensor_is_refused(tmp_path, drop: str) -> Non
     path, _ = make_mtp_checkpoint(str(tmp_path / "c"), "deepseek_v3", drop=drop)
     with pytest.raises(ValueError, match=f"lacks the MTP tensor model.layers.3.{drop}"):
         LLM(path, device="cpu", dtype="float32", speculative_config=_mtp())
+
+
+@pytest.mark.parametrize("drop", ["wk.weight", "k_norm.bias"])
+def test_glm5_checkpoint_lacking_an_mtp_indexer_tensor_is_refused(tmp_path, drop: str) -> None:
+    path, _ = make_mtp_checkpoint(str(tmp_path / "c"), "glm_moe_dsa",
+                                  drop=f"self_attn.indexer.{drop}")
+    with pytest.raises(ValueError, match=f"lacks the MTP tensor "
+                                         rf"model\.layers\.3\.self_attn\.indexer\.{drop}"):
+        LLM(path, device="cpu", dtype="float32", speculative_config=_mtp())
+
+
+@pytest.mark.parametrize("types", [None, ["full", "shared", "shared"]])
+def test_glm5_mtp_preset_builds_a_full_dsa_layer(types) -> None:
+    """glm-5-3l-mtp (GLM-5 dims, random weights), also with GLM-5.2's shared indexers: the MTP
+    layer built on the meta device runs its own indexer (GLM-5's dims) and its pool layer
+    keeps the latent and the index keys; the memory check's one-layer config counts it."""
+    from specserve.config import ModelConfig
+    from specserve.models.loader import build_model
+    from specserve.models.mtp_layer import MTPLayer
+    from specserve.models.presets import PRESETS
+    from specserve.speculative.mtp import check_mtp_target, mtp_kv_specs
+
+    cfg = ModelConfig.from_hf({**PRESETS["glm-5-3l-mtp"], "indexer_types": types})
+    assert cfg.num_mtp_layers == 1 and cfg.dsa_index_layers == (1 if types else 3)
+    target = build_model(cfg, torch.bfloat16, "meta")
+    with torch.device("meta"):
+        layer = MTPLayer(cfg, target, moe=True, own_embed=False, own_head=False)
+    attn = layer.self_attn
+    assert attn.layer_idx == 3 and attn.indexer.wq_b.weight.shape == (32 * 128, 2048)
+    assert mtp_kv_specs(cfg) == [attn.kv_spec] and attn.kv_spec.names == ("latent", "index_k")
+    assert attn.kv_spec.elements_per_token == 512 + 64 + 128
+    one = check_mtp_target(speculative_config(_mtp()), None, cfg)
+    assert one.num_layers == 1 and one.dsa_index_layers == 1
 
 
 def test_missing_block_tensor_and_config_without_mtp_are_refused(tmp_path) -> None:
@@ -222,7 +317,7 @@ def test_cli_generate_with_mtp_and_the_one_line_refusal(ckpts, capsys) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", [*FAMILIES, "glm_moe_dsa_sparse"])
 def test_tp2_mtp_equals_tp1(ckpts, plain, name: str) -> None:
     """The gloo TP runtime: the MTP layer's attention and experts split over 2 ranks like
     the target's layers draft what TP 1 drafts, and the tokens are plain decoding's."""
@@ -285,7 +380,7 @@ def test_sampled_mtp_matches_plain_distribution(sampling, drafts: str) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("spec", [dict(), dict(topk=2, num_draft_tokens=6)])
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", [*FAMILIES, "glm_moe_dsa_sparse"])
 def test_cuda_graphs_equal_eager_and_plain(ckpts, name: str, spec: dict) -> None:
     """fp32 on the GPU (Triton backend): the speculative cycle captured as CUDA graphs with
     the MTP layer inside gives the eager engine's tokens, and plain decoding's."""

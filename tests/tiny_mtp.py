@@ -1,12 +1,16 @@
-"""Tiny DeepSeek-V3 / GLM-4.5 checkpoints carrying an MTP layer, and a plain-torch reference
-of the MTP drafting math (independent of specserve).
+"""Tiny DeepSeek-V3 / GLM-4.5 / GLM-4.7-Flash / GLM-5 checkpoints carrying an MTP layer, and a
+plain-torch reference of the MTP drafting math (independent of specserve).
 
 The checkpoint is a 4-layer transformers model saved with num_hidden_layers 3 and
 num_nextn_predict_layers 1, so `model.layers.3.*` is a full decoder block of the target's
-kind (MoE: layer 3 is past first_k_dense_replace), written by transformers itself; the NextN
+kind (MoE: layer 3 is past first_k_dense_replace), written by transformers itself (GLM-5: with
+its indexer, `self_attn.indexer.*`, the names the real checkpoint's layer 78 has); per-layer
+config lists (mlp_layer_types, indexer_types) are cut to the 3 target layers. The NextN
 parts (enorm, hnorm, eh_proj, shared_head.norm, optionally shared_head.head and embed_tokens
 copies) are added by hand. The reference runs the block through transformers' own decoder
-layer (`hf4.model.layers[3]`) and writes the rest in plain torch.
+layer (`hf4.model.layers[3]`; GLM-5's scores the positions its additive causal mask leaves
+visible with its indexer and attends over the top index_topk, all of them when fewer) and
+writes the rest in plain torch.
 """
 
 from __future__ import annotations
@@ -85,6 +89,8 @@ def reference_chain(path: str, hf4: torch.nn.Module, tokens: list[int], k: int) 
     head_w = mtp.get("shared_head.head.weight", target.lm_head.weight)
     embed_w = mtp.get("embed_tokens.weight", target.model.embed_tokens.weight)
     block, rotary = hf4.model.layers[3], hf4.model.rotary_emb
+    if hasattr(block.self_attn, "indexer"):  # GLM-5: the MTP block selects on its own
+        assert block.self_attn.indexer is not None
     p = len(tokens) - 1
     ids = torch.tensor([tokens[:p]])
     hidden = target(ids, output_hidden_states=True).hidden_states[-1][0]  # [P, H], post-norm

@@ -22,7 +22,9 @@ so graphs of an engine whose context exceeds index_topk hold the sparse path (ex
 sequences too: every visible position is selected).
 
 A "shared" layer (config indexer_types) has no indexer and no index keys: it attends over the
-slots the previous "full" layer selected in the same forward (`DSASelection`).
+slots the previous "full" layer selected in the same forward (`DSASelection`). The MTP / NextN
+layer (models/mtp_layer.py) is always full: it runs in a forward of its own, with no earlier
+layer to share a selection with (`full=True`, its own DSASelection).
 
 Cache: a full layer keeps KVCacheSpec.dsa (latent + index_k), a shared layer KVCacheSpec.mla.
 The index-key row is [k_I pass dims (dI - R) | rotated rope dims (R)], the row layout
@@ -130,7 +132,8 @@ class Indexer(nn.Module):
 
 class DSAAttention(MLAAttention):
     """One MLA layer with DeepSeek sparse attention (module docstring). form: "sparse" forces
-    the selection path (tests, benchmarks), the MLA forms fix the dense path's form."""
+    the selection path (tests, benchmarks), the MLA forms fix the dense path's form. full:
+    whether the layer runs its own indexer (None: config indexer_types at layer_idx)."""
 
     def __init__(
         self,
@@ -142,6 +145,7 @@ class DSAAttention(MLAAttention):
         reduce_output: bool = True,
         quant_config: QuantConfig | None = None,
         prefix: str = "",
+        full: bool | None = None,
     ) -> None:
         if form not in FORMS:
             raise ValueError(f"DSA form must be one of {FORMS}, got {form!r}")
@@ -152,7 +156,7 @@ class DSAAttention(MLAAttention):
         self.force_sparse = form == "sparse"
         self.selection = selection
         self.indexer = None
-        if config.dsa.runs_indexer(layer_idx):
+        if config.dsa.runs_indexer(layer_idx) if full is None else full:
             self.indexer = Indexer(config, quant_config, child(prefix, "indexer"))
         self.index_k_cache = torch.empty(0)
 

@@ -6,7 +6,9 @@ rope_theta 1e6 without scaling (softmax scale (P + R)^-0.5 = 0.0625), interleave
 MLA and in the indexer (index_topk 2048, index_head_dim 128, index_n_heads 32); 256 routed
 experts, top 8, one shared, sigmoid router; the first 3 layers dense (mlp_layer_types). The
 indexer's tensors are `model.layers.L.self_attn.indexer.{wq_b,wk,k_norm,weights_proj}.*`; the
-MTP layer (`model.layers.78.*`) is recognised and skipped (models/mtp.py).
+MTP layer (`model.layers.78.*`) is recognised and skipped (models/mtp.py): the mtp drafter
+builds it through this factory (index >= num_hidden_layers: a full DSA layer with its own
+indexer and selection, models/mtp_layer.py).
 """
 
 from __future__ import annotations
@@ -33,5 +35,12 @@ class GlmMoeDsaForCausalLM(DeepseekV3ForCausalLM):
                 "index_head_dim, index_n_heads)"
             )
         selection = DSASelection()  # one per model: shared layers read the full layer's slots
-        return lambda i, name: DSAAttention(config, i, rotary, selection, reduce_output=False,
-                                            quant_config=quant, prefix=name)  # fmt: skip
+
+        def build(i: int, name: str) -> DSAAttention:
+            if i >= config.num_layers:  # an MTP layer: its own forward, so its own indexer
+                return DSAAttention(config, i, rotary, DSASelection(), reduce_output=False,
+                                    quant_config=quant, prefix=name, full=True)  # fmt: skip
+            return DSAAttention(config, i, rotary, selection, reduce_output=False,
+                                quant_config=quant, prefix=name)  # fmt: skip
+
+        return build

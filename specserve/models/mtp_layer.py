@@ -19,6 +19,21 @@ for TP like the target's layers, the same rotary module), its feed-forward is a 
 the checkpoint stores routed experts for the layer, else a dense MLP. The embedding and head
 are the layer's own copies when the checkpoint stores them (`embed_tokens.weight`,
 `shared_head.head.weight`) and differ from the target's; otherwise the target's, by reference.
+
+GLM-5 (DSA targets): the block's attention is a DSAAttention with an indexer of its own, read
+from `self_attn.indexer.{wq_b,wk,weights_proj}.weight` and `self_attn.indexer.k_norm.{weight,
+bias}` below the layer's prefix, the names every full layer of the target uses (research notes
+1.6: the MTP layer `model.layers.78.*` is a full decoder layer of the target's kind; 1.2 / 5:
+an indexer's tensors sit at `self_attn.indexer.*` of its layer; no other spelling is known
+for layer 78), so its pool layer is KVCacheSpec.dsa (latent page + index-key page) like a target full layer's.
+It is never "shared" (GLM-5.2's indexer_types), whatever the config lists: a shared layer
+reuses the slots the previous full layer picked in the same forward, and the MTP layer runs in
+forwards of its own, over positions and scratch slots the target never scored, so there is no
+selection to reuse; a checkpoint without the indexer's tensors is refused, naming the first
+missing one. Dense MLA while a forward's sequences fit in index_topk, the indexer's top-k past
+it (layers/dsa.py's rule, on the MTP layer's own metadata: the chained draft steps see the
+draft prefix plus their ancestors among the scratch slots through the custom mask, which the
+index scores honour like the attention).
 """
 
 from __future__ import annotations
@@ -44,6 +59,9 @@ log = logging.getLogger(__name__)
 # the tensors every MTP layer has (besides its block's attention and MLP tensors)
 REQUIRED = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
             "input_layernorm.weight", "post_attention_layernorm.weight")
+# and, for a DSA target (GLM-5), the MTP layer's own indexer
+DSA_REQUIRED = tuple(f"self_attn.indexer.{t}" for t in (
+    "wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight"))
 # the checkpoint copies that may replace the target's embedding and head
 OWN_EMBED, OWN_HEAD = "embed_tokens.weight", "shared_head.head.weight"
 
@@ -167,14 +185,11 @@ def check_mtp_checkpoint(path: str | None, config: ModelConfig) -> list[str]:
     if config.num_mtp_layers > 1:
         log.info("the checkpoint declares %d MTP layers; drafting chains the first",
                  config.num_mtp_layers)
-    if config.dsa is not None:
-        raise ValueError("speculative method mtp: MTP layers of DSA targets (GLM-5) are not "
-                         "supported yet")
     if path is None:
         return []
     prefix = mtp_prefix(config)
     names = [n[len(prefix):] for n in tensor_files(path) if n.startswith(prefix)]
-    for req in REQUIRED:
+    for req in (*REQUIRED, *(DSA_REQUIRED if config.dsa is not None else ())):
         if req not in names:
             raise ValueError(f"speculative method mtp: the checkpoint at {path} lacks the MTP "
                              f"tensor {prefix}{req} (num_nextn_predict_layers is "

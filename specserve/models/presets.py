@@ -127,6 +127,7 @@ PRESETS: dict[str, dict] = {
     # with the MTP layer the released checkpoints ship (random weights: speculative method mtp)
     "deepseek-v3-4l-mtp": {**_DEEPSEEK_V3_4L, "num_nextn_predict_layers": 1},
     "glm-4.5-air-4l-mtp": {**_GLM_45_AIR_4L, "num_nextn_predict_layers": 1},
+    "glm-5-3l-mtp": {**_GLM_5_3L, "num_nextn_predict_layers": 1},  # a full DSA MTP layer
 }
 
 

@@ -1,4 +1,4 @@
-"""MTPProposer: drafting with the target's own MTP / NextN layer (DeepSeek-V3, GLM-4.5+).
+"""MTPProposer: drafting with the target's own MTP / NextN layer (DeepSeek-V3, GLM-4.5+, GLM-5).
 
 `--speculative-config '{"method": "mtp", "num_speculative_tokens": K}'`: no draft model; the
 layer `model.layers.{num_hidden_layers}` is read from the target's own files
@@ -8,9 +8,10 @@ same way (topk > 1), as for EAGLE-3.
 
 It is EAGLE-3's drafting loop (speculative/eagle3.py) over another head, with the same
 positions: draft position i pairs the target's final hidden state h_i with token t_{i+1} and
-writes the layer's KV (the target's KV kind: an MLA latent page for MLA targets) at position i
-of the request's pages; the state row is the layer's output at P - 1; step s >= 2 feeds the
-layer its own previous output. The feature is the target's final hidden state, captured
+writes the layer's KV (the target's KV kind: an MLA latent page for MLA targets, the latent
+and the indexer's key page for DSA targets, GLM-5) at position i of the request's pages; the
+state row is the layer's output at P - 1; step s >= 2 feeds the layer its own previous
+output. The feature is the target's final hidden state, captured
 through models/capture.py's final_hidden_id (a forward hook on the target: no model code).
 """
 
@@ -43,16 +44,18 @@ def check_mtp_target(spec: SpecConfig, model_path: str | None,
 
 
 def _one_layer(config: ModelConfig) -> ModelConfig:
-    """The target's config cut to one decoder layer, MoE when the target has experts."""
+    """The target's config cut to one decoder layer, MoE when the target has experts, a full
+    DSA layer (its own indexer) when the target has DSA, as the MTP layer is."""
     moe = config.moe and dataclasses.replace(config.moe, first_k_dense_replace=0,
                                              moe_layer_freq=1, mlp_layer_types=None)
-    return dataclasses.replace(config, num_layers=1, moe=moe)
+    dsa = config.dsa and dataclasses.replace(config.dsa, indexer_types=None)
+    return dataclasses.replace(config, num_layers=1, moe=moe, dsa=dsa)
 
 
 def mtp_kv_specs(config: ModelConfig) -> list[KVCacheSpec]:
     """The one KV layer the MTP layer adds to the pool: its attention's (the target's kind,
-    heads local to this TP rank), read from a one-layer build of the target on the meta
-    device."""
+    heads local to this TP rank; KVCacheSpec.dsa for GLM-5's), read from a one-layer build of
+    the target on the meta device."""
     from specserve.models.loader import build_model
 
     decoder = find_decoder_model(build_model(_one_layer(config), torch.float32, "meta"))
