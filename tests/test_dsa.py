@@ -396,3 +396,21 @@ def test_selection_and_attention_capture_in_a_graph(backend: str) -> None:
 
 if __name__ == "__main__":
     report(INTERPRETER_CHECKS)
+
+
+def test_selection_breaks_ties_toward_the_earlier_position() -> None:
+    """Equal scores (ReLU's exact zeros, here small integers too) select the lowest positions,
+    as a Python sort by (-score, position) does; -0.0 ties with 0.0."""
+    gen = torch.Generator().manual_seed(3)
+    t, width, page_size, k = 7, 40, 4, 9
+    scores = torch.randint(-2, 3, (t, width), generator=gen).float()
+    scores[scores == -2] = float("-inf")
+    scores[0, :5] = -0.0  # signed zeros among the zeros
+    table = torch.arange(width // page_size, dtype=torch.int32)[None, :]
+    qsl = torch.tensor([0, t], dtype=torch.int32)
+    slots = di.select_slots(scores, k, qsl, table, page_size)
+    for row in range(t):
+        seen = [p for p in range(width) if scores[row, p] > float("-inf")]
+        want = sorted(seen, key=lambda p: (-(scores[row, p].item() + 0.0), p))[:k]
+        got = [x for x in slots[row].tolist() if x >= 0]
+        assert got == want, row

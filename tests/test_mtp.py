@@ -221,13 +221,13 @@ def test_mtp_tree_and_prefix_caching_equal_plain(ckpts, plain, name: str) -> Non
     assert len(drafts[True]) > 50 and drafts[True] == drafts[False]
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", "glm_moe_dsa"])
+@pytest.mark.parametrize("name", ["deepseek_v3", "glm_moe_dsa", "glm_moe_dsa_sparse"])
 def test_random_weights_draft_with_a_random_mtp_layer(ckpts, name: str) -> None:
     """--load-format dummy (cost benchmarks, the *-mtp presets): a random MoE MTP layer (GLM-5:
     with a random indexer), nothing read from the files; the tokens are still plain
-    decoding's. (GLM-5 at index_topk past the lengths: the dummy weights' index scores tie
-    exactly at a top-4 boundary, e.g. all-zero relu sums, and a tied selection may break
-    differently in a verify forward than in a decode step, speculation or not.)"""
+    decoding's. GLM-5 at index_topk 4 too: the dummy weights' index scores tie exactly at the
+    top-4 boundary (all-zero relu sums), where the selection takes the earlier position in a
+    verify forward as in a decode step."""
     path = ckpts[name][0]
     outs = {}
     for spec in (None, _mtp(2)):

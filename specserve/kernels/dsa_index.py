@@ -191,6 +191,18 @@ def index_scores(
     return out
 
 
+def selection_keys(scores: torch.Tensor) -> torch.Tensor:
+    """int64 keys ordered as (score, -position): the float32 score's bits made order-preserving
+    as a signed int (negative floats' magnitude bits flipped; -0.0 first made +0.0) in the high
+    half, width - 1 - position in the low half. topk over them is topk over the scores with ties
+    to the lower position, whatever the kernel's own tie order."""
+    bits = (scores.float() + 0.0).view(torch.int32)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()
+    width = scores.shape[-1]
+    low = width - 1 - torch.arange(width, device=scores.device)
+    return (ordered << 32) | low
+
+
 def select_slots(
     scores: torch.Tensor,
     k: int,
@@ -202,9 +214,12 @@ def select_slots(
     """The cache slots of each token's top-k visible positions: scores [T, width] (-inf: not
     visible; row t: the batch's token first_token + t) -> [T, k] int64, -1 where fewer than k
     positions are visible. Needs k <= width (the caller attends densely while every visible
-    set fits in k)."""
+    set fits in k). Equal scores go to the earlier position (`selection_keys`), so a decode
+    and a verify of the same token select the same tokens where their scores tie exactly
+    (ReLU makes exact zeros common)."""
     assert k <= scores.shape[1], (k, scores.shape)
-    values, pos = scores.topk(k, dim=-1)  # [T, k]
+    _, pos = selection_keys(scores).topk(k, dim=-1)  # [T, k]
+    values = scores.gather(1, pos)
     bs = page_table.shape[0]
     r = token_requests(query_start_loc, scores.shape[0], first_token).clamp(max=bs - 1)
     pages = page_table[r[:, None], pos // page_size].long()
