@@ -36,7 +36,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # [-2, 2], OpenAI: over generated tokens
     frequency_penalty: float = 0.0  # [-2, 2], OpenAI: over generated tokens
     repetition_penalty: float = 1.0  # (0, 2], HF/vLLM: over prompt + generated tokens
-    min_tokens: int = 0  # EOS and stop_token_ids masked until this many tokens are out
+    min_tokens: int = 0  # EOS, stop_token_ids and stop strings held off until this many are out
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> [-100, 100]
     # log-probs of each emitted token plus its `logprobs` most likely alternatives (raw
     # model distribution, before any sampling transform); None = none

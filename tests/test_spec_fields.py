@@ -144,3 +144,28 @@ def test_logprobs_match_transformers(llms) -> None:
                 row = ref[p - 1]
                 assert lp == pytest.approx(row[o.prompt_token_ids[p]].item(), abs=2e-4)
                 assert top_ids == row.topk(2).indices.tolist()
+
+
+def test_stop_strings_count_from_min_tokens(llms) -> None:
+    """A stop string in the text of the first min_tokens tokens does not fire (as EOS and
+    stop_token_ids do not); past them it does, whether tokens arrive one by one or several
+    per speculative cycle."""
+    engines, _ = llms
+    prompt, n_min = PROMPTS[1], 6
+
+    def text(llm: LLM, **kw):
+        return llm.generate([prompt], SamplingParams(temperature=0, ignore_eos=True, **kw))[0]
+
+    head = text(engines["plain"], max_tokens=n_min).text
+    full = text(engines["plain"], max_tokens=MAX_TOKENS).text
+    assert full.startswith(head) and head.strip()
+    rest = full[len(head):]
+    # a one-character stop string in the first min_tokens tokens' text and after them
+    stop = next(c for c in head if not c.isspace() and c in rest)
+    want = head + rest[: rest.index(stop)]
+    for name in ("plain", "chain3+overlap", "tree2x6"):
+        assert text(engines[name], max_tokens=MAX_TOKENS, stop=[stop]).text == head[
+            : head.index(stop)], name  # without min_tokens the stop fires in the head
+        out = text(engines[name], max_tokens=MAX_TOKENS, stop=[stop], min_tokens=n_min)
+        assert out.text == want, name
+        assert out.finish_reason == "stop" and len(out.token_ids) > n_min, name

@@ -347,7 +347,15 @@ class Engine:
         """New text of the request; finishes it when a stop string matched."""
         if state.detok is None:
             return ""
-        text, stopped = state.stops.feed(state.detok.add(new_ids))
+        # stop strings count from min_tokens on, as EOS and stop_token_ids do: the text of
+        # the earlier tokens passes unmatched (a stop string cannot end inside it)
+        early = max(0, req.params.min_tokens - (state.emitted - len(new_ids)))
+        text = ""
+        if early:
+            text = state.stops.flush() + state.detok.add(new_ids[:early])
+            new_ids = new_ids[early:]
+        more, stopped = state.stops.feed(state.detok.add(new_ids))
+        text += more
         if stopped:
             if not req.is_finished:
                 self.scheduler.finish(req, "stop", stop_reason=state.stops.matched)
