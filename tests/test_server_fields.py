@@ -234,3 +234,17 @@ def test_leaving_an_n_stream_aborts_every_choice(live, client) -> None:
     assert stats["kv_free_pages"] == live.initial_free_pages
     r = client.completions.create(model=None, prompt=PROMPT, max_tokens=2, n=2)
     assert len(r.choices) == 2
+
+
+def test_continuous_usage_stats_on_every_chunk(client) -> None:
+    """vLLM's stream_options.continuous_usage_stats: each chunk carries the usage so far
+    (completion tokens never decrease, the last equals the whole)."""
+    stream = client.completions.create(model=TARGET, prompt=PROMPT, max_tokens=9, stream=True,
+                                       stream_options={"include_usage": True,
+                                                       "continuous_usage_stats": True},
+                                       extra_body={"ignore_eos": True})
+    seen = [ch.usage.completion_tokens for ch in stream]
+    assert len(seen) > 2 and seen == sorted(seen) and seen[-1] == 9
+    plain = client.completions.create(model=TARGET, prompt=PROMPT, max_tokens=9, stream=True,
+                                      extra_body={"ignore_eos": True})
+    assert all(ch.usage is None for ch in plain)

@@ -225,7 +225,8 @@ class Handler:
         view = _Choices(chat, LogprobFormatter(self.engine.tokenizer), echo, ids,
                         params.prompt_logprobs is not None, n)
         if req.stream:
-            return _SSEResponse(self._events(streams, rid, view, req.include_usage),
+            return _SSEResponse(self._events(streams, rid, view, req.include_usage,
+                                             req.continuous_usage),
                                 lambda: [st.close() for st in streams])
         return await self._collect(request, streams, rid, view)
 
@@ -258,12 +259,14 @@ class Handler:
         return Response(body.model_dump_json(), media_type="application/json")
 
     async def _events(self, streams: list[RequestStream], rid: str, view: _Choices,
-                      include_usage: bool) -> AsyncIterator[str]:
+                      include_usage: bool, continuous_usage: bool) -> AsyncIterator[str]:
         created = int(time.time())
 
         def chunk(i: int, text: str | None, finish: str | None = None,
                   usage: R.Usage | None = None, role: bool = False,
                   logprobs: dict[str, Any] | None = None) -> str:
+            if continuous_usage and usage is None:  # vLLM's continuous_usage_stats
+                usage = view.usage()
             return _sse(R.stream_chunk(view.chat, rid, self.model_name, created, text, finish,
                                        usage, role, i, logprobs))
 

@@ -59,6 +59,9 @@ def parse_request(
     for name, accepted, hint in req.UNSUPPORTED:
         if not accepted(getattr(req, name)):
             raise bad_request(f"{name}={echo(getattr(req, name))} is not supported; {hint}", name)
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed with stream: true; drop it or stream",
+                          "stream_options")
     req.check_choices()
     return req
 
@@ -72,7 +75,12 @@ def _unset(value: Any) -> bool:
 
 
 class StreamOptions(_Strict):
+    """OpenAI's include_usage (a last usage-only chunk) and vLLM's continuous_usage_stats (usage
+    so far on every chunk); any other key is refused, naming it."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class CommonRequest(_Strict):
@@ -132,6 +140,10 @@ class CommonRequest(_Strict):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def build_params(
         self,
