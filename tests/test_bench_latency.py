@@ -282,3 +282,18 @@ def test_planned_capacity_is_the_engines(engine):
                           kv_cache_bytes=1 << 20)
     per_token = 2 * 4 * 2 * 16 * 4  # K and V x 4 layers x 2 kv heads x head_dim 16 x fp32
     assert latency.planned_capacity(plain)[1] == (1 << 20) // (per_token * 16) * 16
+
+
+def test_bench_latency_names_the_speculative_method(tmp_path, capsys):
+    """The speculative mode is reported under its method's name (here the n-gram drafter, on
+    random weights with a forced accept length)."""
+    out_json = tmp_path / "ngram.json"
+    args = _parse(["--model", "tiny-llama", "--device", "cpu", "--batch-sizes", "1",
+                   "--context-len", "24", "--output-len", "4", "--runs", "1", "--warmup", "0",
+                   "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
+                   "--spec-synthetic-accept-len", "2", "--json-out", str(out_json)])
+    assert args.func(args) == 0
+    assert " ngram " in capsys.readouterr().out
+    (point,) = json.loads(out_json.read_text())["points"]
+    assert set(point["modes"]) == {"baseline", "ngram"}
+    assert point["modes"]["ngram"]["accept_length"]["mean"] == 2

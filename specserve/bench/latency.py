@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from specserve.bench.exact_cost import cost_rows, format_cost, measure_default
 from specserve.bench.floor import sync, touched_experts
-from specserve.bench.latency_report import BASELINE, SPEC, SYNTHETIC, format_report, write_log
+from specserve.bench.latency_report import BASELINE, SYNTHETIC, format_report, write_log
 from specserve.bench.log import environment_info
 from specserve.bench.stats import (
     Summary,
@@ -141,7 +141,7 @@ class ModeResult:
 
     @property
     def accept_length(self) -> Summary | None:
-        return summarize([r.accept_length for r in self.runs]) if self.mode == SPEC else None
+        return summarize([r.accept_length for r in self.runs]) if self.mode != BASELINE else None
 
     @property
     def acceptance_per_pos(self) -> list[float]:
@@ -252,9 +252,9 @@ def bench_point(engine: Any, prompts: list[list[int]], modes: list[str], output_
 
     for i in range(warmup + runs):
         for mode in modes:
-            engine.set_speculation(mode == SPEC)
+            engine.set_speculation(mode != BASELINE)
             last = i == warmup + runs - 1 and mode == modes[0]
-            run = run_once(engine, prompts, output_len, mode == SPEC,
+            run = run_once(engine, prompts, output_len, mode != BASELINE,
                            probe if last and experts is not None else None)
             if i >= warmup:
                 results[mode].runs.append(run)
@@ -278,7 +278,8 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
     from specserve.worker.device import resolve_device
 
     batch_sizes, contexts = args.batch_sizes, args.context_len
-    modes = ([] if args.no_baseline else [BASELINE]) + ([SPEC] if config.spec.enabled else [])
+    modes = ([] if args.no_baseline else [BASELINE]) + (
+        [config.spec.algorithm] if config.spec.enabled else [])  # the method names its mode
     if not modes:
         raise ValueError("--no-baseline without speculation leaves nothing to time; add "
                          "--spec-algorithm eagle3 --spec-draft-model PATH|dummy")
@@ -378,7 +379,8 @@ def _point_dict(modes: dict[str, ModeResult], refs: dict[str, Any],
     """One (batch, context) point: the modes, efficiency, floor and roofline ratios (of the
     plain decode step), HF speedup."""
     any_mode = next(iter(modes.values()))
-    bs, plain, spec = any_mode.batch_size, modes.get(BASELINE), modes.get(SPEC)
+    bs, plain = any_mode.batch_size, modes.get(BASELINE)
+    spec = next((m for name, m in modes.items() if name != BASELINE), None)
     floor_ms = next((f["ms"] for f in refs["floor"].get("points", ())
                      if f["batch_size"] == bs), None)
     hf = refs["hf"]

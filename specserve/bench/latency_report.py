@@ -12,7 +12,6 @@ from specserve.bench.log import append_result
 from specserve.bench.stats import format_range, relative_change
 
 BASELINE = "baseline"
-SPEC = "eagle3"
 SYNTHETIC = "synthetic acceptance (cost-only)"
 
 
@@ -36,7 +35,7 @@ def format_report(report: dict[str, Any]) -> str:
             lines.append(f"-- emulated communication: table {table}, TP {cc['emulate_tp']}, "
                          f"compute {cc['emulate_compute']}")
         for mode, r in p["modes"].items():
-            t, spec = r["tok_s"], mode == SPEC
+            t, spec = r["tok_s"], mode != BASELINE
             al = r["accept_length"]["mean"] if spec else None
             lines.append(
                 f"{p['context_len']:>6} {p['batch_size']:>4} {mode:<9} "
@@ -77,7 +76,7 @@ def write_log(report: dict[str, Any], exp_dir: str) -> list[str]:
             f" comm={p['comm_table']}" if p.get("comm_table") else "")
         base = p["modes"].get(BASELINE)
         for mode, r in p["modes"].items():
-            spec = mode == SPEC
+            spec = mode != BASELINE
             config = f"{report['model']} {mode} {where} out={report['output_len']} " + (
                 f"steps={spec_cfg['num_steps']} topk={spec_cfg['topk']} " if spec else "") + (
                 f"{report['dtype']} {report['label']}")
