@@ -179,3 +179,32 @@ def test_drafters_under_tensor_parallelism(workload) -> None:
             outs = llm.generate(prompts[:3], GREEDY)
             assert [o.token_ids for o in outs] == plain[:3], method
             assert llm.engine.drafter.counters.num_accepted_tokens > 0
+
+
+def test_suffix_indexes_the_tokens_of_a_cached_prefix(workload) -> None:
+    """A request admitted on a cached prefix: its first step carries the prefix's tokens
+    (only for this host-history drafter), so the suffix index covers the whole request from
+    position 0, as without caching."""
+    prompts, plain = workload
+    engine = Engine(EngineConfig(
+        model=TINY, device="cpu", dtype="float32", spec=speculative_config(METHODS["suffix"]),
+        cache=CacheConfig(page_size=PAGE, num_pages=64, enable_prefix_caching=True)))
+    proposer, seen = engine.drafter.proposer, []
+    observe = proposer.observe
+
+    def spy(step, emitted):
+        observe(step, emitted)
+        for r, rid in enumerate(step.request_ids):
+            if step.from_cache[r]:
+                index = proposer.requests[rid]
+                seen.append((int(step.starts[r]), proposer.base[rid], len(index),
+                             int(step.seq_lens[r]) + len(emitted[r])))
+
+    proposer.observe = spy
+    for i in (0, 7):  # prompt 7 = prompt 0 + 9 of its output tokens: 24 tokens cached
+        rid = engine.add_request(str(i), prompts[i], GREEDY)
+        out = []
+        while engine.has_unfinished():
+            out += [t for o in engine.step() if o.request_id == rid for t in o.new_token_ids]
+        assert out == plain[i]
+    assert seen and all(start > 0 and base == 0 and n == end for start, base, n, end in seen)

@@ -187,3 +187,21 @@ def test_processing_fields_built_selected_and_round_tripped() -> None:
         [22] + out.scheduled[1].request.all_token_ids
     plain = build_step_input(out).select([0])
     assert not plain.eager and len(plain.history_ids) == len(plain.bias_ids) == 0
+
+
+def test_cached_prefixes_travel_only_when_asked_and_present() -> None:
+    """A row admitted on a cached prefix carries the prefix's tokens when the builder is asked
+    (host-history drafters); a step with none leaves the arrays off the wire."""
+    _, out = scheduled(6, seed=3)
+    plain = build_step_input(out, cached_prefixes=True)
+    assert not plain.prefix_counts.any() and b"prefix_ids" not in plain.encode()
+    s = out.scheduled[2]
+    s.from_cache, s.start = True, 3  # as if its first 3 tokens came from the cache
+    s.num_new_tokens = min(s.num_new_tokens, len(s.request.all_token_ids) - 3)
+    assert not build_step_input(out).prefix_counts.any()  # not asked: nothing travels
+    step = build_step_input(out, cached_prefixes=True)
+    assert step.prefix_counts.tolist() == [0, 0, 3, 0, 0, 0]
+    assert step.prefix(2).tolist() == s.request.all_token_ids[:3]
+    back = StepInput.decode(step.encode())
+    assert back.equals(step) and back.prefix(2).tolist() == s.request.all_token_ids[:3]
+    assert step.select([2, 0]).prefix(0).tolist() == s.request.all_token_ids[:3]

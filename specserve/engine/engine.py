@@ -279,7 +279,9 @@ class Engine:
         if not out.scheduled:
             self._release(out)
             return []
-        step = build_step_input(out, mode, eos_token_ids=self.scheduler.eos_token_ids)
+        step = build_step_input(out, mode, eos_token_ids=self.scheduler.eos_token_ids,
+                                cached_prefixes=self.drafter is not None
+                                and self.drafter.host_drafts)
         result = self.executor.execute(step)
         accepted = self._record_spec(out, result)
         before = [s.request.num_output_tokens for s in out.scheduled]

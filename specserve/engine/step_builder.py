@@ -10,11 +10,13 @@ from specserve.worker.step_input import StepInput
 
 def build_step_input(out: SchedulerOutput, spec_mode: str | None = None,
                      speculate: bool | np.ndarray = True,
-                     eos_token_ids: tuple[int, ...] = ()) -> StepInput:
+                     eos_token_ids: tuple[int, ...] = (),
+                     cached_prefixes: bool = False) -> StepInput:
     """One row per scheduled entry, in out.scheduled order (a StepOutput's rows align).
     spec_mode: the draft mode of this step (None: plain); speculate: which rows may use it
     (one flag for all, or one per row); eos_token_ids: what min_tokens masks besides the
-    request's stop_token_ids."""
+    request's stop_token_ids; cached_prefixes: a row admitted on a cached prefix carries the
+    prefix's tokens (for a drafter that reads whole histories on the host)."""
     if spec_mode is None:
         speculate = False
     rows = out.scheduled
@@ -33,6 +35,10 @@ def build_step_input(out: SchedulerOutput, spec_mode: str | None = None,
     if any(p.processed or p.logprobs is not None or r.prompt_logprobs_left
            for p, r in zip(params, reqs)):
         extra = _processing_rows(rows, eos_token_ids)
+    if cached_prefixes and any(s.from_cache for s in rows):
+        prefixes = [s.request.all_token_ids[: s.start] if s.from_cache else [] for s in rows]
+        extra["prefix_counts"] = np.array([len(p) for p in prefixes], dtype=np.int64)
+        extra["prefix_ids"] = np.array([t for p in prefixes for t in p], dtype=np.int64)
     return StepInput(
         request_ids=[r.request_id for r in reqs],
         starts=np.fromiter((s.start for s in rows), np.int64, len(rows)),

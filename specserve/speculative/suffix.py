@@ -13,9 +13,9 @@ tokens it emitted) and one `OutputCache` over the outputs of recently finished r
 The tree for cycle N + 1 needs cycle N's tokens on the host, so this proposer cannot use
 speculative overlap: the worker turns overlap off for it (`host_drafts`).
 
-The history holds the tokens from the first position the worker saw: a request admitted on a
-cached prefix (its prefix's tokens never reach the worker) matches from the prefix's end, with
-the output cache as before. Nothing lives in the KV pages (`keeps_state` False), so prefix
+The history holds every token of the request: a request admitted on a cached prefix gets the
+prefix's tokens in its first step (`StepInput.prefix_ids`, sent for host-history drafters
+only: the engine builds them when the worker's proposer has `host_drafts`). Nothing lives in the KV pages (`keeps_state` False), so prefix
 caching needs no key from it. Under tensor parallelism every rank builds the same trees (the
 same inputs, deterministic).
 """
@@ -68,6 +68,8 @@ class SuffixProposer:
         """After a step: row r ran its tokens at starts[r] .. and emitted[r] follow them."""
         starts, seq_lens = step.starts.tolist(), step.seq_lens.tolist()
         for r, rid in enumerate(step.request_ids):
+            if step.prefix_counts[r]:  # admitted on a cached prefix: index it first
+                self._put(rid, 0, step.prefix(r).tolist())
             self._put(rid, starts[r], step.tokens(r).tolist())
             if emitted[r]:
                 self.output_start.setdefault(rid, seq_lens[r])

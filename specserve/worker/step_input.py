@@ -55,22 +55,30 @@ ROW_ARRAYS: dict[str, type] = {
     # (those below num_prompt - 1); num_prompt: the request's prompt length
     "prompt_logprobs": np.int64,
     "num_prompt": np.int64,
+    # a row admitted on a cached prefix, for a drafter that reads whole histories on the host
+    # (suffix decoding): the prefix's tokens [0, starts), which no step ran (else 0)
+    "prefix_counts": np.int64,
 }
 FLAT_ARRAYS: dict[str, type] = {"token_ids": np.int64, "page_ids": np.int32,
                                 "history_ids": np.int64, "bias_ids": np.int64,
-                                "bias_values": np.float32, "suppress_ids": np.int64}
+                                "bias_values": np.float32, "suppress_ids": np.int64,
+                                "prefix_ids": np.int64}
 # the per-row count array of each flat array
 FLAT_COUNTS = {"token_ids": "num_new_tokens", "page_ids": "page_counts",
                "history_ids": "history_counts", "bias_ids": "bias_counts",
-               "bias_values": "bias_counts", "suppress_ids": "suppress_counts"}
+               "bias_values": "bias_counts", "suppress_ids": "suppress_counts",
+               "prefix_ids": "prefix_counts"}
 ARRAYS = {**ROW_ARRAYS, **FLAT_ARRAYS}
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 # the logits-processing arrays and their neutral values (StepInput's defaults)
 NEUTRAL_ROWS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
                 "min_left": 0, "history_counts": 0, "history_outputs": 0, "bias_counts": 0,
                 "suppress_counts": 0, "logprobs": -1, "prompt_logprobs": -1, "num_prompt": 0}
 # sent only when some row uses them (StepInput.eager)
 PROCESSING = {*NEUTRAL_ROWS, "history_ids", "bias_ids", "bias_values", "suppress_ids"}
+# sent only when some row carries a cached prefix's tokens
+PREFIX = {"prefix_counts", "prefix_ids"}
+DEFAULT_ROWS = {**NEUTRAL_ROWS, "prefix_counts": 0}
 
 
 @dataclass
@@ -110,6 +118,8 @@ class StepInput:
     bias_ids: np.ndarray | None = None
     bias_values: np.ndarray | None = None
     suppress_ids: np.ndarray | None = None
+    prefix_counts: np.ndarray | None = None
+    prefix_ids: np.ndarray | None = None
     # requests whose per-request state (draft KV bookkeeping, a step launched ahead) every
     # rank drops before running this step: finished or aborted since the last step, and
     # preempted by this step's schedule
@@ -123,7 +133,7 @@ class StepInput:
         for name, dtype in ARRAYS.items():
             value = getattr(self, name)
             if value is None:
-                value = np.full(bs, NEUTRAL_ROWS[name]) if name in NEUTRAL_ROWS else []
+                value = np.full(bs, DEFAULT_ROWS[name]) if name in DEFAULT_ROWS else []
             arr = np.asarray(value, dtype=dtype)
             setattr(self, name, arr)
             assert arr.ndim == 1 and (name in FLAT_ARRAYS or len(arr) == bs), (name, arr.shape)
@@ -159,6 +169,11 @@ class StepInput:
 
     def tokens(self, r: int) -> np.ndarray:
         return self.token_ids[self.tok_off[r] : self.tok_off[r + 1]]
+
+    def prefix(self, r: int) -> np.ndarray:
+        """Row r's cached prefix tokens (empty unless the step carries them)."""
+        off = _offsets(self.prefix_counts)
+        return self.prefix_ids[off[r] : off[r + 1]]
 
     def pages(self, r: int) -> np.ndarray:
         return self.page_ids[self.page_off[r] : self.page_off[r + 1]]
@@ -206,6 +221,8 @@ class StepInput:
         for name, dtype in ARRAYS.items():
             if name in PROCESSING and not self.eager:
                 continue  # neutral on every row: decode fills them in
+            if name in PREFIX and not self.prefix_counts.any():
+                continue
             msg[name] = (
                 getattr(self, name).astype(np.dtype(dtype).newbyteorder("<"), copy=False).tobytes()
             )
