@@ -367,6 +367,29 @@ def test_extend_causal_gpu(
 
 
 @gpu_test
+@pytest.mark.parametrize("exact", [False, True])
+@pytest.mark.parametrize("verify", [False, True])
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_long_context_decode_and_verify_gpu(group: int, page_size: int, verify: bool,
+                                            exact: bool) -> None:
+    """Contexts 1 .. 32k in one batch (decode, or a 6-node tree verify past each context), the
+    default and the exact-mode launch plans, against the reference."""
+    from specserve.kernels.dispatch import set_exact
+
+    lens = [1, 1000, 8192, 32768]
+    set_exact(exact, max_positions=32768 + 256, max_splits=32)
+    try:
+        if verify:
+            check_attention([n + 6 for n in lens], [6] * len(lens), group, 4, 128, page_size,
+                            BF16, CUDA, TOL16, seed=group, mask_extra=0)
+        else:
+            check_attention(lens, None, group, 4, 128, page_size, BF16, CUDA, TOL16)
+    finally:
+        set_exact(False)
+
+
+@gpu_test
 @pytest.mark.parametrize("fused_combine", [True, False])
 @pytest.mark.parametrize("num_splits", [None, 5])
 @pytest.mark.parametrize("mask_extra", [0, 6])  # 0: verify (W = q_len); 6: draft-step width
