@@ -32,6 +32,13 @@ class GenerationOutput:
     logprobs: list[list] | None = None
     # SamplingParams(prompt_logprobs=k): per prompt position its entry (None for the first)
     prompt_logprobs: list[list | None] | None = None
+    # SamplingParams(n > 1): every choice's output, this one (choice 0) first
+    choices: list[GenerationOutput] | None = None
+
+    @property
+    def outputs(self) -> list[GenerationOutput]:
+        """The prompt's choices (vLLM's RequestOutput.outputs): [self] unless n > 1."""
+        return self.choices or [self]
 
     @property
     def accept_length(self) -> float:
@@ -109,17 +116,24 @@ class LLM:
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
         engine = self.engine
         limit = engine.config.scheduler.max_waiting
-        pending = deque(zip(prompts, params_list))
+        # one engine request per choice (SamplingParams.n): (prompt index, choice params)
+        pending = deque((p, sp.for_choice(i)) for p, sp in enumerate(params_list)
+                        for i in range(sp.n))
+        first: list[str] = []  # choice 0's request id per prompt
+        members: dict[str, list[str]] = {}  # choice 0's id -> every choice's id
         ids: list[str] = []
         texts: dict[str, list[str]] = {}
         reqs: dict = {}
         results: dict[str, GenerationOutput] = {}
-        bar = tqdm(total=len(prompts), desc="generate", disable=not use_tqdm)
+        bar = tqdm(total=len(pending), desc="generate", disable=not use_tqdm)
         while pending or len(results) < len(ids):
             # feed the bounded waiting queue as it drains (any number of prompts)
             while pending and engine.scheduler.num_waiting < limit:
-                prompt, sp = pending.popleft()
-                rid = engine.add_request(None, prompt, sp)
+                index, sp = pending.popleft()
+                rid = engine.add_request(None, prompts[index], sp)
+                if len(first) == index:
+                    first.append(rid)
+                members.setdefault(first[index], []).append(rid)
                 ids.append(rid)
                 texts[rid] = []
                 reqs[rid] = engine.get_request(rid)
@@ -134,4 +148,10 @@ class LLM:
                         req.num_cached_tokens, req.output_logprobs, req.prompt_logprobs)
                     bar.update(1)
         bar.close()
-        return [results[i] for i in ids]
+        outs = []
+        for rid in first:
+            out = results[rid]
+            if len(members[rid]) > 1:
+                out.choices = [results[c] for c in members[rid]]
+            outs.append(out)
+        return outs

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import math
 from array import array
 from dataclasses import dataclass, field
@@ -9,6 +11,7 @@ from dataclasses import dataclass, field
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_LEN = 1024
 MAX_STOP_TOKEN_IDS = 256
+MAX_N = 16  # choices per request (each one is an engine request)
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 # temperatures below this (compared in float32, the sampler's precision) sample greedily:
 # logits / T overflows float32 long before T reaches 0 (T = 1e-38 gives inf - inf = NaN)
@@ -44,6 +47,9 @@ class SamplingParams:
     # the same for every prompt token after the first (its log-prob given the ones before);
     # such a request computes its whole prompt (no prefix-cache hit)
     prompt_logprobs: int | None = None
+    # independent choices per prompt (LLM.generate and the server run one engine request per
+    # choice; choice i > 0 of a seeded request gets the seed choice_seed(seed, i))
+    n: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -52,6 +58,13 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = dict(self.logit_bias or {})
         self.validate()
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """The parameters of choice `index` of an n-choice request: one sequence (n = 1),
+        the request's seed for choice 0 and a seed derived from (seed, index) for the
+        others (unseeded choices draw independently anyway)."""
+        seed = self.seed if index == 0 or self.seed is None else choice_seed(self.seed, index)
+        return dataclasses.replace(self, n=1, seed=seed)
 
     @property
     def penalized(self) -> bool:
@@ -98,6 +111,8 @@ class SamplingParams:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if integer("max_tokens", self.max_tokens) < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 1 <= integer("n", self.n) <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         for s in self.stop:
@@ -132,3 +147,10 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and integer(name, k) < 0:
                 raise ValueError(f"{name} must be >= 0, got {k}")
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` (> 0) of a request seeded `seed`: distinct per choice,
+    the same for the same (seed, index)."""
+    digest = hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1

@@ -316,3 +316,30 @@ def test_server_start_up_line_says_how_speculation_runs(
     assert "sampling defaults from" in line and "repetition_penalty=1.1" in line
     assert "NOT applied" not in line
     assert SpecConfig().describe() == "speculation off"
+
+
+def test_generate_n_choices_per_prompt() -> None:
+    """SamplingParams(n=k): k independent choices per prompt (vLLM's out.outputs), choice 0 with
+    the request's seed, the others with seeds derived from it: distinct, reproducible; the
+    engine itself runs one sequence per request."""
+    from specserve import LLM, SamplingParams
+
+    llm = LLM(TINY, device="cpu", dtype="float32", speculative_config={
+        "method": "eagle3", "model": HEAD, "num_speculative_tokens": 2})
+    prompts = ["def add(a, b):", "import os\n"]
+    sampled = SamplingParams(temperature=1.0, max_tokens=8, seed=11, n=3)
+    outs = llm.generate(prompts, sampled)
+    assert len(outs) == 2 and all(len(o.outputs) == 3 for o in outs)
+    texts = [[c.token_ids for c in o.outputs] for o in outs]
+    assert all(len({tuple(t) for t in ts}) == 3 for ts in texts)  # the choices differ
+    assert [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, sampled)] == texts
+    one = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=8, seed=11))
+    assert [o.token_ids for o in one] == [t[0] for t in texts] and one[0].outputs == [one[0]]
+    greedy = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=8, n=2))[0]
+    assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
+    with pytest.raises(ValueError, match="an engine request is one sequence"):
+        llm.engine.add_request(None, prompts[0], sampled)
+    for bad in (0, 17):
+        with pytest.raises(ValueError, match=r"n must be in \[1, 16\]"):
+            SamplingParams(n=bad)
+    llm.close()

@@ -215,6 +215,10 @@ class Engine:
         if self.closed:
             raise RuntimeError("this engine was closed; create a new one")
         params = params or SamplingParams()
+        if params.n != 1:
+            raise ValueError(f"SamplingParams.n = {params.n}: an engine request is one sequence; "
+                             "LLM.generate and the server run one per choice "
+                             "(params.for_choice(i))")
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         if request_id in self._requests:

@@ -4,7 +4,6 @@ they have produced so far (texts, log-probs, usage)."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -12,13 +11,6 @@ from specserve.engine.engine import RequestOutput
 from specserve.server import responses as R
 from specserve.server.logprobs import LogprobFormatter
 from specserve.server.streams import RequestStream
-
-
-def choice_seed(seed: int, index: int) -> int:
-    """The seed of choice `index` (> 0) of a request seeded `seed`: distinct per choice,
-    the same for the same (seed, index)."""
-    digest = hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
 
 
 async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

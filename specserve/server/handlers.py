@@ -10,7 +10,6 @@ long prompt stalls neither the event loop nor the engine.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import time
@@ -29,7 +28,6 @@ from specserve.server import protocol as P
 from specserve.server import responses as R
 from specserve.server.async_engine import AsyncEngine
 from specserve.server.choices import Choices as _Choices
-from specserve.server.choices import choice_seed
 from specserve.server.choices import merged as _merged
 from specserve.server.guard import RETRY_AFTER_S
 from specserve.server.logprobs import LogprobFormatter
@@ -212,8 +210,7 @@ class Handler:
         streams: list[RequestStream] = []
         try:
             for i in range(n):
-                choice_params = params if i == 0 or params.seed is None else \
-                    dataclasses.replace(params, seed=choice_seed(params.seed, i))
+                choice_params = params.for_choice(i)
                 streams.append(await self.engine.add_request(
                     rid if n == 1 else f"{rid}-{i}", ids, choice_params))
         except (*_ENGINE_ERRORS, ValueError) as exc:

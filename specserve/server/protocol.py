@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from specserve.sampling_params import (
     MAX_LOGIT_BIAS,
+    MAX_N,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     SamplingParams,
@@ -27,7 +28,6 @@ from specserve.sampling_params import (
 from specserve.server.errors import bad_request, echo, validation_error
 from specserve.server.parsing import parse_request_json
 
-MAX_N = 16  # choices per request (each one is an engine request)
 # vLLM extensions a client may send expecting an effect that this server does not have:
 # refused by name when set, never silently ignored
 REFUSED_EXTRAS = ("prompt_logprobs", "allowed_token_ids", "bad_words", "guided_json",
