@@ -2,11 +2,13 @@
 before triton is imported).
 
 A test file keeps a dict of named checks, calls `report(checks)` when run as a script, and
-reads the results through `run_interpreted(__file__)`: {check name: "ok" or its traceback}.
+reads the results through `run_interpreted(__file__)`: {check name: "ok" or its traceback};
+`interpreter_test(__file__, checks)` is the test that does so, one case per check.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -18,10 +20,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_interpreted(test_file: str, timeout: int = 600) -> dict[str, str]:
+def run_interpreted(test_file: str, *argv: str, timeout: int = 600) -> dict[str, str]:
+    """Run `python test_file *argv` under the interpreter; its last line's JSON results."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
-        [sys.executable, test_file], env=env, cwd=REPO, capture_output=True, text=True,
+        [sys.executable, test_file, *argv], env=env, cwd=REPO, capture_output=True, text=True,
         timeout=timeout,
     )  # fmt: skip
     lines = proc.stdout.strip().splitlines()
@@ -40,3 +43,23 @@ def report(checks: dict[str, Callable[[], None]]) -> None:
         except Exception:
             results[name] = traceback.format_exc(limit=4)
     print(json.dumps(results))
+
+
+def interpreter_test(test_file: str, checks: dict[str, Callable[[], None]],
+                     run: Callable[[str], dict[str, str]] = run_interpreted) -> Callable:
+    """`test_interpreter = interpreter_test(__file__, CHECKS)`: one parametrized case per check,
+    every check run in one interpreter subprocess (`run(test_file)`) the first time a case
+    asks; skipped without Triton."""
+    import pytest
+
+    results: dict[str, str] = {}
+
+    @pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                        reason="triton is not installed")
+    @pytest.mark.parametrize("name", sorted(checks))
+    def test_interpreter(name: str) -> None:
+        if not results:
+            results.update(run(test_file))
+        assert results[name] == "ok", results[name]
+
+    return test_interpreter

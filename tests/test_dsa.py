@@ -12,7 +12,6 @@ backend against transformers) and at GLM-5 dims in bf16 on a GPU (`gpu`).
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ for path in (REPO, REPO / "tests"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from interpreted import report, run_interpreted  # noqa: E402
+from interpreted import interpreter_test, report  # noqa: E402
 from test_kernels import gpu_test, row_rel_error, tree_mask  # noqa: E402
 
 from specserve.kernels import dsa_index as di  # noqa: E402
@@ -34,8 +33,6 @@ from specserve.kernels import sparse_mla as sm  # noqa: E402
 from specserve.layers.attention_metadata import AttentionMetadata  # noqa: E402
 from specserve.layers.backends.torch_ref import attention_mask  # noqa: E402
 from specserve.worker.forward_batch import build_attention_metadata  # noqa: E402
-
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def make_batch(
@@ -308,15 +305,7 @@ INTERPRETER_CHECKS = {
 }
 
 
-@pytest.fixture(scope="module")
-def interpreter_results() -> dict[str, str]:
-    return run_interpreted(__file__)
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-@pytest.mark.parametrize("name", sorted(INTERPRETER_CHECKS))
-def test_interpreter(name: str, interpreter_results: dict[str, str]) -> None:
-    assert interpreter_results[name] == "ok", interpreter_results[name]
+test_interpreter = interpreter_test(__file__, INTERPRETER_CHECKS)
 
 
 @gpu_test

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from interpreted import report, run_interpreted  # noqa: E402
+from interpreted import interpreter_test, report  # noqa: E402
 from tiny_quant import _fake_quant_groups, quantize_experts  # noqa: E402
 
 from specserve.kernels import fused_moe as fm  # noqa: E402
@@ -275,15 +275,7 @@ INTERPRETER_CHECKS = {
 }
 
 
-@pytest.fixture(scope="module")
-def interpreter_results() -> dict[str, str]:
-    return run_interpreted(__file__)
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-@pytest.mark.parametrize("name", sorted(INTERPRETER_CHECKS))
-def test_interpreter(name: str, interpreter_results: dict[str, str]) -> None:
-    assert interpreter_results[name] == "ok", interpreter_results[name]
+test_interpreter = interpreter_test(__file__, INTERPRETER_CHECKS)
 
 
 @pytest.mark.parametrize("top_k", [1, 2, 5, 8])

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from interpreted import report, run_interpreted  # noqa: E402
+from interpreted import interpreter_test, report  # noqa: E402
 
 from specserve.kernels import fused_ops as fo  # noqa: E402
 from specserve.kernels import kv_store, split_kv  # noqa: E402
@@ -298,15 +298,7 @@ INTERPRETER_CHECKS = {
 }
 
 
-@pytest.fixture(scope="module")
-def interpreter_results() -> dict[str, str]:
-    return run_interpreted(__file__)
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-@pytest.mark.parametrize("name", sorted(INTERPRETER_CHECKS))
-def test_interpreter(name: str, interpreter_results: dict[str, str]) -> None:
-    assert interpreter_results[name] == "ok", interpreter_results[name]
+test_interpreter = interpreter_test(__file__, INTERPRETER_CHECKS)
 
 
 def test_backend_reports_availability() -> None:

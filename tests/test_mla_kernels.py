@@ -14,12 +14,8 @@ results ("layer": the MLA layer on the interpreted Triton backend against transf
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
-import os
-import subprocess
 import sys
-import traceback
 from pathlib import Path
 
 import pytest
@@ -30,6 +26,7 @@ for path in (REPO, REPO / "tests"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
+from interpreted import interpreter_test, report, run_interpreted  # noqa: E402
 from test_kernels import gpu_test, row_rel_error, tree_mask  # noqa: E402
 
 from specserve.kernels import mla_attention as ma  # noqa: E402
@@ -257,36 +254,14 @@ LAYER_CHECKS = {  # the whole layer on the interpreted kernels (~10 s on 2 idle 
 GROUPS = {"kernels": INTERPRETER_CHECKS, "layer": LAYER_CHECKS}
 
 
-def run_interpreted(group: str) -> dict[str, str]:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
-        [sys.executable, __file__, group],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    lines = proc.stdout.strip().splitlines()
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1])
-
-
-@pytest.fixture(scope="module")
-def interpreter_results() -> dict[str, str]:
-    return run_interpreted("kernels")
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-@pytest.mark.parametrize("name", sorted(INTERPRETER_CHECKS))
-def test_interpreter(name: str, interpreter_results: dict[str, str]) -> None:
-    assert interpreter_results[name] == "ok", interpreter_results[name]
+test_interpreter = interpreter_test(__file__, INTERPRETER_CHECKS,
+                                    run=lambda path: run_interpreted(path, "kernels"))
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_layer_interpreter() -> None:
-    results = run_interpreted("layer")
+    results = run_interpreted(__file__, "layer")
     assert all(v == "ok" for v in results.values()), results
 
 
@@ -393,13 +368,5 @@ def test_backend_gpu(heads: int, tree: bool) -> None:
 
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run through test_interpreter"
     torch.manual_seed(0)
-    results = {}
-    for name, check in GROUPS[sys.argv[1] if len(sys.argv) > 1 else "kernels"].items():
-        try:
-            check()
-            results[name] = "ok"
-        except Exception:
-            results[name] = traceback.format_exc()[-2000:]
-    print(json.dumps(results))
+    report(GROUPS[sys.argv[1] if len(sys.argv) > 1 else "kernels"])

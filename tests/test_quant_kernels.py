@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from interpreted import report, run_interpreted  # noqa: E402
+from interpreted import interpreter_test, report  # noqa: E402
 
 from specserve.kernels import fp8_gemm, w4a16_gemm  # noqa: E402
 from specserve.kernels.split_kv import split_counters  # noqa: E402
@@ -193,15 +193,7 @@ INTERPRETER_CHECKS = {
 }
 
 
-@pytest.fixture(scope="module")
-def interpreter_results() -> dict[str, str]:
-    return run_interpreted(__file__)
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-@pytest.mark.parametrize("name", sorted(INTERPRETER_CHECKS))
-def test_interpreter(name: str, interpreter_results: dict[str, str]) -> None:
-    assert interpreter_results[name] == "ok", interpreter_results[name]
+test_interpreter = interpreter_test(__file__, INTERPRETER_CHECKS)
 
 
 # -- CUDA: bf16 at Llama-3.1-8B shapes (hidden 4096, qkv 6144, gate_up 28672, inter 14336) --------
