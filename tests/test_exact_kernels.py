@@ -117,28 +117,10 @@ def check_exact_attention(device: str = "cpu", dtype: torch.dtype = torch.float3
         seq_len, n_new = 300, 5  # past the first 256-token split
         q = torch.randn(n_new, heads, d, generator=g).to(device, dtype)
         qsl = torch.tensor([0, n_new], dtype=torch.int32, device=device)
-        extend = pa.paged_attention(
-            q,
-            kc,
-            vc,
-            qsl,
-            torch.tensor([seq_len], dtype=torch.int32, device=device),
-            table,
-            n_new,
-            0.25,
-        )
+        lens = torch.tensor([seq_len], dtype=torch.int32, device=device)
+        extend = pa.paged_attention(q, kc, vc, qsl, lens, table, n_new, 0.25)
         mask = torch.tril(torch.ones(1, n_new, n_new, dtype=torch.bool, device=device))
-        verify = pa.paged_attention(
-            q,
-            kc,
-            vc,
-            qsl,
-            torch.tensor([seq_len], dtype=torch.int32, device=device),
-            table,
-            n_new,
-            0.25,
-            custom_mask=mask,
-        )
+        verify = pa.paged_attention(q, kc, vc, qsl, lens, table, n_new, 0.25, custom_mask=mask)
         for i in range(n_new):
             pos_len = seq_len - n_new + i + 1
             decode = pa.paged_decode_attention(

@@ -43,6 +43,15 @@ def _critical_999(dof: int) -> float:
     return dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3
 
 
+def _check_same_law(plain: list, got: list) -> None:
+    """Output positions 1 and 2 drawn from the same law in both sample sets (chi-square)."""
+    for pos in (1, 2):
+        stat, dof = _chi2_two_sample(Counter(s[pos] for s in plain),
+                                     Counter(s[pos] for s in got))
+        assert dof >= 2
+        assert stat < _critical_999(dof), (pos, stat, dof)
+
+
 def _samples(llm: LLM, **extra) -> list[list[int]]:
     params = [SamplingParams(temperature=0.8, top_k=6, max_tokens=3, seed=s, ignore_eos=True,
                              **extra) for s in range(N)]
@@ -103,11 +112,7 @@ def test_sampled_speculation_matches_plain_distribution(setup, spec: dict) -> No
     if spec.get("modes"):
         steps = llm.engine.drafter.counters.mode_steps
         assert all(steps[m] > 2 for m in ("off", "chain3", "tree2x3x6")), steps
-    for pos in (1, 2):
-        stat, dof = _chi2_two_sample(Counter(s[pos] for s in plain),
-                                     Counter(s[pos] for s in got))
-        assert dof >= 2
-        assert stat < _critical_999(dof), (pos, stat, dof)
+    _check_same_law(plain, got)
 
 
 @pytest.mark.parametrize("spec", [dict(algorithm="ngram", num_steps=3),
@@ -121,11 +126,7 @@ def test_sampled_model_free_drafters_match_plain_distribution(setup, spec: dict)
     llm = LLM(target, speculative_config=spec, enforce_eager=True, **kw)
     got = _samples(llm)
     assert llm.engine.drafter.counters.num_accepted_tokens > 50, "drafts were rarely accepted"
-    for pos in (1, 2):
-        stat, dof = _chi2_two_sample(Counter(s[pos] for s in plain),
-                                     Counter(s[pos] for s in got))
-        assert dof >= 2
-        assert stat < _critical_999(dof), (pos, stat, dof)
+    _check_same_law(plain, got)
 
 
 # strong enough that the token at output position 3 depends on the ones before it
@@ -146,8 +147,4 @@ def test_sampled_speculation_with_penalties_matches_plain(setup) -> None:
     _fixed_proposals(llm, plain)
     got = _samples(llm, **PENALTIES)
     assert llm.engine.drafter.counters.num_accepted_tokens > 0, "drafts were never accepted"
-    for pos in (1, 2):
-        stat, dof = _chi2_two_sample(Counter(s[pos] for s in plain),
-                                     Counter(s[pos] for s in got))
-        assert dof >= 2
-        assert stat < _critical_999(dof), (pos, stat, dof)
+    _check_same_law(plain, got)
