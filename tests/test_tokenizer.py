@@ -5,9 +5,9 @@ import random
 import pytest
 from tiny_tokenizer import make_tiny_tokenizer
 
+from specserve.stop_strings import StopStringMatcher
 from specserve.tokenizer import (
     IncrementalDetokenizer,
-    StopStringMatcher,
     Tokenizer,
     load_tokenizer,
 )

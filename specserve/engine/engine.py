@@ -33,9 +33,9 @@ from specserve.kv_cache.allocator import PageAllocator
 from specserve.kv_cache.prefix_cache import PrefixCache
 from specserve.sampling_params import SamplingParams
 from specserve.speculative.worker import SpecWorker
+from specserve.stop_strings import StopStringMatcher
 from specserve.tokenizer import (
     IncrementalDetokenizer,
-    StopStringMatcher,
     Tokenizer,
     has_tokenizer,
     load_tokenizer,
