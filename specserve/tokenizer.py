@@ -1,4 +1,4 @@
-"""Tokenizer wrapper, incremental detokenizer and stop-string matcher.
+"""Tokenizer wrapper and incremental detokenizer (stop strings: stop_strings.py).
 
 Text a user sends is always plain text: special-token text inside it (e.g. "<|eot_id|>") is
 encoded byte for byte, never as the control token, in `encode` and inside chat messages.
