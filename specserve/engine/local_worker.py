@@ -114,5 +114,10 @@ def build_local_worker(config: EngineConfig, model_path: str | None,
         from specserve.speculative.methods import proposer_factory
 
         proposer = proposer_factory(config.spec, model_path)
-    drafter = SpecWorker(config.spec, runner, proposer(runner)) if proposer is not None else None
+    drafter = None
+    if proposer is not None:
+        from specserve.speculative.methods import extra_proposers
+
+        drafter = SpecWorker(config.spec, runner, proposer(runner),
+                             extra_proposers(config.spec, model_path, runner))
     return LocalWorker(runner, drafter)

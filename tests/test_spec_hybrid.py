@@ -1,0 +1,166 @@
+"""One engine, several drafters: the primary EAGLE-3 head plus the model-free ngram and
+suffix drafters (modes 'ngram:chain3', 'suffix:tree2x3x6'), the policy choosing per step.
+
+- config: a bad prefix, a drafter needing its own model as an extra, a bad shape: one line
+  each; method keys of an extra method are allowed with the primary;
+- the adaptive choice (cost model, no engine) picks ngram where its per-request acceptance is
+  high and EAGLE-3 where ngram's is low;
+- through the engine, on the bundled tiny-code pair: greedy output == plain decoding token
+  for token while a scripted policy switches among eagle3 chain and tree, ngram chain, suffix
+  tree and off (staggered arrivals, an abort, forced preemptions, prefix caching on); the
+  head is caught up after ngram/suffix cycles and ngram after eagle3's; no state is left;
+- the adaptive policy on copy-heavy prompts runs ngram steps and stays lossless.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tiny_models import record_preemptions
+
+from specserve import defaults
+from specserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from specserve.engine.engine import Engine
+from specserve.engine.spec_policy import AdaptivePolicy, ScriptedPolicy
+from specserve.llm import LLM
+from specserve.sampling_params import SamplingParams
+from specserve.spec_config import speculative_config
+
+TINY, HEAD = defaults.tiny_code_path(), defaults.tiny_code_draft_path()
+needs_head = pytest.mark.skipif(HEAD is None, reason="the tiny-code EAGLE-3 head is missing")
+MAX_TOKENS = 24
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+HYBRID = {"method": "eagle3", "model": HEAD, "num_speculative_tokens": 3,
+          "modes": "tree2x3x6,ngram:chain3,suffix:tree2x3x6", "prompt_lookup_max": 3}
+
+
+@pytest.mark.parametrize("modes, why", [
+    ("foo:chain2", "unknown method 'foo'"),
+    ("eagle3:chain2", "method eagle3 needs a model of its own"),
+    ("suffix:tree9", "write chainS"),
+    ("ngram:tree2x3x6", "ngram drafts a chain"),
+    ("mtp:chain2", "mtp as an extra drafter is not implemented yet"),
+])
+def test_bad_modes_are_one_line_errors(modes: str, why: str) -> None:
+    with pytest.raises(ValueError) as exc:
+        speculative_config({"method": "suffix", "modes": f"chain1,{modes}"})
+    msg = str(exc.value)
+    assert why in msg and repr(modes) in msg and "\n" not in msg, msg
+
+
+def test_extra_methods_and_their_keys() -> None:
+    spec = speculative_config({**HYBRID, "model": "dummy", "suffix_max_match_len": 5})
+    assert spec.extra_methods == ["ngram", "suffix"]
+    ngram, suffix = spec.for_method("ngram"), spec.for_method("suffix")
+    assert (ngram.algorithm, ngram.num_steps, ngram.topk, ngram.lookup_range) == \
+        ("ngram", 3, 1, (1, 3))
+    assert (suffix.topk, suffix.verify_tokens, suffix.suffix_settings[0]) == (2, 6, 5)
+    assert spec.for_method("eagle3").mode_names == ["tree2x3x6"]
+    assert "extra drafters: ngram, suffix" in spec.describe()
+    with pytest.raises(ValueError, match="prompt_lookup_max.*applies to method ngram"):
+        speculative_config({"method": "eagle3", "model": "dummy", "prompt_lookup_max": 3})
+
+
+def test_adaptive_choice_follows_each_drafters_acceptance() -> None:
+    modes = {"chain3": ("eagle3", 1, 3), "ngram:chain3": ("ngram", 1, 3)}
+    costs = {"off": {1: 1.0, 8: 2.0}, "chain3": {1: 1.3, 8: 3.0},
+             "ngram:chain3": {1: 1.1, 8: 2.4}}  # ngram drafts cheaper (no head forwards)
+    policy = AdaptivePolicy(modes, costs, dwell=1, explore_every=1000, rescale=0.0)
+    for _ in range(20):
+        policy.observe("chain3", {"copy": 1, "prose": 2}, None, 2)
+        policy.observe("ngram:chain3", {"copy": 3, "prose": 0}, None, 2)
+    est = policy.acceptance
+    assert est.expected_tokens("copy", 1, 3, "ngram") > est.expected_tokens("copy", 1, 3)
+    assert est.expected_tokens("prose", 1, 3, "ngram") < est.expected_tokens("prose", 1, 3)
+    assert policy.choose(["copy"]) == "ngram:chain3", policy.last_scores
+    for _ in range(2):
+        pick = policy.choose(["prose"])
+    assert pick == "chain3", policy.last_scores
+    est.forget("copy")
+    assert not [k for k in est._counts if k[0] == "copy"]
+
+
+@pytest.fixture(scope="module")
+def workload() -> tuple[list[list[int]], list[list[int]]]:
+    """(prompts, plain greedy outputs): slices of this repo's source, two of them repeating a
+    stretch (copy-heavy), and one extending the first by 9 output tokens (cached prefix)."""
+    llm = LLM(TINY, device="cpu", dtype="float32", enable_prefix_caching=False)
+    text = Path(__file__).read_text() + Path(defaults.__file__).read_text()
+    ids = llm.engine.tokenizer.encode(text, add_special_tokens=False)
+    prompts = [ids[:16]] + [ids[40 * i: 40 * i + 12 + 5 * i] for i in range(1, 5)]
+    prompts += [ids[300:320] * 2, ids[500:512] * 3]
+    first = llm.generate([prompts[0]], GREEDY)[0].token_ids
+    prompts.append(prompts[0] + first[:9])
+    return prompts, [o.token_ids for o in llm.generate(prompts, GREEDY)]
+
+
+PATTERN = (["chain3"] * 2 + ["ngram:chain3"] * 3 + ["chain3"] + ["tree2x3x6"] * 2
+           + ["suffix:tree2x3x6"] * 2 + [None] * 2 + ["ngram:chain3"] + ["tree2x3x6"]
+           + ["suffix:tree2x3x6"] + ["ngram:chain3"] * 2)
+
+
+@needs_head
+@pytest.mark.slow
+def test_switching_drafters_greedy_equals_plain(workload) -> None:
+    prompts, plain = workload
+    engine = Engine(EngineConfig(
+        model=TINY, device="cpu", dtype="float32", spec=speculative_config(HYBRID),
+        cache=CacheConfig(page_size=8, num_pages=20, enable_prefix_caching=True),
+        scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=4)))
+    drafter = engine.drafter
+    assert set(drafter.modes) == {"chain3", "tree2x3x6", "ngram:chain3", "suffix:tree2x3x6"}
+    engine.spec_policy = ScriptedPolicy(PATTERN)
+    preempted = record_preemptions(engine.scheduler)
+    arrivals = {0: [0, 1], 3: [2], 5: [3, 4], 9: [5], 20: [6], 34: [7]}
+    outputs: dict[int, list[int]] = {}
+    aborted = None
+    for step in range(2000):
+        for i in arrivals.get(step, []):
+            engine.add_request(str(i), prompts[i], GREEDY)
+            outputs[i] = []
+        for out in engine.step():
+            outputs[int(out.request_id)].extend(out.new_token_ids)
+        if step == 12 and engine.get_request("3") is not None:
+            engine.abort_request("3")
+            aborted = 3
+        if step > max(arrivals) and not engine.has_unfinished():
+            break
+    for i, want in enumerate(plain):
+        if i == aborted:
+            assert want[:len(outputs[i])] == outputs[i]
+        else:
+            assert outputs[i] == want, i
+    c = drafter.counters
+    assert all(c.mode_steps[m] > 3 for m in ["off", *drafter.modes]), c.mode_steps
+    assert all(c.method_drafts[m] > 5 for m in ("eagle3", "ngram", "suffix")), c.method_drafts
+    # the head caught up over positions ngram/suffix cycles made, ngram over eagle3's
+    assert c.method_catch_ups["eagle3"] > 3 and c.method_catch_ups["ngram"] > 3, c
+    assert c.num_accepted_tokens > 10, c
+    assert preempted, "the pool was sized to force preemptions"
+    assert engine.prefix_cache is not None and engine.stats()["prefix_cache_hits"] > 0
+    assert engine.allocator.num_free == engine.allocator.num_total
+    assert not drafter.has_request_state(), "per-request state leaked"
+    assert not drafter.proposers["suffix"].requests
+
+
+@needs_head
+@pytest.mark.slow
+def test_adaptive_policy_runs_ngram_on_copy_heavy_prompts(workload) -> None:
+    prompts, plain = workload
+    copy = [5, 6]  # the prompts that repeat a stretch
+    llm = LLM(TINY, device="cpu", dtype="float32",
+              speculative_config={"method": "eagle3", "model": HEAD, "num_speculative_tokens": 3,
+                                  "modes": "ngram:chain3", "policy": "adaptive"})
+    assert set(llm.engine.spec_cost_table) == {"off", "chain3", "ngram:chain3"}
+    # a table where speculation pays (on this CPU it does not), exploring every 6 steps
+    costs = {"off": {1: 1.0, 4: 1.2}, "chain3": {1: 1.2, 4: 1.5},
+             "ngram:chain3": {1: 1.1, 4: 1.3}}
+    modes = {n: (m.method, m.shape.topk, m.shape.num_steps)
+             for n, m in llm.engine.drafter.modes.items()}
+    llm.engine.spec_policy = AdaptivePolicy(modes, costs, dwell=2, explore_every=6,
+                                            rescale=0.0)
+    outs = llm.generate([prompts[i] for i in copy], GREEDY)
+    assert [o.token_ids for o in outs] == [plain[i] for i in copy]
+    c = llm.engine.drafter.counters
+    assert c.mode_steps["ngram:chain3"] > 0 and c.method_drafts["ngram"] > 0, c.mode_steps
