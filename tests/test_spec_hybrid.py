@@ -166,3 +166,35 @@ def test_adaptive_policy_runs_ngram_on_copy_heavy_prompts(workload) -> None:
     # ngram is chosen (not only probed): it runs most steps and is accepted more
     assert c.mode_steps["ngram:chain3"] > c.mode_steps["chain3"], c.mode_steps
     assert c.method_accepted_tokens["ngram"] > c.method_accepted_tokens["eagle3"], c
+
+
+@needs_head
+@pytest.mark.slow
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_overlap_launches_ahead_within_a_mode_only(workload, device: str) -> None:
+    """--decode-overlap on: a cycle is launched ahead only for the next step of the same mode
+    (a switch discards it) and output stays plain decoding's; a suffix extra (host-built
+    trees) turns overlap off for the whole engine. On CUDA the cycles are graph replays."""
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    prompts, plain = workload
+    if device == "cuda":
+        ref = LLM(TINY, device=device, dtype="float32", enable_prefix_caching=False)
+        plain = [o.token_ids for o in ref.generate(prompts, GREEDY)]
+    spec = {"method": "eagle3", "model": HEAD, "num_speculative_tokens": 3,
+            "modes": "ngram:chain3"}
+    llm = LLM(TINY, device=device, dtype="float32", decode_overlap="on",
+              speculative_config=spec)
+    llm.engine.spec_policy = ScriptedPolicy(["chain3"] * 4 + ["ngram:chain3"] * 4 + [None])
+    outs = llm.generate(prompts[:6], GREEDY)
+    assert [o.token_ids for o in outs] == plain[:6]
+    drafter = llm.engine.drafter
+    assert drafter.overlap and drafter.cycles_launched_ahead > 5
+    assert all(drafter.modes[m].cycles.cycles_launched_ahead > 0 for m in drafter.modes)
+    assert drafter.counters.method_catch_ups.get("ngram", 0) > 0
+    hybrid = LLM(TINY, device=device, dtype="float32", decode_overlap="on",
+                 speculative_config={**spec, "modes": "ngram:chain3,suffix:tree2x3x6"})
+    assert not hybrid.engine.drafter.overlap
+    assert not any(m.cycles.overlap for m in hybrid.engine.drafter.modes.values())
