@@ -43,10 +43,10 @@ import torch
 
 from specserve.config import SpecConfig
 from specserve.models.capture import AuxHiddenCapture
-from specserve.speculative.cycle import SpecCycle
-from specserve.speculative.cycle_runner import CycleRunner
 from specserve.spec_config import full_mode_name
 from specserve.speculative.catch_up import catch_up
+from specserve.speculative.cycle import SpecCycle
+from specserve.speculative.cycle_runner import CycleRunner
 from specserve.speculative.draft_state import DraftState
 from specserve.speculative.proposer import DraftShape, Proposer, draft_shapes
 from specserve.worker.logits import logprob_lists, prompt_logprobs, sample_logits
