@@ -198,3 +198,32 @@ def test_overlap_launches_ahead_within_a_mode_only(workload, device: str) -> Non
                  speculative_config={**spec, "modes": "ngram:chain3,suffix:tree2x3x6"})
     assert not hybrid.engine.drafter.overlap
     assert not any(m.cycles.overlap for m in hybrid.engine.drafter.modes.values())
+
+
+@pytest.mark.slow
+def test_mtp_primary_with_model_free_extras(tmp_path) -> None:
+    """MTP (the target's own layer, reading its final hidden state) as the primary drafter and
+    ngram / suffix as extras: greedy == plain while the script switches among them and off;
+    MTP is caught up after the extras' cycles; no state is left."""
+    import random
+
+    from tiny_mtp import make_mtp_checkpoint
+
+    path, _ = make_mtp_checkpoint(str(tmp_path / "ds"), "deepseek_v3")
+    rng = random.Random(3)
+    stretch = [rng.randrange(3, 500) for _ in range(10)]
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(4, 30))] for _ in range(4)]
+    prompts += [stretch * 3, stretch * 2 + stretch[:4]]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ref = [o.token_ids for o in LLM(path, device="cpu", dtype="float32").generate(prompts,
+                                                                                  params)]
+    llm = LLM(path, device="cpu", dtype="float32", max_num_seqs=4,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2,
+                                  "modes": "ngram:chain3,suffix:tree2x3x6"})
+    llm.engine.spec_policy = ScriptedPolicy(["chain2"] * 2 + ["ngram:chain3"] * 2
+                                            + ["suffix:tree2x3x6"] * 2 + [None])
+    assert [o.token_ids for o in llm.generate(prompts, params)] == ref
+    c = llm.engine.drafter.counters
+    assert all(c.method_drafts[m] > 3 for m in ("mtp", "ngram", "suffix")), c.method_drafts
+    assert c.method_catch_ups["mtp"] > 0, c
+    assert not llm.engine.drafter.has_request_state()
