@@ -1,17 +1,15 @@
 """Draft mode names (torch-free): a shape ('chain3', 'tree4x3x8'), optionally prefixed with
 the method that drafts it ('ngram:chain4', 'suffix:tree2x3x6'). Unprefixed names are the
 primary method's shapes; a prefix names an extra drafter the same engine holds, one that
-needs no model of its own (EXTRA_METHODS)."""
+needs no model of its own (EXTRA_METHODS: ngram, suffix, mtp)."""
 
 from __future__ import annotations
 
 import re
 
 # methods an engine can hold besides its primary one: they draft from the request's tokens
-EXTRA_METHODS = ("ngram", "suffix")
-# methods that could be extras but are not yet (why, for the error)
-NOT_YET_EXTRA = {"mtp": "mtp as an extra drafter is not implemented yet (use it as the "
-                        "primary method: --spec-algorithm mtp)"}
+# or the target's own MTP layer (the engine checks the target has one)
+EXTRA_METHODS = ("ngram", "suffix", "mtp")
 
 
 def max_tree_nodes(num_steps: int, topk: int) -> int:
@@ -68,8 +66,6 @@ def check_mode(name: str, primary: str, known: dict[str, bool]) -> tuple[str, st
     elif method not in known:
         raise ValueError(f"draft mode {name!r}: unknown method {method!r}; a prefix names a "
                          f"drafter needing no model of its own: {', '.join(EXTRA_METHODS)}")
-    elif method in NOT_YET_EXTRA:
-        raise ValueError(f"draft mode {name!r}: {NOT_YET_EXTRA[method]}")
     elif method not in EXTRA_METHODS:
         raise ValueError(f"draft mode {name!r}: method {method} needs a model of its own and "
                          f"can only be the primary method; extra drafters: "

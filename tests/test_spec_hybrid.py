@@ -9,7 +9,10 @@ suffix drafters (modes 'ngram:chain3', 'suffix:tree2x3x6'), the policy choosing 
   for token while a scripted policy switches among eagle3 chain and tree, ngram chain, suffix
   tree and off (staggered arrivals, an abort, forced preemptions, prefix caching on); the
   head is caught up after ngram/suffix cycles and ngram after eagle3's; no state is left;
-- the adaptive policy on copy-heavy prompts runs ngram steps and stays lossless.
+- the adaptive policy on copy-heavy prompts runs ngram steps and stays lossless;
+- overlap launches ahead within a mode only; MTP as the primary with model-free extras, and
+  as an extra next to EAGLE-3 (one capture, two feature views, its KV after the head's): the
+  MTP extra drafts exactly the trees an MTP-only engine drafts.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ HYBRID = {"method": "eagle3", "model": HEAD, "num_speculative_tokens": 3,
     ("eagle3:chain2", "method eagle3 needs a model of its own"),
     ("suffix:tree9", "write chainS"),
     ("ngram:tree2x3x6", "ngram drafts a chain"),
-    ("mtp:chain2", "mtp as an extra drafter is not implemented yet"),
+    ("draft_model:chain2", "method draft_model needs a model of its own"),
 ])
 def test_bad_modes_are_one_line_errors(modes: str, why: str) -> None:
     with pytest.raises(ValueError) as exc:
@@ -227,3 +230,66 @@ def test_mtp_primary_with_model_free_extras(tmp_path) -> None:
     assert all(c.method_drafts[m] > 3 for m in ("mtp", "ngram", "suffix")), c.method_drafts
     assert c.method_catch_ups["mtp"] > 0, c
     assert not llm.engine.drafter.has_request_state()
+
+
+@pytest.mark.slow
+def test_mtp_extra_next_to_eagle3(tmp_path) -> None:
+    """EAGLE-3 (a random head) primary and the target's MTP layer as an extra drafter: the
+    pool binds the MTP layer's KV after the head's, one capture serves both (the head's aux
+    layers and the final hidden state), greedy == plain through switches; a target without
+    an MTP layer is a one-line error."""
+    import random
+
+    from tiny_mtp import make_mtp_checkpoint
+
+    path, _ = make_mtp_checkpoint(str(tmp_path / "ds"), "deepseek_v3")
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(4, 30))] for _ in range(5)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ref = [o.token_ids for o in LLM(path, device="cpu", dtype="float32").generate(prompts,
+                                                                                  params)]
+    llm = LLM(path, device="cpu", dtype="float32", max_num_seqs=4,
+              speculative_config={"method": "eagle3", "model": "dummy",
+                                  "num_speculative_tokens": 2, "aux_layer_convention": "input",
+                                  "modes": "mtp:chain2,ngram:chain3"})
+    drafter = llm.engine.drafter
+    final = drafter.proposers["mtp"].aux_layer_ids  # the final hidden state, after the head's
+    assert drafter.capture.layer_ids[-1:] == final and len(drafter.views) == 2
+    pattern = ["chain2", "mtp:chain2", "mtp:chain2", "ngram:chain3", None, "chain2", "chain2",
+               "mtp:chain2"]
+    llm.engine.spec_policy = ScriptedPolicy(pattern)
+    trees = _spy_trees(drafter.proposers["mtp"])
+    assert [o.token_ids for o in llm.generate(prompts, params)] == ref
+    c = drafter.counters
+    assert all(c.method_drafts[m] > 3 for m in ("eagle3", "mtp", "ngram")), c.method_drafts
+    assert c.method_catch_ups["mtp"] > 0 and c.method_catch_ups["eagle3"] > 0, c
+    # the random head and layer accept nothing: every cycle emits one token, like a plain
+    # step, so an MTP-only engine off where the others ran drafts the very same trees (its
+    # features then come from the same target positions, through its own capture)
+    assert c.num_accepted_tokens == 0
+    alone = LLM(path, device="cpu", dtype="float32", max_num_seqs=4,
+                speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    alone.engine.spec_policy = ScriptedPolicy(["chain2" if m == "mtp:chain2" else None
+                                               for m in pattern])
+    want = _spy_trees(alone.engine.drafter.proposer)
+    assert [o.token_ids for o in alone.generate(prompts, params)] == ref
+    assert trees == want and len(trees) > 10
+    assert not drafter.has_request_state()
+    with pytest.raises(ValueError) as exc:
+        LLM(TINY, device="cpu", dtype="float32",
+            speculative_config={"method": "ngram", "modes": "chain2,mtp:chain2"})
+    assert "\n" not in str(exc.value) and "MTP" in str(exc.value).upper(), exc.value
+
+
+def _spy_trees(proposer) -> list[list[int]]:
+    """Every tree `proposer` drafts, as token lists."""
+    trees: list[list[int]] = []
+    propose = proposer.propose
+
+    def spy(*args):
+        tree = propose(*args)
+        trees.extend(tree.tokens.tolist())
+        return tree
+
+    proposer.propose = spy
+    return trees

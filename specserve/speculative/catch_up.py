@@ -18,7 +18,7 @@ from specserve.worker.step_input import StepInput
 def catch_up(worker, d: DraftState, rows: StepInput) -> Iterator[tuple[str, torch.Tensor, int,
                                                                        int]]:
     """(request id, new state row, positions covered, positions caught up over) per row of
-    `rows` that needed it. worker: SpecWorker (its runner and aux-feature capture)."""
+    `rows` that needed it. worker: SpecWorker (its runner and the drafter's feature view)."""
     if not d.keeps_state:
         return
     need = [j for j in range(rows.bs) if d.pending.get(rows.request_ids[j])]
@@ -31,18 +31,19 @@ def catch_up(worker, d: DraftState, rows: StepInput) -> Iterator[tuple[str, torc
     pages = rows.select(need).page_lists()
     roots = [int(rows.starts[j]) for j in need]
     feats = None
-    if d.proposer.needs_target_features and worker.capture is not None:
+    view = worker.views.get(d.method)
+    if view is not None:
         md = build_attention_metadata(
             [len(m) for m in missed], roots, pages, runner.page_size, runner.device
         )
         md = dataclasses.replace(md, slot_mapping=torch.full_like(md.slot_mapping, -1))
         positions = [a + i for a, m in zip(starts, missed) for i in range(len(m))]
-        worker.capture.enable()
+        view.enable()
         runner.forward(
             runner.tensor([t for m in missed for t in m]), runner.tensor(positions), md
         )
-        feats = worker.capture.pop()
-        worker.capture.disable()
+        feats = view.pop()
+        view.disable()
     tokens = rows.token_ids.tolist()
     nxt = [m[1:] + [tokens[j]] for m, j in zip(missed, need)]
     new = d.proposer.extend(starts, pages, nxt, feats)

@@ -48,6 +48,7 @@ from specserve.speculative.catch_up import catch_up
 from specserve.speculative.cycle import SpecCycle
 from specserve.speculative.cycle_runner import CycleRunner
 from specserve.speculative.draft_state import DraftState
+from specserve.speculative.features import FeatureView
 from specserve.speculative.proposer import DraftShape, Proposer, draft_shapes
 from specserve.worker.logits import logprob_lists, prompt_logprobs, sample_logits
 from specserve.worker.step_input import StepInput, StepOutput
@@ -98,21 +99,24 @@ class SpecWorker:
         self.proposer = proposer
         self.method = spec.algorithm
         self.proposers: dict[str, Proposer] = {self.method: proposer, **(extra or {})}
-        for name, p in (extra or {}).items():
-            if p.needs_target_features:
-                raise ValueError(f"extra drafter {name} needs target features; only the "
-                                 "primary one may")
         self.drafts = {m: DraftState(m, p, runner.device) for m, p in self.proposers.items()}
         self.primary = self.drafts[self.method]
         self.stateful = [d for d in self.drafts.values() if d.keeps_state]
+        # one capture over every drafter's aux layers; each reads its own through a view
+        readers = {m: p for m, p in self.proposers.items() if p.needs_target_features}
         self.capture = None
-        if proposer.needs_target_features:
-            self.capture = AuxHiddenCapture(runner.model, list(proposer.aux_layer_ids))
+        self.views: dict[str, FeatureView] = {}
+        if readers:
+            ids = sorted({i for p in readers.values() for i in p.aux_layer_ids})
+            self.capture = AuxHiddenCapture(runner.model, ids)
             self.capture.disable()
+            hidden = runner.model_config.hidden_size
+            self.views = {m: FeatureView(self.capture, p.aux_layer_ids, hidden, runner.device)
+                          for m, p in readers.items()}
         self.modes: dict[str, DraftMode] = {}
         t0, mem0 = time.perf_counter(), _device_memory(runner.device)
         for method, p in self.proposers.items():
-            capture = self.capture if p.needs_target_features else None
+            capture = self.views.get(method)
             for shape in draft_shapes(spec.for_method(method)):
                 lookahead = max(shape.num_draft_tokens, p.scratch_slots(shape)) - 1
                 cycle = SpecCycle(runner, p, shape, lookahead, capture,
@@ -321,7 +325,7 @@ class SpecWorker:
             for d in self.stateful
         }
         capture = None
-        if self.capture is not None and feeds.get(self.primary):
+        if any(feed and d.method in self.views for d, feed in feeds.items()):
             capture = self.capture
         batch = runner.prepare(rows)
         if capture is not None:
@@ -356,7 +360,8 @@ class SpecWorker:
                 + [sampled[j] if j in sampled else int(rows.next_token_ids[j])]
                 for j in feed
             ]
-            f = feats if d.proposer.needs_target_features else None
+            view = self.views.get(d.method)
+            f = view.select(feats) if view is not None and feats is not None else None
             if f is not None and len(feed) < rows.bs:
                 at = np.concatenate([np.arange(rows.tok_off[j], rows.tok_off[j + 1])
                                      for j in feed])
