@@ -18,7 +18,7 @@ class FeatureView:
     def __init__(self, capture: AuxHiddenCapture, layer_ids: Sequence[int], hidden: int,
                  device: torch.device) -> None:
         self.capture = capture
-        ids = sorted(set(layer_ids))
+        ids = sorted(layer_ids)  # AuxHiddenCapture's order; a repeated id repeats its block
         self.cols = None
         if ids != list(capture.layer_ids):
             pos = [capture.layer_ids.index(i) for i in ids]

@@ -108,6 +108,8 @@ class SpecWorker:
         self.views: dict[str, FeatureView] = {}
         if readers:
             ids = sorted({i for p in readers.values() for i in p.aux_layer_ids})
+            if len(readers) == 1:  # as the drafter lists them (a repeated id is repeated)
+                ids = list(next(iter(readers.values())).aux_layer_ids)
             self.capture = AuxHiddenCapture(runner.model, ids)
             self.capture.disable()
             hidden = runner.model_config.hidden_size
