@@ -236,6 +236,10 @@ class SpecWorker:
         for d in self.drafts.values():
             d.state.clear()
         self.cycles = self.cycle = self.proposer = None  # type: ignore[assignment]
+        self.proposers, self.drafts, self.views, self.stateful = {}, {}, {}, []
+        self.primary = None  # type: ignore[assignment]
+        for mode in self.modes.values():
+            mode.draft = None
 
     def _can_speculate(self, step: StepInput, i: int, mode: DraftMode) -> bool:
         """A decode that may speculate, whose proposer covers [0, P) (or can be caught up)
