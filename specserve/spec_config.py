@@ -10,12 +10,21 @@ join `KEYS` (and `METHOD_KEYS`, which refuses them for other methods).
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import re
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 from specserve.config_flags import ConfigError, check_fields, option
+from specserve.spec_modes import (  # noqa: F401 (re-exported)
+    EXTRA_METHODS,
+    check_mode,
+    full_mode_name,
+    max_tree_nodes,
+    mode_name,
+    parse_mode,
+    split_mode,
+)
 
 
 @dataclass(frozen=True)
@@ -38,36 +47,6 @@ METHODS: dict[str, SpecMethod] = {
     )
 }
 IMPLEMENTED = tuple(name for name, m in METHODS.items() if m.implemented)
-
-
-def max_tree_nodes(num_steps: int, topk: int) -> int:
-    """Most tokens a draft tree of this shape can propose, the root included."""
-    return 1 + topk + (num_steps - 1) * topk**2
-
-
-def mode_name(topk: int, num_steps: int, num_draft_tokens: int) -> str:
-    """'chain3' (topk 1, every node verified) or 'tree4x3x8' (topk x steps x tokens)."""
-    if topk == 1 and num_draft_tokens == num_steps + 1:
-        return f"chain{num_steps}"
-    return f"tree{topk}x{num_steps}x{num_draft_tokens}"
-
-
-def parse_mode(name: str) -> tuple[int, int, int]:
-    """(topk, num_steps, num_draft_tokens) of a draft mode name (see mode_name); ValueError
-    saying how to write one, or when the tree cannot hold that many tokens."""
-    chain = re.fullmatch(r"chain(\d+)", name)
-    tree = re.fullmatch(r"tree(\d+)x(\d+)x(\d+)", name)
-    if chain:
-        topk, steps, tokens = 1, int(chain.group(1)), int(chain.group(1)) + 1
-    elif tree:
-        topk, steps, tokens = (int(g) for g in tree.groups())
-    else:
-        raise ValueError(f"draft mode {name!r}: write chainS (S draft steps) or treeKxSxN "
-                         "(top-k K, S steps, N tokens verified), e.g. chain3,tree4x3x8")
-    if topk < 1 or steps < 1 or not 2 <= tokens <= max_tree_nodes(steps, topk):
-        raise ValueError(f"draft mode {name!r}: needs K, S >= 1 and N in [2, "
-                         f"{max_tree_nodes(max(steps, 1), max(topk, 1))}]")
-    return topk, steps, tokens
 
 
 @dataclass(frozen=True)
@@ -146,11 +125,6 @@ class SpecConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        for name in self.mode_names:
-            try:
-                parse_mode(name)
-            except ValueError as exc:
-                raise ConfigError(SpecConfig, "modes", str(exc)) from None
         if self.synthetic_accept_len and self.synthetic_accept_rate:
             raise ConfigError(SpecConfig, "synthetic_accept_rate",
                               "and synthetic_accept_len are both set; give one")
@@ -168,6 +142,12 @@ class SpecConfig:
                 "algorithm",
                 f"{self.algorithm!r} is not implemented yet; implemented: {', '.join(IMPLEMENTED)}",
             )
+        implemented = {name: m.implemented for name, m in METHODS.items()}
+        for name in self.mode_names:
+            try:
+                check_mode(name, self.algorithm, implemented)
+            except ValueError as exc:
+                raise ConfigError(SpecConfig, "modes", str(exc)) from None
         most = max_tree_nodes(self.num_steps, self.topk)
         if not 2 <= self.verify_tokens <= most:
             raise ConfigError(
@@ -210,16 +190,17 @@ class SpecConfig:
     def _check_method_keys(self) -> None:
         """Method-specific keys: refused for other methods; ngram drafts chains only."""
         for name, owner in METHOD_KEYS.items():
-            if getattr(self, name) is not None and self.algorithm != owner:
+            if getattr(self, name) is not None and owner != self.algorithm \
+                    and owner not in self.extra_methods:
                 raise ConfigError(SpecConfig, name, f"applies to method {owner} only, not "
-                                  f"{self.algorithm!r}")
+                                  f"{self.algorithm!r} (or a mode '{owner}:...')")
         if self.algorithm == "ngram":
             lo, hi = self.lookup_range
             if lo > hi:
                 raise ConfigError(SpecConfig, "prompt_lookup_min",
                                   f"{lo} is above prompt_lookup_max {hi}")
             for name in [mode_name(self.topk, self.num_steps, self.verify_tokens),
-                         *self.mode_names]:
+                         *self.modes_of("ngram")]:
                 topk, steps, tokens = parse_mode(name)
                 if topk != 1 or tokens != steps + 1:
                     raise ConfigError(SpecConfig, "modes" if name in self.mode_names else "topk",
@@ -257,6 +238,45 @@ class SpecConfig:
         return [m.strip() for m in self.modes.split(",") if m.strip()]
 
     @property
+    def extra_methods(self) -> list[str]:
+        """Methods named by a mode prefix other than the primary one, in order of first use."""
+        out: list[str] = []
+        for name in self.mode_names:
+            method = split_mode(name)[0]
+            if method not in (None, self.algorithm) and method not in out:
+                out.append(method)
+        return out
+
+    def modes_of(self, method: str) -> list[str]:
+        """The shape names --spec-modes gives `method` (unprefixed ones: the primary's)."""
+        out = []
+        for name in self.mode_names:
+            m, shape = split_mode(name)
+            if (m or self.algorithm) == method and shape not in out:
+                out.append(shape)
+        return out
+
+    def mode_key(self, name: str) -> str:
+        """A --spec-modes entry as the worker keys it (the primary's shapes unprefixed)."""
+        method, shape = split_mode(name)
+        return full_mode_name(method, shape, self.algorithm)
+
+    def for_method(self, method: str) -> SpecConfig:
+        """The config one drafter of this engine sees, as if it were the only one: the
+        primary's shapes, or an extra method's (its first mode the configured shape)."""
+        keys = {k: None for k, owner in METHOD_KEYS.items() if owner != method}
+        if method == self.algorithm:
+            return dataclasses.replace(self, modes=",".join(self.modes_of(method)), **keys)
+        shapes = self.modes_of(method)
+        if not shapes:
+            raise ValueError(f"no draft mode names method {method!r}")
+        topk, steps, tokens = parse_mode(shapes[0])
+        return dataclasses.replace(
+            self, algorithm=method, draft_model="", topk=topk, num_steps=steps,
+            num_draft_tokens=tokens, modes=",".join(shapes[1:]),
+            synthetic_accept_len=min(self.synthetic_accept_len, steps + 1), **keys)
+
+    @property
     def verify_tokens(self) -> int:
         """Tokens run through the target per cycle, the root included."""
         if self.num_draft_tokens:
@@ -281,6 +301,8 @@ class SpecConfig:
                 *self.suffix_settings)
         if self.mode_names or self.policy != "static":
             text += f"; policy {self.policy}, modes {', '.join(self.mode_names) or '-'}"
+        if self.extra_methods:
+            text += f" (extra drafters: {', '.join(self.extra_methods)}, no model of their own)"
         if self.synthetic_accept_len:
             text += f" [COST-ONLY: accept length forced to {self.synthetic_accept_len}]"
         if self.synthetic_accept_rate:

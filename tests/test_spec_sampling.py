@@ -90,12 +90,19 @@ def _fixed_proposals(llm: LLM, plain: list[list[int]]) -> None:
 
 
 SWITCH = ["chain3", None, None, "chain3", "tree2x3x6", None]  # on, off, a tree mode
+# the head's chain and tree, the model-free drafters of the same engine, off
+HYBRID = ["chain3", "ngram:chain3", "ngram:chain3", "tree2x3x6", "suffix:tree2x3x6", None,
+          "chain3", "suffix:tree2x3x6"]
 
 
 @pytest.mark.parametrize("spec", [dict(num_steps=3, topk=1),
                                   dict(num_steps=2, topk=2, num_draft_tokens=5),
                                   pytest.param(dict(num_steps=3, topk=1, modes="tree2x3x6"),
-                                               marks=pytest.mark.slow, id="switching")])
+                                               marks=pytest.mark.slow, id="switching"),
+                                  pytest.param(dict(num_steps=3, topk=1, prompt_lookup_max=2,
+                                                    modes="tree2x3x6,ngram:chain3,"
+                                                          "suffix:tree2x3x6"),
+                                               marks=pytest.mark.slow, id="drafters")])
 def test_sampled_speculation_matches_plain_distribution(setup, spec: dict) -> None:
     """Also with the mode switched per step (chain <-> tree <-> off): the speculating steps
     and the plain ones both sample the target's distribution."""
@@ -106,12 +113,13 @@ def test_sampled_speculation_matches_plain_distribution(setup, spec: dict) -> No
     if spec.get("modes"):
         from specserve.engine.spec_policy import ScriptedPolicy
 
-        llm.engine.spec_policy = ScriptedPolicy(SWITCH)
+        hybrid = "ngram" in spec["modes"]
+        llm.engine.spec_policy = ScriptedPolicy(HYBRID if hybrid else SWITCH)
     got = _samples(llm)
     assert llm.engine.drafter.counters.num_accepted_tokens > 0, "drafts were never accepted"
     if spec.get("modes"):
         steps = llm.engine.drafter.counters.mode_steps
-        assert all(steps[m] > 2 for m in ("off", "chain3", "tree2x3x6")), steps
+        assert all(steps[m] > 2 for m in ("off", *llm.engine.drafter.modes)), steps
     _check_same_law(plain, got)
 
 

@@ -150,12 +150,13 @@ class Engine:
         cfg = self.config
         target = {"model": cfg.model, "load_format": cfg.load_format, "dtype": str(self.runner.dtype),
                   "seed": cfg.seed if cfg.load_format == "dummy" else None}
-        if drafter is None or not drafter.proposer.keeps_state:
+        if drafter is None or not drafter.stateful:
             return json.dumps(target), False  # no draft KV in the pages
-        key = getattr(drafter.proposer, "prefix_cache_key", None)
-        if key is None:
+        # every drafter keeping state in the pages (a page is cached once all cover it)
+        keys = [getattr(d.proposer, "prefix_cache_key", None) for d in drafter.stateful]
+        if None in keys:
             return None
-        return json.dumps({**target, "draft": key}), True
+        return json.dumps({**target, "draft": keys[0] if len(keys) == 1 else keys}), True
 
     def _prefix_cache(self) -> PrefixCache | None:
         """The prefix cache, on unless switched off or unsafe (a drafter whose state the
@@ -184,7 +185,8 @@ class Engine:
         log.info("speculation cost table (ms per step, %.1f s to measure):\n%s",
                  time.perf_counter() - t0, format_table(table))
         self.spec_cost_table = table
-        modes = {name: (m.shape.topk, m.shape.num_steps) for name, m in self.drafter.modes.items()}
+        modes = {name: (m.method, m.shape.topk, m.shape.num_steps)
+                 for name, m in self.drafter.modes.items()}
         return AdaptivePolicy(modes, table)
 
     def set_speculation(self, enabled: bool) -> None:

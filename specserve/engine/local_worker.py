@@ -109,10 +109,21 @@ def build_local_worker(config: EngineConfig, model_path: str | None,
         from specserve.speculative.eagle3 import load_draft_config
 
         draft_kv = eagle3_kv_specs(load_draft_config(config.spec, model_config))
+    if "mtp" in config.spec.extra_methods:  # an extra drafter's layers after the primary's
+        from specserve.speculative.mtp import check_mtp_target, mtp_kv_specs
+
+        check_mtp_target(config.spec.for_method("mtp"), None if config.load_format == "dummy"
+                         else model_path, model_config)  # the target has the layer
+        draft_kv = draft_kv + mtp_kv_specs(model_config)
     runner = ModelRunner(config, model_config, model_path, draft_kv)
     if proposer is None and config.spec.enabled:
         from specserve.speculative.methods import proposer_factory
 
         proposer = proposer_factory(config.spec, model_path)
-    drafter = SpecWorker(config.spec, runner, proposer(runner)) if proposer is not None else None
+    drafter = None
+    if proposer is not None:
+        from specserve.speculative.methods import extra_proposers
+
+        drafter = SpecWorker(config.spec, runner, proposer(runner),
+                             extra_proposers(config.spec, model_path, runner))
     return LocalWorker(runner, drafter)

@@ -71,26 +71,35 @@ class ScriptedPolicy(_Fixed):
 
 
 class AcceptanceEstimates:
-    """Per request and per draft family (the mode's topk), the conditional acceptance at
-    each depth d: P(depth d accepted | depth d - 1 was), from decayed counts of the request's
-    own cycles, shrunk toward the family's global estimate (new requests start there)."""
+    """Per request and per draft family (the mode's drafter and topk), the conditional
+    acceptance at each depth d: P(depth d accepted | depth d - 1 was), from decayed counts of
+    the request's own cycles, shrunk toward the family's global estimate (new requests start
+    there). A family is (method, topk); `method` "" is the primary drafter."""
 
     def __init__(self, max_depth: int, decay: float = 0.9, prior: float = 0.6,
                  prior_weight: float = 4.0) -> None:
         self.max_depth = max_depth
         self.decay, self.prior, self.prior_weight = decay, prior, prior_weight
-        # (request id | None for global, topk) -> ([hits per depth], [trials per depth])
-        self._counts: dict[tuple[str | None, int], tuple[list[float], list[float]]] = {}
+        # (request id | None for global, topk | (method, topk)) -> ([hits per depth],
+        # [trials per depth]); the primary drafter's family is its bare topk
+        self._counts: dict[tuple[str | None, object], tuple[list[float], list[float]]] = {}
 
-    def _row(self, key: tuple[str | None, int]) -> tuple[list[float], list[float]]:
+    def _row(self, key: tuple[str | None, object]) -> tuple[list[float], list[float]]:
         row = self._counts.get(key)
         if row is None:
             row = self._counts[key] = ([0.0] * self.max_depth, [0.0] * self.max_depth)
         return row
 
-    def observe(self, request_id: str, topk: int, depth: int, accepted: int) -> None:
-        """One cycle of a mode of this topk and depth that accepted `accepted` drafts."""
-        for key, decay in (((request_id, topk), self.decay), ((None, topk), 0.99)):
+    @staticmethod
+    def family(topk: int, method: str = "") -> object:
+        return (method, topk) if method else topk
+
+    def observe(self, request_id: str, topk: int, depth: int, accepted: int,
+                method: str = "") -> None:
+        """One cycle of a mode of this drafter, topk and depth that accepted `accepted`
+        drafts."""
+        fam = self.family(topk, method)
+        for key, decay in (((request_id, fam), self.decay), ((None, fam), 0.99)):
             hits, trials = self._row(key)
             for d in range(depth):
                 hits[d] *= decay
@@ -99,26 +108,28 @@ class AcceptanceEstimates:
                 trials[d] += 1.0
                 hits[d] += 1.0 if d < accepted else 0.0
 
-    def rates(self, request_id: str, topk: int) -> list[float]:
+    def rates(self, request_id: str, topk: int, method: str = "") -> list[float]:
         """Estimated conditional acceptance at depths 1 .. max_depth."""
-        base = self._global(topk)
-        own = self._counts.get((request_id, topk))
+        base = self._global(topk, method)
+        own = self._counts.get((request_id, self.family(topk, method)))
         if own is None:
             return base
         w = self.prior_weight
         return [(h + w * g) / (t + w) for h, t, g in zip(*own, base)]
 
-    def _global(self, topk: int) -> list[float]:
-        row = self._counts.get((None, topk)) or self._counts.get((None, 1))
+    def _global(self, topk: int, method: str = "") -> list[float]:
+        row = (self._counts.get((None, self.family(topk, method)))
+               or self._counts.get((None, self.family(1, method))))
         if row is None:
             return [self.prior] * self.max_depth
         w = self.prior_weight
         return [(h + w * self.prior) / (t + w) for h, t in zip(*row)]
 
-    def expected_tokens(self, request_id: str, topk: int, depth: int) -> float:
+    def expected_tokens(self, request_id: str, topk: int, depth: int,
+                        method: str = "") -> float:
         """Tokens one cycle emits: 1 + sum over i <= depth of prod_{j <= i} a_j."""
         total, run = 1.0, 1.0
-        for a in self.rates(request_id, topk)[:depth]:
+        for a in self.rates(request_id, topk, method)[:depth]:
             run *= a
             total += run
         return total
@@ -145,16 +156,22 @@ class AdaptivePolicy:
 
     needs_batch = True
 
-    def __init__(self, modes: dict[str, tuple[int, int]], costs: dict[str, dict[int, float]],
+    def __init__(self, modes: dict[str, tuple], costs: dict[str, dict[int, float]],
                  hysteresis: float = 0.05, dwell: int = 8, explore_every: int = 64,
                  rescale: float = 0.1) -> None:
-        """modes: {name: (topk, num_steps)}; costs: {mode or "off": {batch: seconds}};
+        """modes: {name: (topk, num_steps)} or {name: (method, topk, num_steps)} (several
+        drafters: acceptance is learnt per method); costs: {mode or "off": {batch: seconds}};
         rescale: weight of each measured step time in a mode's scale (0: the table as is)."""
-        self.modes = modes
+        # name -> (acceptance family's method, topk, steps); the first mode's method is ""
+        first = next(iter(modes.values()))
+        primary = first[0] if len(first) == 3 else ""
+        self.modes = {name: ("", *m) if len(m) == 2 else ("" if m[0] == primary else m[0],
+                                                          *m[1:])
+                      for name, m in modes.items()}
         self.costs = {m: sorted(row.items()) for m, row in costs.items()}
         self.hysteresis, self.dwell, self.explore_every = hysteresis, dwell, explore_every
         self.rescale = rescale
-        self.acceptance = AcceptanceEstimates(max(steps for _, steps in modes.values()))
+        self.acceptance = AcceptanceEstimates(max(m[2] for m in self.modes.values()))
         self.scale = dict.fromkeys(costs, 1.0)  # measured / tabled step time, per mode
         self.current: str | None = next(iter(modes))
         self.since_switch = 0
@@ -170,8 +187,9 @@ class AdaptivePolicy:
         """Expected tokens per second of every mode ("off" included) for this batch."""
         b = len(decoding)
         out = {"off": b / self.step_time(None, b)}
-        for name, (topk, steps) in self.modes.items():
-            tokens = sum(self.acceptance.expected_tokens(r, topk, steps) for r in decoding)
+        for name, (method, topk, steps) in self.modes.items():
+            tokens = sum(self.acceptance.expected_tokens(r, topk, steps, method)
+                         for r in decoding)
             out[name] = tokens / self.step_time(name, b)
         return out
 
@@ -200,9 +218,9 @@ class AdaptivePolicy:
     def observe(self, mode: str | None, accepted: dict[str, int], seconds: float | None,
                 batch: int) -> None:
         if mode is not None:
-            topk, steps = self.modes[mode]
+            method, topk, steps = self.modes[mode]
             for rid, m in accepted.items():
-                self.acceptance.observe(rid, topk, steps, m)
+                self.acceptance.observe(rid, topk, steps, m, method)
         if seconds is not None and batch:
             key = "off" if mode is None else mode
             ratio = seconds / _interpolate(self.costs[key], batch)

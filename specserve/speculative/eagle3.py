@@ -27,6 +27,7 @@ from specserve.layers.rotary import ensure_rope_capacity
 from specserve.models.capture import default_aux_layer_ids, find_embedding_and_head
 from specserve.models.eagle3 import Eagle3Head, load_eagle3_head
 from specserve.speculative.cycle import kv_slots
+from specserve.speculative.features import bind_draft_layers
 from specserve.speculative.proposer import DraftShape
 from specserve.speculative.tree import DraftTree, TreeAccumulator
 from specserve.speculative.verify import VerifyResult
@@ -88,7 +89,7 @@ class Eagle3Proposer:
         self.num_kv_layers = 1
         # RoPE tables cover every position before any graph is captured (no growth later)
         ensure_rope_capacity(self.head, runner.max_positions)
-        runner.kv_pool.bind([self.head.midlayer.attn], first_layer=len(runner.attn_layers))
+        bind_draft_layers(runner, [self.head.midlayer.attn])
         tlayers = runner.model_config.num_layers
         self.aux_layer_ids = resolve_aux_layer_ids(self.head.config, spec.aux_layer_convention,
                                                    tlayers)

@@ -28,6 +28,7 @@ from specserve.layers.rotary import ensure_rope_capacity
 from specserve.models.capture import final_hidden_id
 from specserve.models.mtp_layer import check_mtp_checkpoint, find_decoder_model, load_mtp_layer
 from specserve.speculative.eagle3 import Eagle3Proposer
+from specserve.speculative.features import bind_draft_layers
 from specserve.speculative.proposer import DraftShape
 
 
@@ -76,7 +77,7 @@ class MTPProposer(Eagle3Proposer):
                                    runner.dtype, runner.device, seed=runner.config.seed + 1)
         self.num_kv_layers = 1
         ensure_rope_capacity(self.head, runner.max_positions)
-        runner.kv_pool.bind(attention_modules(self.head), first_layer=len(runner.attn_layers))
+        bind_draft_layers(runner, attention_modules(self.head))
         self.aux_layer_ids = (final_hidden_id(runner.model),)
         self.d2t = None  # the target's vocabulary
         self.state_dim = cfg.hidden_size

@@ -43,12 +43,9 @@ def _plain(runner, rows: StepInput) -> None:
 
 
 def _cycle(worker, mode, rows: StepInput) -> None:
-    state = torch.zeros(
-        rows.bs,
-        worker.proposer.state_dim,
-        dtype=worker.proposer.state_dtype,
-        device=worker.runner.device,
-    )
+    proposer = mode.cycle.proposer if mode.draft is None else mode.draft.proposer
+    state = torch.zeros(rows.bs, proposer.state_dim, dtype=proposer.state_dtype,
+                        device=worker.runner.device)
     inputs = {"state": state, "root_pos": rows.starts.copy(), "root_tokens": rows.token_ids.copy()}
     mode.cycles.run(rows, inputs)
 

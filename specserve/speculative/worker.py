@@ -23,6 +23,11 @@ covers [0, start) at once and the row's chunk feeds it (or is caught up) like an
 state row comes from that chunk, which always runs at least one token. Every step reports how
 far each row's draft KV is valid (`StepOutput.draft_computed`): the scheduler caches no page
 past it.
+Several drafters: the worker may hold a primary proposer plus extra model-free ones (modes
+'ngram:chain4', spec_config.check_mode), one DraftState each. A cycle of proposer A is, for
+every other proposer B that keeps state, like a plain step: B records the tokens whose target
+KV became valid (root and accepted drafts, positions P .. P + m - 1) and catches up before it
+next speculates. The pages' draft KV is valid up to the minimum over the proposers.
 The only device-to-host copy of a speculative step is the emitted tokens (plus the sampled
 tokens of prefill chunks, when a step has any).
 """
@@ -38,9 +43,12 @@ import torch
 
 from specserve.config import SpecConfig
 from specserve.models.capture import AuxHiddenCapture
+from specserve.spec_config import full_mode_name
+from specserve.speculative.catch_up import catch_up
 from specserve.speculative.cycle import SpecCycle
 from specserve.speculative.cycle_runner import CycleRunner
-from specserve.speculative.draft_state import DraftStates
+from specserve.speculative.draft_state import DraftState
+from specserve.speculative.features import FeatureView
 from specserve.speculative.proposer import DraftShape, Proposer, draft_shapes
 from specserve.worker.logits import logprob_lists, prompt_logprobs, sample_logits
 from specserve.worker.step_input import StepInput, StepOutput
@@ -63,36 +71,62 @@ class SpecCounters:
     num_catch_ups: int = 0  # rows whose proposer caught up after plain steps
     num_catch_up_tokens: int = 0  # positions it caught up over
     mode_steps: dict[str, int] = field(default_factory=dict)  # steps per mode ("off": plain)
+    method_drafts: dict[str, int] = field(default_factory=dict)  # cycles per drafter
+    method_accepted_tokens: dict[str, int] = field(default_factory=dict)  # accepted, per drafter
+    method_catch_ups: dict[str, int] = field(default_factory=dict)  # catch-ups, per drafter
 
 
 @dataclass
 class DraftMode:
-    """One draft shape with its cycle, its graphs and the slots it needs past the root."""
+    """One draft shape of one drafter with its cycle, its graphs and the slots it needs past
+    the root."""
 
     shape: DraftShape
     lookahead: int  # slots past the root a decode must own: verify nodes and draft scratch
     cycle: SpecCycle
     cycles: CycleRunner
+    method: str = ""  # the drafter's method (spec.algorithm for the primary)
+    draft: DraftState | None = None  # its per-request state
 
 
-class SpecWorker(DraftStates):
-    def __init__(self, spec: SpecConfig, runner, proposer: Proposer) -> None:
+class SpecWorker:
+    def __init__(self, spec: SpecConfig, runner, proposer: Proposer,
+                 extra: dict[str, Proposer] | None = None) -> None:
+        """proposer: the primary drafter (spec.algorithm); extra: method -> a drafter of the
+        modes spec.modes prefixes with it (needing no target features)."""
         self.spec = spec
         self.runner = runner  # ModelRunner
         self.proposer = proposer
+        self.method = spec.algorithm
+        self.proposers: dict[str, Proposer] = {self.method: proposer, **(extra or {})}
+        self.drafts = {m: DraftState(m, p, runner.device) for m, p in self.proposers.items()}
+        self.primary = self.drafts[self.method]
+        self.stateful = [d for d in self.drafts.values() if d.keeps_state]
+        # one capture over every drafter's aux layers; each reads its own through a view
+        readers = {m: p for m, p in self.proposers.items() if p.needs_target_features}
         self.capture = None
-        if proposer.needs_target_features:
-            self.capture = AuxHiddenCapture(runner.model, list(proposer.aux_layer_ids))
+        self.views: dict[str, FeatureView] = {}
+        if readers:
+            ids = sorted({i for p in readers.values() for i in p.aux_layer_ids})
+            if len(readers) == 1:  # as the drafter lists them (a repeated id is repeated)
+                ids = list(next(iter(readers.values())).aux_layer_ids)
+            self.capture = AuxHiddenCapture(runner.model, ids)
             self.capture.disable()
+            hidden = runner.model_config.hidden_size
+            self.views = {m: FeatureView(self.capture, p.aux_layer_ids, hidden, runner.device)
+                          for m, p in readers.items()}
         self.modes: dict[str, DraftMode] = {}
         t0, mem0 = time.perf_counter(), _device_memory(runner.device)
-        for shape in draft_shapes(spec):
-            lookahead = max(shape.num_draft_tokens, proposer.scratch_slots(shape)) - 1
-            cycle = SpecCycle(runner, proposer, shape, lookahead, self.capture,
-                              spec.synthetic_accept_len, spec.synthetic_accept_rate)
-            cycles = CycleRunner(cycle, proposer.state_dim, proposer.state_dtype,
-                                 spec.synthetic)
-            self.modes[shape.name] = DraftMode(shape, lookahead, cycle, cycles)
+        for method, p in self.proposers.items():
+            capture = self.views.get(method)
+            for shape in draft_shapes(spec.for_method(method)):
+                lookahead = max(shape.num_draft_tokens, p.scratch_slots(shape)) - 1
+                cycle = SpecCycle(runner, p, shape, lookahead, capture,
+                                  spec.synthetic_accept_len, spec.synthetic_accept_rate)
+                cycles = CycleRunner(cycle, p.state_dim, p.state_dtype, spec.synthetic)
+                name = full_mode_name(method, shape.name, self.method)
+                self.modes[name] = DraftMode(shape, lookahead, cycle, cycles, method,
+                                             self.drafts[method])
         if self.num_graphs:
             log.info("speculative graphs: %d for modes %s in %.1f s, %.0f MiB of device memory",
                      self.num_graphs, ", ".join(self.modes), time.perf_counter() - t0,
@@ -106,15 +140,12 @@ class SpecWorker(DraftStates):
         self.lookahead = max(m.lookahead for m in self.modes.values())
         max_steps = max(m.shape.num_steps for m in self.modes.values())
         self.counters = SpecCounters(accepted_per_pos=[0] * max_steps,
-                                     mode_steps=dict.fromkeys(["off", *self.modes], 0))
-        # per request id: the proposer's state row after position covered - 1, positions
-        # covered, and (while stale) the tokens run past them
-        self.state: dict[str, torch.Tensor] = {}
-        self.covered: dict[str, int] = {}
-        self.pending: dict[str, list[int]] = {}
+                                     mode_steps=dict.fromkeys(["off", *self.modes], 0),
+                                     method_drafts=dict.fromkeys(self.proposers, 0),
+                                     method_accepted_tokens=dict.fromkeys(self.proposers, 0))
         # a proposer whose trees the host builds from the previous cycle's tokens
         # (`host_drafts`, e.g. suffix decoding) cannot launch a cycle ahead: overlap off
-        self.host_drafts = bool(getattr(proposer, "host_drafts", False))
+        self.host_drafts = any(d.host_drafts for d in self.drafts.values())
         self.overlap = runner.overlap and not self.host_drafts
         if self.host_drafts:
             for m in self.modes.values():
@@ -124,6 +155,53 @@ class SpecWorker(DraftStates):
         self.keep_ahead = 0
         if self.overlap:
             self.keep_ahead = max(m.shape.width + m.lookahead for m in self.modes.values())
+
+    # -- the primary drafter's per-request state (tests, older callers) --------------------------
+    @property
+    def state(self) -> dict[str, torch.Tensor]:
+        return self.primary.state
+
+    @property
+    def covered(self) -> dict[str, int]:
+        return self.primary.covered
+
+    @property
+    def pending(self) -> dict[str, list[int]]:
+        return self.primary.pending
+
+    def has_request_state(self) -> bool:
+        """Any drafter holds state of some request."""
+        return any(d.request_ids() or d.state or d.pending for d in self.drafts.values())
+
+    def release(self, request_id: str) -> None:
+        for d in self.drafts.values():
+            d.release(request_id)
+
+    def release_all(self) -> None:
+        for d in self.drafts.values():
+            for rid in sorted(d.request_ids()):
+                d.release(rid)
+
+    def _set_state(self, rid: str, row: torch.Tensor, covered: int) -> None:
+        self.primary.set_state(rid, row, covered)
+
+    def _store(self, d: DraftState, rid: str, row: torch.Tensor, covered: int) -> None:
+        if d is self.primary:
+            self._set_state(rid, row, covered)  # (a hook tests wrap)
+        else:
+            d.set_state(rid, row, covered)
+
+    def _draft_computed(self, step: StepInput) -> list[int] | None:
+        """Per row: positions whose draft KV is valid now in every drafter keeping state
+        (None: no draft KV in the pages)."""
+        if not self.stateful:
+            return None
+        return [min(d.covered.get(rid, 0) for d in self.stateful) for rid in step.request_ids]
+
+    def _observe(self, step: StepInput, tokens: list[list[int]]) -> None:
+        for d in self.drafts.values():
+            if d.host_drafts:
+                d.proposer.observe(step, tokens)
 
     # -- introspection -------------------------------------------------------------------------
     @property
@@ -155,8 +233,13 @@ class SpecWorker(DraftStates):
         """Drop the cycle graphs and per-request state and unhook the target (idempotent)."""
         if self.capture is not None:
             self.capture.remove()
-        self.state.clear()
+        for d in self.drafts.values():
+            d.state.clear()
         self.cycles = self.cycle = self.proposer = None  # type: ignore[assignment]
+        self.proposers, self.drafts, self.views, self.stateful = {}, {}, {}, []
+        self.primary = None  # type: ignore[assignment]
+        for mode in self.modes.values():
+            mode.draft = None
 
     def _can_speculate(self, step: StepInput, i: int, mode: DraftMode) -> bool:
         """A decode that may speculate, whose proposer covers [0, P) (or can be caught up)
@@ -171,7 +254,7 @@ class SpecWorker(DraftStates):
             and step.num_new_tokens[i] == 1
             and step.samples[i]
             and step.page_counts[i] * self.runner.page_size >= start + 1 + mode.lookahead
-            and self._reachable(step.request_ids[i], start)
+            and mode.draft.reachable(step.request_ids[i], start)
         )
 
     # -- the step ------------------------------------------------------------------------------
@@ -179,7 +262,8 @@ class SpecWorker(DraftStates):
     def execute(self, step: StepInput) -> StepOutput:
         for rid in step.finished_ids + step.preempted_ids:
             self.release(rid)  # preempted: their KV is gone; re-prefill rebuilds the state
-        self._restore_cached(step)
+        for d in self.stateful:
+            d.restore_cached(step)
         mode = None
         if step.speculate.any():
             mode = self.modes.get(step.spec_mode)
@@ -187,13 +271,13 @@ class SpecWorker(DraftStates):
                 raise ValueError(f"draft mode {step.spec_mode!r} is not one of {list(self.modes)}")
         self.discard_launched(keep=mode)  # a launch ahead is only taken by its own mode
         if step.bs:
-            self.counters.mode_steps["off" if mode is None else mode.shape.name] += 1
+            self.counters.mode_steps["off" if mode is None else step.spec_mode] += 1
         if mode is None:  # off: the plain step, no draft forward
-            self._record(step, range(step.bs))
+            for d in self.stateful:
+                d.record(step, range(step.bs))
             out = self.runner.execute(step)
             out.draft_computed = self._draft_computed(step)
-            if self.host_drafts:
-                self.proposer.observe(step, out.token_ids)
+            self._observe(step, out.token_ids)
             return out
         self.runner.discard_launched()
         tokens: list[list[int]] = [[] for _ in range(step.bs)]
@@ -209,40 +293,46 @@ class SpecWorker(DraftStates):
             self._target_rows(step.select(others), others, tokens, logprobs, prompt_lps)
         if decodes:
             rows = step.select(decodes)
-            self._catch_up(rows)
+            self._catch_up(mode.draft, rows)
+            draft = mode.draft
             # requests finishing their prefill here speculate next step: no launch ahead
             joining = bool(step.samples[others].any()) if others else False
             emitted, new_state, lps = mode.cycles.speculate(
-                rows, lambda: self._states(rows, mode.shape), launch_next=not joining
+                rows, lambda: draft.states(rows, mode.shape), launch_next=not joining
             )
             proposed = mode.shape.num_draft_tokens - 1
+            roots = rows.token_ids.tolist()  # one token per decode row
             for j, (i, rid) in enumerate(zip(decodes, rows.request_ids)):
                 m = len(emitted[j])
                 tokens[i], computed[i], drafted[i] = emitted[j], m, proposed
                 if lps is not None:
                     logprobs[i] = lps[j]
-                self._set_state(rid, new_state[j], int(rows.starts[j]) + m)
-                self._count(m - 1, proposed)
+                start = int(rows.starts[j])
+                self._store(draft, rid, new_state[j], start + m)
+                for other in self.stateful:  # KV valid at P .. P+m-1: root, accepted drafts
+                    if other is not draft:
+                        other.append(rid, start, [roots[j], *emitted[j][:m - 1]])
+                self._count(mode.method, m - 1, proposed)
         else:
             mode.cycles.discard_launched()
-        if self.host_drafts:
-            self.proposer.observe(step, tokens)
+        self._observe(step, tokens)
         return StepOutput(tokens, computed, drafted, self._draft_computed(step), logprobs,
                           prompt_lps)
 
     def _target_rows(self, rows: StepInput, index: list[int], tokens: list[list[int]],
                      logprobs: list | None, prompt_lps: list | None) -> None:
         """Plain target forward over rows that do not speculate; the prefill chunks that may
-        speculate and whose proposer is caught up then feed it (pairs f_i, t_{i+1})."""
-        runner, proposer = self.runner, self.proposer
-        feed = [
-            j
-            for j in range(rows.bs)
-            if proposer.keeps_state
-            and rows.speculate[j]
-            and self._caught_up(rows.request_ids[j], int(rows.starts[j]))
-        ]
-        capture = self.capture if feed else None
+        speculate and whose proposers are caught up then feed them (pairs f_i, t_{i+1})."""
+        runner = self.runner
+        starts, ids = rows.starts.tolist(), rows.request_ids
+        feeds = {
+            d: [j for j in range(rows.bs)
+                if rows.speculate[j] and d.caught_up(ids[j], starts[j])]
+            for d in self.stateful
+        }
+        capture = None
+        if any(feed and d.method in self.views for d, feed in feeds.items()):
+            capture = self.capture
         batch = runner.prepare(rows)
         if capture is not None:
             capture.enable()
@@ -266,27 +356,43 @@ class SpecWorker(DraftStates):
                 for j, entry in zip(batch.sample_index,
                                     logprob_lists(lp, sub.logprobs.tolist())):
                     logprobs[index[j]] = None if entry is None else [entry]
-        fed = set(feed)
-        self._record(rows, [j for j in range(rows.bs) if j not in fed])
-        if not feed:
-            return
-        nxt = [
-            rows.tokens(j)[1:].tolist()
-            + [sampled[j] if j in sampled else int(rows.next_token_ids[j])]
-            for j in feed
-        ]
-        if feats is not None and len(feed) < rows.bs:
-            at = np.concatenate([np.arange(rows.tok_off[j], rows.tok_off[j + 1]) for j in feed])
-            feats = feats.index_select(0, runner.tensor(at))
-        sub = rows.select(feed)
-        new = proposer.extend(sub.starts.tolist(), sub.page_lists(), nxt, feats)
-        for j, rid in enumerate(sub.request_ids):
-            self._set_state(rid, new[j], int(sub.seq_lens[j]))
+        for d, feed in feeds.items():
+            fed = set(feed)
+            d.record(rows, [j for j in range(rows.bs) if j not in fed])
+            if not feed:
+                continue
+            nxt = [
+                rows.tokens(j)[1:].tolist()
+                + [sampled[j] if j in sampled else int(rows.next_token_ids[j])]
+                for j in feed
+            ]
+            view = self.views.get(d.method)
+            f = view.select(feats) if view is not None and feats is not None else None
+            if f is not None and len(feed) < rows.bs:
+                at = np.concatenate([np.arange(rows.tok_off[j], rows.tok_off[j + 1])
+                                     for j in feed])
+                f = f.index_select(0, runner.tensor(at))
+            sub = rows.select(feed)
+            new = d.proposer.extend(sub.starts.tolist(), sub.page_lists(), nxt, f)
+            for j, rid in enumerate(sub.request_ids):
+                self._store(d, rid, new[j], int(sub.seq_lens[j]))
 
-    def _count(self, accepted: int, proposed: int) -> None:
+    def _catch_up(self, d: DraftState, rows: StepInput) -> None:
+        """Bring drafter d of rows whose state went stale (plain steps, other drafters'
+        cycles) up to their root (speculative/catch_up.py)."""
+        for rid, row, covered, missed in catch_up(self, d, rows):
+            self._store(d, rid, row, covered)
+            self.counters.num_catch_ups += 1
+            self.counters.method_catch_ups[d.method] = \
+                self.counters.method_catch_ups.get(d.method, 0) + 1
+            self.counters.num_catch_up_tokens += missed
+
+    def _count(self, method: str, accepted: int, proposed: int) -> None:
         c = self.counters
         c.num_drafts += 1
         c.num_draft_tokens += proposed
         c.num_accepted_tokens += accepted
+        c.method_drafts[method] = c.method_drafts.get(method, 0) + 1
+        c.method_accepted_tokens[method] = c.method_accepted_tokens.get(method, 0) + accepted
         for d in range(accepted):
             c.accepted_per_pos[d] += 1
