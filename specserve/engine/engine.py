@@ -28,48 +28,16 @@ from specserve.engine.request import Request
 from specserve.engine.scheduler import Scheduler, SchedulerOutput
 from specserve.engine.spec_policy import AdaptivePolicy, SpecPolicy, StaticPolicy
 from specserve.engine.step_builder import build_step_input
+from specserve.engine.text import TextState, engine_tokenizer
 from specserve.generation_config import load_generation_defaults
 from specserve.kv_cache.allocator import PageAllocator
 from specserve.kv_cache.prefix_cache import PrefixCache
 from specserve.sampling_params import SamplingParams
 from specserve.speculative.worker import SpecWorker
-from specserve.stop_strings import StopStringMatcher
-from specserve.tokenizer import (
-    IncrementalDetokenizer,
-    Tokenizer,
-    has_tokenizer,
-    load_tokenizer,
-    read_chat_template,
-)
 from specserve.worker.device import resolve_device, resolve_dtype
 from specserve.worker.step_input import StepOutput
 
 log = logging.getLogger(__name__)
-
-
-class _TextState:
-    """Per-request detokenization and stop-string matching."""
-
-    def __init__(self, engine: Engine, req: Request) -> None:
-        self.detok = (IncrementalDetokenizer(engine.tokenizer, req.prompt_token_ids)
-                      if engine.tokenizer is not None else None)
-        self.stops = StopStringMatcher(req.params.stop, req.params.include_stop_str_in_output)
-        self.emitted = 0  # output tokens already reported
-
-
-def engine_tokenizer(config: EngineConfig, model_path: str | None) -> Tokenizer | None:
-    """The model's tokenizer (with --chat-template applied); random-weight benchmark models
-    may have none (then prompts must be token ids)."""
-    path = config.tokenizer or model_path
-    if config.load_format == "dummy" and (path is None or not has_tokenizer(path)):
-        if config.chat_template:
-            raise ValueError("--chat-template needs a tokenizer; this random-weight model "
-                             "has none (pass --tokenizer DIR)")
-        return None
-    tokenizer = load_tokenizer(path)
-    if config.chat_template:
-        tokenizer.hf.chat_template = read_chat_template(config.chat_template)
-    return tokenizer
 
 
 class Engine:
@@ -133,7 +101,7 @@ class Engine:
         self._set_keep_ahead()
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
-        self._text: dict[str, _TextState] = {}
+        self._text: dict[str, TextState] = {}
         self._requests: dict[str, Request] = {}
         self.closed = False
         log.info("model %s: %d KV pages x %d tokens = %d tokens of context capacity",
@@ -240,7 +208,7 @@ class Engine:
         req = Request(request_id, ids, params, seed=seed)
         self.scheduler.add(req)  # validates lengths; may raise ValueError / QueueFullError
         self._requests[request_id] = req
-        self._text[request_id] = _TextState(self, req)
+        self._text[request_id] = TextState(self.tokenizer, req)
         return request_id
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
@@ -337,7 +305,9 @@ class Engine:
                 continue
             first = state.emitted == 0
             state.emitted = len(req.output_token_ids)
-            text = self._detokenize(req, state, new_ids)
+            text, stopped = state.new_text(req, new_ids)
+            if stopped and not req.is_finished:
+                self.scheduler.finish(req, "stop", stop_reason=state.stops.matched)
             lps = (None if req.output_logprobs is None
                    else req.output_logprobs[len(req.output_logprobs) - len(new_ids):])
             results.append(RequestOutput(
@@ -350,28 +320,6 @@ class Engine:
                 del self._text[req.request_id]
                 del self._requests[req.request_id]
         return results
-
-    def _detokenize(self, req: Request, state: _TextState, new_ids: list[int]) -> str:
-        """New text of the request; finishes it when a stop string matched."""
-        if state.detok is None:
-            return ""
-        # stop strings count from min_tokens on, as EOS and stop_token_ids do: the text of
-        # the earlier tokens passes unmatched (a stop string cannot end inside it)
-        early = max(0, req.params.min_tokens - (state.emitted - len(new_ids)))
-        text = ""
-        if early:
-            text = state.stops.flush() + state.detok.add(new_ids[:early])
-            new_ids = new_ids[early:]
-        more, stopped = state.stops.feed(state.detok.add(new_ids))
-        text += more
-        if stopped:
-            if not req.is_finished:
-                self.scheduler.finish(req, "stop", stop_reason=state.stops.matched)
-            return text
-        if req.is_finished:  # release what was held back for a possible stop string
-            tail, stopped = state.stops.feed(state.detok.flush())
-            text += tail if stopped else tail + state.stops.flush()
-        return text
 
     # -- introspection -----------------------------------------------------------------------
     def stats(self) -> dict:
