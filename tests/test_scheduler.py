@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 import pytest
 
 from specserve.config import SchedulerConfig
+from specserve.engine.plan import QueueFullError, SchedulerOutput
 from specserve.engine.request import Request, RequestStatus
-from specserve.engine.scheduler import QueueFullError, Scheduler, SchedulerOutput
+from specserve.engine.scheduler import Scheduler
 from specserve.kv_cache.allocator import PageAllocator, pages_for
 from specserve.sampling_params import SamplingParams
 

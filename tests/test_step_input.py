@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from specserve.config import SchedulerConfig
+from specserve.engine.plan import SchedulerOutput
 from specserve.engine.request import Request
-from specserve.engine.scheduler import Scheduler, SchedulerOutput
+from specserve.engine.scheduler import Scheduler
 from specserve.engine.step_builder import build_step_input
 from specserve.kv_cache.allocator import PageAllocator
 from specserve.sampling_params import SamplingParams

@@ -29,7 +29,7 @@ from specserve.config import EngineConfig, config_from_dict, config_to_dict
 from specserve.engine.engine import RequestOutput
 from specserve.engine.errors import EngineDeadError
 from specserve.engine.local_worker import resolve_model
-from specserve.engine.scheduler import QueueFullError
+from specserve.engine.plan import QueueFullError
 from specserve.engine.text import engine_tokenizer
 from specserve.generation_config import load_generation_defaults
 from specserve.sampling_params import SamplingParams

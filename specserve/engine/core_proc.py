@@ -131,7 +131,7 @@ def _load(spec: dict[str, Any]) -> Any:
 
 
 def _serve(engine: Any, commands: zmq.Socket, events: zmq.Socket, beat: _Beat) -> int:
-    from specserve.engine.scheduler import QueueFullError
+    from specserve.engine.plan import QueueFullError
     from specserve.sampling_params import SamplingParams
 
     while True:

@@ -24,8 +24,9 @@ from specserve.engine.executor import Executor
 from specserve.engine.local_worker import ProposerFactory, resolve_model
 from specserve.engine.memory import check_fits
 from specserve.engine.outputs import RequestOutput, record_logprobs, record_prompt_logprobs
+from specserve.engine.plan import SchedulerOutput
 from specserve.engine.request import Request
-from specserve.engine.scheduler import Scheduler, SchedulerOutput
+from specserve.engine.scheduler import Scheduler
 from specserve.engine.spec_policy import AdaptivePolicy, SpecPolicy, StaticPolicy
 from specserve.engine.step_builder import build_step_input
 from specserve.engine.text import TextState, engine_tokenizer

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specserve.engine.scheduler import SchedulerOutput
+from specserve.engine.plan import SchedulerOutput
 
 
 @dataclass

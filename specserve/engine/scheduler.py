@@ -22,66 +22,17 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from specserve.config import SchedulerConfig
+from specserve.engine.plan import (
+    QueueFullError,
+    ScheduledRequest,
+    SchedulerOutput,
+    StepPlan,
+)
 from specserve.engine.request import Request, RequestStatus
 from specserve.kv_cache.allocator import PageAllocator, pages_for
 from specserve.kv_cache.prefix_cache import PrefixCache
-
-
-class QueueFullError(Exception):
-    """The waiting queue is at config.max_waiting; retry later (the server answers 429)."""
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int  # run tokens all_token_ids[start : start + num_new_tokens]
-    start: int  # = request.num_computed_tokens when scheduled
-    lookahead: int = 0  # KV slots owned past start + num_new_tokens (decode entries only)
-    is_decode: bool = False
-    # the KV of [0, start) came from the prefix cache at this admission (target and draft)
-    from_cache: bool = False
-    _num_tokens: int = field(init=False, repr=False)  # request.num_tokens when scheduled
-
-    def __post_init__(self) -> None:
-        self._num_tokens = self.request.num_tokens
-
-    @property
-    def samples(self) -> bool:
-        """The runner samples a token: the chunk reaches the request's newest token."""
-        return self.start + self.num_new_tokens == self._num_tokens
-
-    @property
-    def cost(self) -> int:
-        """Tokens of the step's budget this entry uses."""
-        return self.num_new_tokens + self.lookahead
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest]  # decodes first, then prefill chunks
-    preempted: list[Request]
-    # requests that left the running set by finishing or aborting since the last schedule:
-    # the workers drop their per-request state (preempted ones are listed above)
-    finished_ids: list[str] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        """Budgeted tokens: new tokens plus decode lookahead slots."""
-        return sum(e.cost for e in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass
-class _StepPlan:
-    entries: dict[str, ScheduledRequest] = field(default_factory=dict)  # by request_id
-    preempted: list[Request] = field(default_factory=list)
-    used: int = 0  # budget spent
 
 
 class Scheduler:
@@ -194,7 +145,7 @@ class Scheduler:
     # -- planning ------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        plan = _StepPlan()
+        plan = StepPlan()
         decodes = [r for r in self.running if self._is_decode(r)]
         prefills = [r for r in self.running if not self._is_decode(r)]
         for req in decodes + prefills:
@@ -213,7 +164,7 @@ class Scheduler:
     def _is_decode(req: Request) -> bool:
         return req.num_output_tokens > 0 and req.num_tokens - req.num_computed_tokens == 1
 
-    def _schedule_running(self, req: Request, plan: _StepPlan) -> None:
+    def _schedule_running(self, req: Request, plan: StepPlan) -> None:
         budget = self.config.max_num_batched_tokens - plan.used
         start = req.num_computed_tokens
         if self._is_decode(req):
@@ -236,7 +187,7 @@ class Scheduler:
         self._grow(req, start + n)
         self._add_entry(plan, ScheduledRequest(req, n, start))
 
-    def _reserve(self, req: Request, num_slots: int, plan: _StepPlan) -> bool:
+    def _reserve(self, req: Request, num_slots: int, plan: StepPlan) -> bool:
         """Preempt from the back until `req` can own `num_slots` slots; False if it was itself
         the victim."""
         while pages_for(num_slots, self.page_size) - len(req.page_ids) > self.allocator.num_free:
@@ -252,13 +203,13 @@ class Scheduler:
         if extra > 0:
             req.page_ids.extend(self.allocator.allocate(extra))
 
-    def _add_entry(self, plan: _StepPlan, entry: ScheduledRequest) -> None:
+    def _add_entry(self, plan: StepPlan, entry: ScheduledRequest) -> None:
         assert entry.num_new_tokens >= 1
         plan.entries[entry.request.request_id] = entry
         plan.used += entry.cost
         assert plan.used <= self.config.max_num_batched_tokens
 
-    def _preempt(self, victim: Request, plan: _StepPlan) -> None:
+    def _preempt(self, victim: Request, plan: StepPlan) -> None:
         """Recompute-preemption: drop the KV, keep the tokens, requeue at the front."""
         entry = plan.entries.pop(victim.request_id, None)
         if entry is not None:
@@ -272,7 +223,7 @@ class Scheduler:
         self.waiting.appendleft(victim)
         plan.preempted.append(victim)
 
-    def _admit_waiting(self, plan: _StepPlan) -> None:
+    def _admit_waiting(self, plan: StepPlan) -> None:
         alloc = self.allocator
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             budget = self.config.max_num_batched_tokens - plan.used

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specserve.engine.scheduler import SchedulerOutput
+from specserve.engine.plan import SchedulerOutput
 from specserve.worker.step_input import StepInput
 
 

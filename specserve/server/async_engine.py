@@ -30,7 +30,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from specserve.engine.engine import Engine, RequestOutput
-from specserve.engine.scheduler import QueueFullError
+from specserve.engine.plan import QueueFullError
 from specserve.sampling_params import SamplingParams
 from specserve.server.metrics import EngineMetrics
 from specserve.server.streams import (

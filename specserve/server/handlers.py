@@ -21,7 +21,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from specserve.engine.scheduler import QueueFullError
+from specserve.engine.plan import QueueFullError
 from specserve.sampling_params import SamplingParams
 from specserve.server import errors as E
 from specserve.server import protocol as P
