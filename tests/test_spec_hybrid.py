@@ -235,7 +235,7 @@ def test_mtp_primary_with_model_free_extras(tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_mtp_extra_next_to_eagle3(tmp_path) -> None:
+def test_mtp_extra_next_to_eagle3(tmp_path, monkeypatch) -> None:
     """EAGLE-3 (a random head) primary and the target's MTP layer as an extra drafter: the
     pool binds the MTP layer's KV after the head's, one capture serves both (the head's aux
     layers and the final hidden state), greedy == plain through switches; a target without
@@ -245,6 +245,16 @@ def test_mtp_extra_next_to_eagle3(tmp_path) -> None:
     from tiny_mtp import make_mtp_checkpoint
 
     path, _ = make_mtp_checkpoint(str(tmp_path / "ds"), "deepseek_v3")
+    import specserve.engine.engine as engine_module
+
+    checked = []  # the memory check sees the head and the extra MTP layer
+    check_fits = engine_module.check_fits
+
+    def spy(name, target, drafts, *a, **kw):
+        checked.append([d.num_layers for d in drafts])
+        return check_fits(name, target, drafts, *a, **kw)
+
+    monkeypatch.setattr(engine_module, "check_fits", spy)
     rng = random.Random(4)
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(4, 30))] for _ in range(5)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -254,6 +264,7 @@ def test_mtp_extra_next_to_eagle3(tmp_path) -> None:
               speculative_config={"method": "eagle3", "model": "dummy",
                                   "num_speculative_tokens": 2, "aux_layer_convention": "input",
                                   "modes": "mtp:chain2,ngram:chain3"})
+    assert checked[-1] == [1, 1]  # the EAGLE-3 head's layer, then the MTP layer's block
     drafter = llm.engine.drafter
     final = drafter.proposers["mtp"].aux_layer_ids  # the final hidden state, after the head's
     assert drafter.capture.layer_ids[-1:] == final and len(drafter.views) == 2

@@ -65,18 +65,19 @@ class Engine:
                         "there (sliding-window attention is not implemented)", window)
             self.max_model_len = window
         self.config = config.replace(scheduler={"max_model_len": self.max_model_len})
-        draft_config = None
-        if config.spec.algorithm == "mtp" and proposer is None:
-            from specserve.speculative.mtp import check_mtp_target
-
-            draft_config = check_mtp_target(config.spec, None if config.load_format == "dummy"
-                                            else self.model_path, self.model_config)
-        elif config.spec.algorithm == "eagle3" and proposer is None:
+        drafts = []  # the drafters' own models, for the memory check
+        if proposer is None and config.spec.algorithm == "eagle3":
             from specserve.speculative.eagle3 import load_draft_config
 
-            draft_config = load_draft_config(config.spec, self.model_config)
+            drafts.append(load_draft_config(config.spec, self.model_config))
+        if proposer is None and "mtp" in (config.spec.algorithm, *config.spec.extra_methods):
+            from specserve.speculative.mtp import check_mtp_target  # primary or extra drafter
+
+            drafts.append(check_mtp_target(config.spec.for_method("mtp"),
+                                           None if config.load_format == "dummy"
+                                           else self.model_path, self.model_config))
         device = resolve_device(config.device)
-        check_fits(self.model_name, self.model_config, draft_config,
+        check_fits(self.model_name, self.model_config, drafts,
                    resolve_dtype(config.dtype, self.model_config, device), device, config.cache,
                    tp_size=config.parallel.tp_size)
         t0 = time.perf_counter()

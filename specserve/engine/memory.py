@@ -10,6 +10,7 @@ now: MemAvailable on the CPU, free device memory on a GPU.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 
@@ -34,20 +35,22 @@ def available_bytes(device: torch.device) -> int:
 
 def required_bytes(
     target: ModelConfig,
-    draft: ModelConfig | None,
+    draft: ModelConfig | Sequence[ModelConfig] | None,
     dtype: torch.dtype,
     device: torch.device,
     cache: CacheConfig,
 ) -> tuple[int, int]:
-    """(weight bytes, KV-cache bytes known before loading) for this engine."""
+    """(weight bytes, KV-cache bytes known before loading) for this engine; `draft`: the
+    drafters' models (a head, an MTP layer), one or several."""
     elem = torch.empty((), dtype=dtype).element_size()
-    weights = (draft.num_parameters() * elem if draft is not None else 0) + (
+    drafts = [] if draft is None else [draft] if isinstance(draft, ModelConfig) else list(draft)
+    weights = sum(d.num_parameters() for d in drafts) * elem + (
         quantized_weight_bytes(target, dtype) if target.quantization
         else target.num_parameters() * elem)  # fmt: skip
     kv = 0
     if device.type != "cuda":
         if cache.num_pages:
-            layers = target.num_layers + (draft.num_layers if draft is not None else 0)
+            layers = target.num_layers + sum(d.num_layers for d in drafts)
             per_token = 2 * layers * target.num_kv_heads * target.head_dim * elem
             kv = cache.num_pages * cache.page_size * per_token
         else:
@@ -67,7 +70,7 @@ def quantized_weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
 def check_fits(
     name: str,
     target: ModelConfig,
-    draft: ModelConfig | None,
+    draft: ModelConfig | Sequence[ModelConfig] | None,
     dtype: torch.dtype,
     device: torch.device,
     cache: CacheConfig,
