@@ -242,3 +242,20 @@ def test_non_text_content_parts_say_why(kind: str, says: str) -> None:
     with pytest.raises(APIError) as err:
         msg.text(2)
     assert says in err.value.message and err.value.param == "messages[2].content[1].type"
+
+
+def test_unknown_fields_are_logged_once_by_name(caplog) -> None:
+    """An extra field no request shape defines (metadata, store, ...) is ignored and the log
+    names it, once per name."""
+    import uuid
+
+    from specserve.server import protocol
+
+    name = f"x_{uuid.uuid4().hex[:8]}"  # never seen before in this process
+    body = json.dumps({"model": "m", "prompt": "x", name: 1}).encode()
+    with caplog.at_level("WARNING", logger="specserve.server.protocol"):
+        protocol.parse_request(body, "application/json", protocol.CompletionRequest)
+        protocol.parse_request(body, "application/json", protocol.CompletionRequest)
+    lines = [r.getMessage() for r in caplog.records if name in r.getMessage()]
+    assert len(lines) == 1 and "not used by this server" in lines[0]
+    assert "prompt" not in protocol._WARNED_FIELDS

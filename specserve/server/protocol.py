@@ -8,11 +8,12 @@ the prompt's log-probs too), presence/frequency/repetition penalties, min_tokens
 Fields OpenAI defines but we do not implement (tools, tool_choice, functions, response_format
 other than text, suffix, best_of other than n, ...) are declared and refused with a 400
 naming them, and so are vLLM extensions we lack (REFUSED_EXTRAS). Other unknown fields are
-ignored, as OpenAI clients send extras (metadata, store, ...).
+ignored, as OpenAI clients send extras (metadata, store, ...), and logged once per name.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
@@ -27,6 +28,10 @@ from specserve.sampling_params import (
 )
 from specserve.server.errors import bad_request, echo, validation_error
 from specserve.server.parsing import parse_request_json
+
+log = logging.getLogger(__name__)
+_WARNED_FIELDS: set[str] = set()  # unknown request fields already logged (bounded)
+MAX_WARNED_FIELDS = 256
 
 # vLLM extensions a client may send expecting an effect that this server does not have:
 # refused by name when set, never silently ignored
@@ -56,6 +61,8 @@ def parse_request(
         req = model.model_validate(obj)
     except ValidationError as exc:
         raise validation_error(exc) from None
+    if isinstance(obj, dict):
+        _warn_ignored(set(obj) - set(model.model_fields))
     for name, accepted, hint in req.UNSUPPORTED:
         if not accepted(getattr(req, name)):
             raise bad_request(f"{name}={echo(getattr(req, name))} is not supported; {hint}", name)
@@ -64,6 +71,17 @@ def parse_request(
                           "stream_options")
     req.check_choices()
     return req
+
+
+def _warn_ignored(names: set[str]) -> None:
+    """Fields a request carries that no OpenAI or vLLM shape here defines are ignored (clients
+    send extras); the log says so once per field name, so nothing is dropped silently."""
+    new = sorted(n for n in names if n not in _WARNED_FIELDS)
+    if not new or len(_WARNED_FIELDS) >= MAX_WARNED_FIELDS:
+        return
+    _WARNED_FIELDS.update(new)
+    log.warning("request field(s) %s not used by this server: ignored (logged once per name)",
+                ", ".join(echo(n, 40) for n in new[:8]))
 
 
 class _Strict(BaseModel):
