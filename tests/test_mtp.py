@@ -182,7 +182,12 @@ def test_mtp_greedy_equals_plain_under_batching_and_preemption(ckpts, plain, nam
 
 def _drafts_spy(llm: LLM) -> list[list[int]]:
     """Every tree the (rank-0) proposer drafts, as token lists."""
-    proposer, trees = llm.engine.drafter.proposer, []
+    return spy_trees(llm.engine.drafter.proposer)
+
+
+def spy_trees(proposer) -> list[list[int]]:
+    """Every tree `proposer` drafts from now on, as token lists."""
+    trees: list[list[int]] = []
     propose = proposer.propose
 
     def spy(*args):

@@ -249,13 +249,13 @@ def test_unknown_fields_are_logged_once_by_name(caplog) -> None:
     names it, once per name."""
     import uuid
 
-    from specserve.server import protocol
+    from specserve.server import parsing, protocol
 
     name = f"x_{uuid.uuid4().hex[:8]}"  # never seen before in this process
     body = json.dumps({"model": "m", "prompt": "x", name: 1}).encode()
-    with caplog.at_level("WARNING", logger="specserve.server.protocol"):
+    with caplog.at_level("WARNING", logger="specserve.server.parsing"):
         protocol.parse_request(body, "application/json", protocol.CompletionRequest)
         protocol.parse_request(body, "application/json", protocol.CompletionRequest)
     lines = [r.getMessage() for r in caplog.records if name in r.getMessage()]
     assert len(lines) == 1 and "not used by this server" in lines[0]
-    assert "prompt" not in protocol._WARNED_FIELDS
+    assert "prompt" not in parsing._WARNED_FIELDS

@@ -20,6 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from test_mtp import spy_trees
 from tiny_models import record_preemptions
 
 from specserve import defaults
@@ -271,7 +272,7 @@ def test_mtp_extra_next_to_eagle3(tmp_path, monkeypatch) -> None:
     pattern = ["chain2", "mtp:chain2", "mtp:chain2", "ngram:chain3", None, "chain2", "chain2",
                "mtp:chain2"]
     llm.engine.spec_policy = ScriptedPolicy(pattern)
-    trees = _spy_trees(drafter.proposers["mtp"])
+    trees = spy_trees(drafter.proposers["mtp"])
     assert [o.token_ids for o in llm.generate(prompts, params)] == ref
     c = drafter.counters
     assert all(c.method_drafts[m] > 3 for m in ("eagle3", "mtp", "ngram")), c.method_drafts
@@ -284,7 +285,7 @@ def test_mtp_extra_next_to_eagle3(tmp_path, monkeypatch) -> None:
                 speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     alone.engine.spec_policy = ScriptedPolicy(["chain2" if m == "mtp:chain2" else None
                                                for m in pattern])
-    want = _spy_trees(alone.engine.drafter.proposer)
+    want = spy_trees(alone.engine.drafter.proposer)
     assert [o.token_ids for o in alone.generate(prompts, params)] == ref
     assert trees == want and len(trees) > 10
     assert not drafter.has_request_state()
@@ -294,15 +295,3 @@ def test_mtp_extra_next_to_eagle3(tmp_path, monkeypatch) -> None:
     assert "\n" not in str(exc.value) and "MTP" in str(exc.value).upper(), exc.value
 
 
-def _spy_trees(proposer) -> list[list[int]]:
-    """Every tree `proposer` drafts, as token lists."""
-    trees: list[list[int]] = []
-    propose = proposer.propose
-
-    def spy(*args):
-        tree = propose(*args)
-        trees.extend(tree.tokens.tolist())
-        return tree
-
-    proposer.propose = spy
-    return trees

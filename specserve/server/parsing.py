@@ -1,15 +1,20 @@
 """A request body's JSON, parsed strictly: application/json only, valid UTF-8 (no lone
-surrogate), no NaN / Infinity, bounded nesting, list fields capped before validation."""
+surrogate), no NaN / Infinity, bounded nesting, list fields capped before validation; fields
+no request shape defines are logged once per name (`warn_ignored`)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from typing import Any
 
 from specserve.server.errors import bad_request, echo
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+log = logging.getLogger(__name__)
+_WARNED_FIELDS: set[str] = set()  # unknown request fields already logged (bounded)
+MAX_WARNED_FIELDS = 256
 
 
 def _reject_constant(token: str) -> Any:
@@ -65,3 +70,14 @@ def _check_list_lengths(obj: Any, limits: dict[str, tuple[int, str]]) -> None:
                 raise bad_request(
                     f"{name} holds {len(value)} items; at most {cap} are accepted ({why})", name
                 )
+
+
+def warn_ignored(names: set[str]) -> None:
+    """Fields a request carries that no OpenAI or vLLM shape here defines are ignored (clients
+    send extras); the log says so once per field name, so nothing is dropped silently."""
+    new = sorted(n for n in names if n not in _WARNED_FIELDS)
+    if not new or len(_WARNED_FIELDS) >= MAX_WARNED_FIELDS:
+        return
+    _WARNED_FIELDS.update(new)
+    log.warning("request field(s) %s not used by this server: ignored (logged once per name)",
+                ", ".join(echo(n, 40) for n in new[:8]))

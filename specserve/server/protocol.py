@@ -13,7 +13,6 @@ ignored, as OpenAI clients send extras (metadata, store, ...), and logged once p
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
@@ -27,11 +26,7 @@ from specserve.sampling_params import (
     SamplingParams,
 )
 from specserve.server.errors import bad_request, echo, validation_error
-from specserve.server.parsing import parse_request_json
-
-log = logging.getLogger(__name__)
-_WARNED_FIELDS: set[str] = set()  # unknown request fields already logged (bounded)
-MAX_WARNED_FIELDS = 256
+from specserve.server.parsing import parse_request_json, warn_ignored
 
 # vLLM extensions a client may send expecting an effect that this server does not have:
 # refused by name when set, never silently ignored
@@ -62,7 +57,7 @@ def parse_request(
     except ValidationError as exc:
         raise validation_error(exc) from None
     if isinstance(obj, dict):
-        _warn_ignored(set(obj) - set(model.model_fields))
+        warn_ignored(set(obj) - set(model.model_fields))
     for name, accepted, hint in req.UNSUPPORTED:
         if not accepted(getattr(req, name)):
             raise bad_request(f"{name}={echo(getattr(req, name))} is not supported; {hint}", name)
@@ -71,17 +66,6 @@ def parse_request(
                           "stream_options")
     req.check_choices()
     return req
-
-
-def _warn_ignored(names: set[str]) -> None:
-    """Fields a request carries that no OpenAI or vLLM shape here defines are ignored (clients
-    send extras); the log says so once per field name, so nothing is dropped silently."""
-    new = sorted(n for n in names if n not in _WARNED_FIELDS)
-    if not new or len(_WARNED_FIELDS) >= MAX_WARNED_FIELDS:
-        return
-    _WARNED_FIELDS.update(new)
-    log.warning("request field(s) %s not used by this server: ignored (logged once per name)",
-                ", ".join(echo(n, 40) for n in new[:8]))
 
 
 class _Strict(BaseModel):
