@@ -32,8 +32,19 @@ def run_interpreted(test_file: str, *argv: str, timeout: int = 600) -> dict[str,
     return json.loads(lines[-1])
 
 
-def report(checks: dict[str, Callable[[], None]]) -> None:
-    """Run every check (in the interpreter subprocess) and print the results as one JSON line."""
+def report(checks: dict[str, Callable[[], None]],
+           gpu_dims: dict[str, Callable[[], None]] | None = None) -> None:
+    """Run every check (in the interpreter subprocess) and print the results as one JSON line.
+    In a compile-only run (tests/triton_compile.py) each launch is compiled for a GPU instead,
+    and `gpu_dims` joins in: the same checks in bf16 at the dims the GPU tests launch (too slow
+    for the interpreter, compiled only)."""
+    from specserve.kernels.dispatch import COMPILE_ONLY_ENV
+
+    if os.environ.get(COMPILE_ONLY_ENV):
+        from triton_compile import compile_checks
+
+        print(json.dumps(compile_checks({**checks, **(gpu_dims or {})})))
+        return
     assert os.environ.get("TRITON_INTERPRET") == "1", "run through run_interpreted"
     results = {}
     for name, check in checks.items():

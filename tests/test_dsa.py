@@ -383,8 +383,22 @@ def test_selection_and_attention_capture_in_a_graph(backend: str) -> None:
         assert row_rel_error(out, want) < 1e-3
 
 
+# compile-only (tests/triton_compile.py): GLM-5 dims (indexer 32 x 128, rank 512, rope 64), bf16
+GPU_DIM_CHECKS = {
+    **{f"bf16_scores_case{i}": (lambda i=i: check_index_scores(
+        [s * 9 for s in CASES[i][0]], CASES[i][1], 64, CASES[i][3], 32, 128, torch.bfloat16,
+        "cpu", 2e-2, i)) for i in range(len(CASES))},
+    "bf16_sparse_h64": lambda: check_sparse_attention(
+        1, 64, 512, 64, 2048, 64, None, torch.bfloat16, "cpu", 2e-2
+    ),
+    "bf16_sparse_h16_splits4": lambda: check_sparse_attention(
+        8, 16, 512, 64, 2048, 64, 4, torch.bfloat16, "cpu", 2e-2
+    ),
+}  # fmt: skip
+
+
 if __name__ == "__main__":
-    report(INTERPRETER_CHECKS)
+    report(INTERPRETER_CHECKS, GPU_DIM_CHECKS)
 
 
 def test_selection_breaks_ties_toward_the_earlier_position() -> None:

@@ -292,5 +292,20 @@ def test_exact_mla_cuda_bf16() -> None:
     check_exact_tree_attention("cuda", torch.bfloat16)
 
 
+def _exact_gemm_8b() -> None:
+    w = torch.randn(4096, 4096).to(torch.bfloat16)
+    eg.exact_gemm(torch.randn(64, 4096).to(torch.bfloat16), w)
+
+
+# compile-only (tests/triton_compile.py): the GPU tests' bf16 launches
+GPU_DIM_CHECKS = {
+    "bf16_exact_gemm_4096": _exact_gemm_8b,
+    "bf16_exact_attention": lambda: check_exact_attention("cpu", torch.bfloat16),
+    "bf16_exact_bmm": lambda: check_exact_bmm("cpu", torch.bfloat16),
+    "bf16_exact_mla": lambda: check_exact_mla("cpu", torch.bfloat16),
+    "bf16_exact_tree_attention": lambda: check_exact_tree_attention("cpu", torch.bfloat16),
+}
+
+
 if __name__ == "__main__":
-    report(INTERPRETER_CHECKS)
+    report(INTERPRETER_CHECKS, GPU_DIM_CHECKS)

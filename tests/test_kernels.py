@@ -308,5 +308,29 @@ def test_backend_reports_availability() -> None:
     assert ok == HAS_CUDA and reason
 
 
+# compile-only (tests/triton_compile.py): the Llama-3.1-8B launches of the GPU tests, in bf16
+BF16, TOL16 = torch.bfloat16, 2e-2
+GPU_DIM_CHECKS = {
+    "bf16_store_kv_page16": lambda: check_store_kv(BF16, CPU, 13, 16),
+    "bf16_decode_gqa4_page16": lambda: check_attention(
+        [1, 300, 1000], None, 4, 8, 128, 16, BF16, CPU, TOL16
+    ),
+    "bf16_decode_page64_splits4": lambda: check_attention(
+        [1, 300, 1000], None, 4, 8, 128, 64, BF16, CPU, TOL16, num_splits=4
+    ),
+    "bf16_decode_unfused_splits3": lambda: check_attention(
+        [7, 700], None, 4, 8, 128, 16, BF16, CPU, TOL16, **UNFUSED_SPLITS3
+    ),
+    "bf16_extend_causal": lambda: check_attention(
+        [90, 400], [90, 17], 4, 8, 128, 16, BF16, CPU, TOL16
+    ),
+    "bf16_verify_tree": lambda: check_attention(
+        [40, 300], [16, 16], 4, 8, 128, 16, BF16, CPU, TOL16, mask_extra=0
+    ),
+    "bf16_backend_verify": lambda: check_backend(BF16, CPU, TOL16, tree=True, cached=True),
+    "bf16_fused_ops_4096": lambda: check_fused_ops(BF16, CPU, TOL16, 4096),
+}
+
+
 if __name__ == "__main__":
-    report(INTERPRETER_CHECKS)
+    report(INTERPRETER_CHECKS, GPU_DIM_CHECKS)

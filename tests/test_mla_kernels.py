@@ -367,6 +367,26 @@ def test_backend_gpu(heads: int, tree: bool) -> None:
     check_backend(BF16, CUDA, TOL16, heads, (512, 128, 64, 128), 64, tree)
 
 
+# compile-only (tests/triton_compile.py): Kimi K2 / DeepSeek-V3 dims (rank 512, rope 64), bf16
+GPU_DIM_CHECKS = {
+    "bf16_store_page64": lambda: check_store(BF16, CPU, 100, 64, 512, 64, 64, True),
+    "bf16_decode_h16_page16": lambda: check_attention(
+        [1, 7, 100, 1000], None, 16, 512, 64, 16, BF16, CPU, TOL16
+    ),
+    "bf16_decode_h128_page64_splits7": lambda: check_attention(
+        [1, 100, 1000], None, 128, 512, 64, 64, BF16, CPU, TOL16, num_splits=7
+    ),
+    "bf16_extend_causal_h16": lambda: check_attention(
+        [90, 400], [90, 17], 16, 512, 64, 64, BF16, CPU, TOL16
+    ),
+    "bf16_verify_tree_h64": lambda: check_attention(
+        [40, 300], [8, 8], 64, 512, 64, 16, BF16, CPU, TOL16, mask_extra=6
+    ),
+    "bf16_backend_tree": lambda: check_backend(BF16, CPU, TOL16, 16, (512, 128, 64, 128), 64, True),
+}
+
+
 if __name__ == "__main__":
     torch.manual_seed(0)
-    report(GROUPS[sys.argv[1] if len(sys.argv) > 1 else "kernels"])
+    group = sys.argv[1] if len(sys.argv) > 1 else "kernels"
+    report(GROUPS[group], GPU_DIM_CHECKS if group == "kernels" else None)

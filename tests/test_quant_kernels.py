@@ -269,5 +269,19 @@ def test_cuda_graph_capture_of_quantized_layers() -> None:
         torch.set_default_dtype(torch.float32)
 
 
+# compile-only (tests/triton_compile.py): the default plans at Llama-3.1-8B shapes, bf16
+GPU_DIM_CHECKS = {
+    **{f"bf16_quant_{m}": (lambda m=m: check_quant(m, 4096, 128, BF16, CPU)) for m in (1, 200)},
+    **{f"bf16_fp8_{s}_{m}": (lambda s=s, m=m: check_fp8_mm(m, 6144, 4096, s, None, BF16, CPU,
+                                                           TOL16))
+       for s in ("block", "channel") for m in (1, 7, 64, 300)},
+    **{f"bf16_fp8_linear_{st}_{m}": (lambda st=st, m=m: check_fp8_linear(
+        m, 6144, 4096, st, None, BF16, CPU, TOL16)) for st in (False, True) for m in (1, 300)},
+    **{f"bf16_w4_g{g}_{m}": (lambda g=g, fp4=fp4, m=m: check_w4(
+        m, 4096, 4096, g, fp4, None, BF16, CPU, TOL16))
+       for g, fp4 in ((32, False), (128, False), (16, True)) for m in (1, 7, 64, 300)},
+}  # fmt: skip
+
+
 if __name__ == "__main__":
-    report(INTERPRETER_CHECKS)
+    report(INTERPRETER_CHECKS, GPU_DIM_CHECKS)

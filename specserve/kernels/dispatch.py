@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 
 import torch
 
@@ -22,6 +23,18 @@ except ImportError:  # CPU-only install: kernel modules still import; their refe
 def next_power_of_2(n: int) -> int:
     """Smallest power of two >= n (1 for n <= 1): Triton block sizes."""
     return 1 << max(n - 1, 0).bit_length()
+
+
+COMPILE_ONLY_ENV = "SPECSERVE_TRITON_COMPILE_ONLY"
+
+
+def host_launches() -> bool:
+    """Triton launches on host tensors: under the interpreter (TRITON_INTERPRET=1), or in a
+    compile-only check (SPECSERVE_TRITON_COMPILE_ONLY=<sm>, tests/triton_compile.py) that builds
+    every launch for a GPU architecture without running it."""
+    return triton is not None and (
+        os.environ.get("TRITON_INTERPRET") == "1" or bool(os.environ.get(COMPILE_ONLY_ENV))
+    )
 
 
 @functools.cache

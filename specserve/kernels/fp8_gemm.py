@@ -228,7 +228,8 @@ def _launch(
     sbn, sbk = _scale_strides(ws)
     scale_at_end = sak == 0 and sbk == 0
     groups_k = [g for g, stride in ((act_group, sak), (block_k, sbk)) if stride]
-    plan = as_plan(plan) or launch_plan(m, n, k, a.device, max_block_k=min(groups_k or [128]))
+    plan = as_plan(plan) or launch_plan(m, n, k, a.device, max_block_k=min(groups_k or [128]),
+                                        a_bytes=a.element_size(), b_bytes=w.element_size())
     bm, bn, bk = plan.block_m, plan.block_n, plan.block_k
     assert all(g % bk == 0 for g in groups_k), "BLOCK_K must divide the scale groups along K"
     assert quant != DYNAMIC or bk == act_group, "in-loop quantization: BLOCK_K = the group"

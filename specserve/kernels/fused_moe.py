@@ -50,6 +50,7 @@ from specserve.kernels.fp8_gemm import (
     quant_fp8_torch,
     quant_rows_e4m3,
 )
+from specserve.kernels.gemm_split import fit_shared
 from specserve.kernels.w4a16_gemm import dequantize_w4, scale_mode, w4_tile
 
 # weight formats of the grouped GEMMs
@@ -157,6 +158,11 @@ def moe_launch_config(num_tokens: int, n: int, k: int, num_experts: int, top_k: 
     bk = max(16, min(bk, next_power_of_2(k)))
     if weights is not None and weights.format == FP8_BLOCK:
         bk = weights.group_k
+    if weights is not None:  # fit the device's shared memory (block_m is shared by both GEMMs)
+        w_bytes = 0.5 if weights.format == INT4 else weights.weight.element_size()
+        a_bytes = torch.empty(0, dtype=dtype).element_size()
+        _, bn, stages = fit_shared(bm, bn, bk, stages, a_bytes, w_bytes, weights.weight.device,
+                                   shrink_m=False)
     return MoELaunch(bm, bn, bk, group, warps, stages)
 
 

@@ -32,6 +32,50 @@ def num_sms(device: torch.device) -> int:
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
+@functools.cache
+def _max_shared(device_index: int) -> int:
+    from triton.runtime import driver
+
+    return driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
+
+
+def max_shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory one block may use (the opt-in maximum: 227 KB on Hopper and
+    B200, 99 KB on sm_89 and RTX Blackwell); unbounded for the interpreter."""
+    if device.type != "cuda":
+        return 1 << 30
+    return _max_shared(device.index if device.index is not None else torch.cuda.current_device())
+
+
+# shared memory beyond the staged operand tiles (epilogue layout conversions, barriers): what
+# Triton's compiled GEMMs here used on top of stages x tile bytes, rounded up
+SHARED_ALLOWANCE = 32 * 1024
+
+
+def fit_shared(bm: int, bn: int, bk: int, stages: int, a_bytes: float, b_bytes: float,
+               device: torch.device, shrink_m: bool = True) -> tuple[int, int, int]:
+    """(block_m, block_n, stages) whose staged A and B tiles fit the device's shared memory:
+    fewer stages down to 2, then a narrower M tile (down to 64, if shrink_m) and N tile (down
+    to 32), then one stage. On the H200 every default plan fits as it is."""
+    limit = max_shared_memory(device) - SHARED_ALLOWANCE
+
+    def need(m: int, n: int, s: int) -> float:
+        return s * bk * (m * a_bytes + n * b_bytes)
+
+    while need(bm, bn, stages) > limit:
+        if stages > 2:
+            stages -= 1
+        elif shrink_m and bm > 64:
+            bm //= 2
+        elif bn > 32:
+            bn //= 2
+        elif stages > 1:
+            stages -= 1
+        else:
+            break
+    return bm, bn, stages
+
+
 @dataclass(frozen=True)
 class GemmPlan:
     """Tile sizes, K splits and launch parameters of one quantized GEMM."""
@@ -53,9 +97,11 @@ def as_plan(plan: GemmPlan | tuple | None) -> GemmPlan | None:
     return GemmPlan(*plan) if isinstance(plan, tuple) else plan
 
 
-def launch_plan(m: int, n: int, k: int, device: torch.device, max_block_k: int = 128) -> GemmPlan:
-    """The default plan for an [m, k] x [k, n] product. In exact mode one plan for every m
-    (64 x 64 tiles, no split-K): a row's K reduction is the same whatever the batch."""
+def launch_plan(m: int, n: int, k: int, device: torch.device, max_block_k: int = 128,
+                a_bytes: float = 2, b_bytes: float = 1) -> GemmPlan:
+    """The default plan for an [m, k] x [k, n] product whose A and B elements take a_bytes and
+    b_bytes in shared memory, fitted to the device's shared memory. In exact mode one plan for
+    every m (64 x 64 tiles, no split-K): a row's K reduction is the same whatever the batch."""
     if EXACT.on:
         return GemmPlan(64, 64, min(max_block_k, 64), 1, num_warps=4)
     if m <= 16:
@@ -65,6 +111,7 @@ def launch_plan(m: int, n: int, k: int, device: torch.device, max_block_k: int =
     else:
         bm, bn = 128, 128
     bk = min(max_block_k, 128)
+    bm, bn, stages = fit_shared(bm, bn, bk, 3, a_bytes, b_bytes, device)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     steps = triton.cdiv(k, bk)
     target = PARTIALS_PER_SM * num_sms(device)
@@ -73,7 +120,8 @@ def launch_plan(m: int, n: int, k: int, device: torch.device, max_block_k: int =
         # at least 4 K steps per split so each program still pipelines its loads
         splits = max(1, min(triton.cdiv(target, tiles), steps // 4, MAX_SPLITS))
     # a 128 x 128 fp32 accumulator (and a decoded weight tile) wants 8 warps' registers
-    return GemmPlan(bm, bn, bk, splits, num_warps=8 if bm * bn >= 128 * 128 else 4)
+    return GemmPlan(bm, bn, bk, splits, num_warps=8 if bm * bn >= 128 * 128 else 4,
+                    num_stages=stages)
 
 
 @jit

@@ -12,12 +12,11 @@ cycle; the kernel is one launch for a group's tensors together.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 
 import torch
 
-from specserve.kernels.dispatch import jit, next_power_of_2, tl, triton, use_triton
+from specserve.kernels.dispatch import host_launches, jit, next_power_of_2, tl, triton, use_triton
 
 BLOCK_F_MAX = 256  # features per program: small tiles give a batch-1 cycle enough programs
 
@@ -62,10 +61,6 @@ def _compact_kv_kernel(
                    stride_b, stride_bp, stride_bs, PAGE_SIZE, BLOCK_W, BLOCK_F)
 
 
-def _interpreting() -> bool:
-    return triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _row_features(cache: torch.Tensor) -> int:
     """Values per slot of a [L, pages, page_size, *row] cache, asserting each slot's row is one
     contiguous run."""
@@ -84,7 +79,7 @@ def compact_kv(caches: Sequence[torch.Tensor], layers: int, src: torch.Tensor,
     Triton launch on CUDA (and under TRITON_INTERPRET) for up to two caches, else
     `compact_kv_ref`."""
     assert 1 <= len(caches) <= 2 and all(c.shape[:3] == caches[0].shape[:3] for c in caches)
-    if not (use_triton(caches[0]) or _interpreting()):
+    if not (use_triton(caches[0]) or host_launches()):
         compact_kv_ref(caches, layers, src, dst)
         return
     bs, w = src.shape

@@ -14,11 +14,9 @@ on the CPU.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from specserve.kernels.dispatch import jit, next_power_of_2, tl, triton, use_triton
+from specserve.kernels.dispatch import host_launches, jit, next_power_of_2, tl, triton, use_triton
 
 CHUNK = 1024  # columns per stage-1 program
 MAX_K = 16  # k beyond this takes the torch path
@@ -87,8 +85,7 @@ def top_log_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     token ids [rows, k] int64. Two Triton launches on CUDA (and under TRITON_INTERPRET), else
     `top_log_probs_ref`."""
     rows, v = logits.shape
-    interpreting = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
-    if not (use_triton(logits) or interpreting) or not 1 <= k <= min(MAX_K, v) or rows == 0:
+    if not (use_triton(logits) or host_launches()) or not 1 <= k <= min(MAX_K, v) or rows == 0:
         return top_log_probs_ref(logits, k)
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     num_chunks = triton.cdiv(v, CHUNK)

@@ -14,14 +14,19 @@ cache hit brings it along with the target's KV (prefix_cache_key; pages are keye
 token too). A request's history is read through its page table, positions [0, P) for a root
 at P: the sequence t_1 .. t_P (the prompt's first token is not in it).
 
-Cost per cycle: one gather of page_table width * page_size slots per row and prompt_lookup_max
-compare-and passes over it, O(context) with static shapes (graph-capturable), no host work.
+Cost per cycle, static shapes (graph-capturable), no host work. On CUDA a Triton kernel reads
+each row's history through its page table up to the row's own length and no further
+(kernels/ngram_lookup.py), so the cost follows the requests' lengths, not the context limit;
+elsewhere one gather of page_table width * page_size slots per row and prompt_lookup_max
+compare-and passes over it (ngram_match), O(context limit).
 """
 
 from __future__ import annotations
 
 import torch
 
+from specserve.kernels.dispatch import host_launches, use_triton
+from specserve.kernels.ngram_lookup import ngram_ends
 from specserve.speculative.cycle import kv_slots
 from specserve.speculative.proposer import DraftShape
 from specserve.speculative.tree import DraftTree
@@ -33,7 +38,23 @@ def ngram_match(seq: torch.Tensor, length: torch.Tensor, k: int, lo: int,
     """seq [bs, L] token ids (entries at or past length ignored), length [bs] <= L. For each
     row: the k tokens after the most recent earlier occurrence of its last n tokens, for the
     largest n in [lo, hi] with one. Returns drafts [bs, k] (-1 past the sequence's end or
-    without a match) and num_found [bs] (the drafts that are real tokens).
+    without a match) and num_found [bs] (the drafts that are real tokens)."""
+    best_end = ngram_best_end(seq, length, lo, hi)
+    take, real = follow(best_end, length, k)
+    drafts = torch.where(real, seq.gather(1, take.clamp(max=seq.shape[1] - 1)), -1)
+    return drafts, real.sum(dim=1)
+
+
+def follow(best_end: torch.Tensor, length: torch.Tensor,
+           k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k positions after each row's end [bs, k], and which are real (a match, before the
+    sequence's end)."""
+    take = best_end[:, None] + 1 + torch.arange(k, device=best_end.device)
+    return take, (best_end[:, None] >= 0) & (take < length[:, None])
+
+
+def ngram_best_end(seq: torch.Tensor, length: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """[bs] end index of ngram_match's occurrence, -1 without one.
 
     An occurrence ending at index e (e < length - 1: at least one token follows) matches n
     tokens iff seq[e - i] == seq[length - 1 - i] for i < n; matching n + 1 adds one compare to
@@ -56,10 +77,7 @@ def ngram_match(seq: torch.Tensor, length: torch.Tensor, k: int, lo: int,
         if n >= lo:
             end = torch.where(eq & usable, idx, -1).amax(dim=1)  # most recent, this n
             best_end = torch.where(end >= 0, end, best_end)  # longer n overrides shorter
-    take = best_end[:, None] + 1 + torch.arange(k, device=dev)  # [bs, k]
-    real = (best_end[:, None] >= 0) & (take < length[:, None])
-    drafts = torch.where(real, seq.gather(1, take.clamp(max=L - 1)), -1)
-    return drafts, real.sum(dim=1)
+    return best_end
 
 
 def chain_tree(root_tokens: torch.Tensor, drafts: torch.Tensor) -> DraftTree:
@@ -123,6 +141,21 @@ class TokenHistory:
         at = (root_pos - 1).clamp(min=0)[:, None]
         return seq.scatter(1, at, root_tokens.long()[:, None])
 
+    def lookup(self, page_table: torch.Tensor, root_pos: torch.Tensor,
+               root_tokens: torch.Tensor, length: torch.Tensor, k: int, lo: int,
+               hi: int) -> torch.Tensor:
+        """ngram_match's drafts [bs, k] (-1: none) of each row's first `length` tokens, on
+        CUDA through kernels/ngram_lookup.py (reads only those tokens), else over `read`."""
+        if not (use_triton(page_table) or host_launches()):
+            return ngram_match(self.read(page_table, root_pos, root_tokens), length, k, lo, hi)[0]
+        best_end = ngram_ends(self.tokens, page_table, self.page_size, root_pos, root_tokens,
+                              length, lo, hi)  # fmt: skip
+        take, real = follow(best_end, length, k)
+        limit = page_table.shape[1] * self.page_size - 1
+        tokens = self.tokens[kv_slots(page_table, take.clamp(0, limit), self.page_size)]
+        tokens = torch.where(take == (root_pos - 1)[:, None], root_tokens.long()[:, None], tokens)
+        return torch.where(real, tokens, -1)
+
 
 class NgramProposer:
     needs_target_features = False
@@ -146,9 +179,9 @@ class NgramProposer:
                 root_tokens: torch.Tensor, page_table: torch.Tensor,
                 valid: torch.Tensor) -> DraftTree:
         assert shape.topk == 1, "ngram drafts chains"
-        seq = self.history.read(page_table, root_pos, root_tokens)
         length = torch.where(valid, root_pos, 0)
-        drafts, _ = ngram_match(seq, length, shape.num_steps, self.lo, self.hi)
+        drafts = self.history.lookup(page_table, root_pos, root_tokens, length, shape.num_steps,
+                                     self.lo, self.hi)  # fmt: skip
         # filler where nothing matched: the root token (any token is verified losslessly)
         drafts = torch.where(drafts >= 0, drafts, root_tokens.long()[:, None])
         return chain_tree(root_tokens, drafts)
