@@ -98,7 +98,9 @@ def run(bs: int, steps: int) -> dict:
         "decode": (r[:, 1] - r[:, 0]) / 1e3,
         "enqueue+dequeue": (r[:, 1] - s[:, 1]) / 1e3,
     }
-    return {"bs": bs, "bytes": size, "steps": len(s),
+    # a receipt stamped before its send began would mean the two clocks disagree
+    early = int(np.sum(r[:, 0] < s[:, 1]))
+    return {"bs": bs, "bytes": size, "steps": len(s), "received_before_sent": early,
             **{f"{k}_p50_us": float(np.median(v)) for k, v in us.items()},
             **{f"{k}_p99_us": float(np.percentile(v, 99)) for k, v in us.items()}}
 

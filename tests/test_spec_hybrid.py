@@ -295,3 +295,22 @@ def test_mtp_extra_next_to_eagle3(tmp_path, monkeypatch) -> None:
     assert "\n" not in str(exc.value) and "MTP" in str(exc.value).upper(), exc.value
 
 
+
+
+@needs_head
+@pytest.mark.slow
+def test_switching_drafters_under_tensor_parallelism(workload) -> None:
+    """TP 2 (a gloo worker process): the scripted switches among eagle3 chain/tree, ngram,
+    suffix and off reach every rank in the step (each rank keeps its own drafters' state:
+    ngram's history in its pages, suffix's host index, the head's KV shard), and the tokens
+    are plain's."""
+    prompts, plain = workload
+    with LLM(TINY, device="cpu", dtype="float32", tensor_parallel_size=2,
+             speculative_config=HYBRID, cache=CacheConfig(page_size=8, num_pages=64)) as llm:
+        llm.engine.spec_policy = ScriptedPolicy(PATTERN)
+        outs = llm.generate(prompts[:6], GREEDY)
+        assert [o.token_ids for o in outs] == plain[:6]
+        counters = llm.engine.drafter.counters
+        ran = {m for m, n in counters.mode_steps.items() if n}
+        assert ran >= {"chain3", "tree2x3x6", "ngram:chain3", "suffix:tree2x3x6", "off"}, ran
+        assert counters.num_accepted_tokens > 0
