@@ -208,3 +208,38 @@ def test_suffix_indexes_the_tokens_of_a_cached_prefix(workload) -> None:
             out += [t for o in engine.step() if o.request_id == rid for t in o.new_token_ids]
         assert out == plain[i]
     assert seen and all(start > 0 and base == 0 and n == end for start, base, n, end in seen)
+
+
+def test_cost_table_times_the_suffix_host_trees(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The adaptive policy's start-up table charges suffix modes the host tree building every
+    step does (here slowed to 30 ms a call): each suffix entry >= 30 ms, plain well below;
+    the profiled rows had a history behind them (full trees were built) and leave no
+    per-request state or output-cache entry."""
+    import time
+
+    from specserve.speculative.suffix import SuffixProposer
+
+    built = []
+    host_states = SuffixProposer.host_states
+
+    def slow(self, shape, rows):
+        time.sleep(0.03)
+        out = host_states(self, shape, rows)
+        built.append(int((out[:, : shape.num_draft_tokens - 1] != 0).sum()))
+        return out
+
+    monkeypatch.setattr(SuffixProposer, "host_states", slow)
+    spec = speculative_config({**METHODS["suffix"], "modes": "chain2", "policy": "adaptive"})
+    engine = Engine(EngineConfig(
+        model=TINY, device="cpu", dtype="float32", spec=spec,
+        cache=CacheConfig(page_size=PAGE, num_pages=64),
+        scheduler=SchedulerConfig(max_num_seqs=2)))
+    table = engine.spec_cost_table
+    assert set(table) == {"off", "tree2x3x6", "chain2"}
+    for mode in ("tree2x3x6", "chain2"):
+        assert all(t >= 0.03 for t in table[mode].values()), table
+    assert all(t < 0.03 for t in table["off"].values()), table
+    assert built and min(built) > 0, "no tree drafted from the profiled histories"
+    proposer = engine.drafter.proposer
+    assert not proposer.requests and not proposer.base and not proposer.output_start
+    assert not proposer.cache.entries and not proposer.cache.ends

@@ -5,6 +5,11 @@ graphs are captured, the eager path otherwise) over rows that read and write onl
 spare page: no request's KV is touched and no per-request state is made. The rows sit at a
 fixed context, so attention over long contexts is not in the table; the adaptive policy
 rescales it by the step times it measures online (engine/spec_policy.py).
+
+A drafter that builds its trees on the host (`host_drafts`: suffix decoding) has that work in
+every step, so its modes are timed with it: each row's history is first filled with PROFILE
+CONTEXT tokens of a repeating pattern (every match succeeds: full trees, the costly case), the
+timed step builds the trees as a real step does, and the rows' histories are dropped after.
 """
 
 from __future__ import annotations
@@ -33,9 +38,21 @@ def profile_costs(
         rows = _rows(runner, bs, context, context + worker.lookahead + worker.keep_ahead + 1)
         table["off"][bs] = _median_time(runner.device, partial(_plain, runner, rows), repeats)
         for name, mode in worker.modes.items():
+            proposer = _proposer(mode)
+            host = getattr(proposer, "host_drafts", False)
+            if host:  # a history behind each row, as a decoding request has
+                proposer.observe(_rows(runner, bs, 0, context, new_tokens=context),
+                                 [[] for _ in range(bs)])  # fmt: skip
             fn = partial(_cycle, worker, mode, rows)
             table.setdefault(name, {})[bs] = _median_time(runner.device, fn, repeats)
+            if host:
+                for rid in rows.request_ids:
+                    proposer.release(rid)
     return table
+
+
+def _proposer(mode):
+    return mode.cycle.proposer if mode.draft is None else mode.draft.proposer
 
 
 def _plain(runner, rows: StepInput) -> None:
@@ -43,28 +60,33 @@ def _plain(runner, rows: StepInput) -> None:
 
 
 def _cycle(worker, mode, rows: StepInput) -> None:
-    proposer = mode.cycle.proposer if mode.draft is None else mode.draft.proposer
-    state = torch.zeros(rows.bs, proposer.state_dim, dtype=proposer.state_dtype,
-                        device=worker.runner.device)
+    proposer = _proposer(mode)
+    if getattr(proposer, "host_drafts", False):  # the host's trees, built every step
+        state = proposer.host_states(mode.shape, rows)
+    else:
+        state = torch.zeros(rows.bs, proposer.state_dim, dtype=proposer.state_dtype,
+                            device=worker.runner.device)
     inputs = {"state": state, "root_pos": rows.starts.copy(), "root_tokens": rows.token_ids.copy()}
     mode.cycles.run(rows, inputs)
 
 
-def _rows(runner, bs: int, start: int, num_slots: int) -> StepInput:
-    """bs greedy decode rows at position `start` whose page tables are the spare page only."""
+def _rows(runner, bs: int, start: int, num_slots: int, new_tokens: int = 1) -> StepInput:
+    """bs greedy decode rows at position `start` whose page tables are the spare page only
+    (with new_tokens > 1: rows of that many tokens of a repeating pattern, for histories)."""
     pages = -(-num_slots // runner.page_size)
     ones = np.ones(bs, dtype=np.int64)
+    pattern = np.arange(bs * new_tokens) % 7 + 3 if new_tokens > 1 else np.arange(bs) % 7 + 3
     return StepInput(
         request_ids=[f"profile-{i}" for i in range(bs)],
         starts=ones * start,
-        num_new_tokens=ones,
+        num_new_tokens=ones * new_tokens,
         next_token_ids=-ones,
         samples=ones.astype(bool),
         is_decode=ones.astype(bool),
         speculate=ones.astype(bool),
         lookahead=ones * 0,
         from_cache=np.zeros(bs, dtype=bool),
-        num_tokens=ones * (start + 1),
+        num_tokens=ones * (start + new_tokens),
         tokens_left=ones * (1 << 30),
         page_counts=ones * pages,
         temperature=np.zeros(bs),
@@ -72,7 +94,7 @@ def _rows(runner, bs: int, start: int, num_slots: int) -> StepInput:
         top_p=np.ones(bs),
         min_p=np.zeros(bs),
         seed=np.arange(bs),
-        token_ids=(np.arange(bs) % 7) + 3,
+        token_ids=pattern,
         page_ids=np.full(bs * pages, runner.spare_page),
     )
 
