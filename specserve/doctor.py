@@ -234,7 +234,10 @@ def _w4a16(facts: dict[str, Any]) -> list[FastPath]:
             FastPath("W4A16 (INT4, weight-only)", False, why),
             FastPath("NVFP4", False, f"{why} (the NVFP4 path is W4A16)"),
         ]
-    if cc < (10, 0):
+    if cc < (8, 9):
+        fp4 = (f"weight-only W4A16 (Triton), its e4m3 scales decoded from their bits: no FP8 "
+               f"or FP4 types at compute capability {cc}")
+    elif cc < (10, 0):
         fp4 = f"weight-only W4A16 (Triton): no FP4 tensor cores at compute capability {cc}"
     else:
         fp4 = (

@@ -132,6 +132,8 @@ def test_nvfp4_path_is_named() -> None:
     assert v["NVFP4"][0] and "no FP4 tensor cores at compute capability (9, 0)" in v["NVFP4"][1]
     blackwell = _verdicts(_facts([(10, 0)]))["NVFP4"]
     assert blackwell[0] and "FP4 tensor cores, but no FP4 (W4A4) GEMM" in blackwell[1]
+    ampere = _verdicts(_facts([(8, 0)]))["NVFP4"]
+    assert ampere[0] and "e4m3 scales decoded from their bits" in ampere[1]
     old = _verdicts(_facts([(7, 5)]))
     assert old["NVFP4"] == (False, "compute capability (7, 5) < (8, 0) (the NVFP4 path is W4A16)")
 

@@ -120,10 +120,14 @@ def check_fp8_mm(m: int, n: int, k: int, strategy: str, plan, dtype, device, rto
     _close(got, ref_fp8_mm(xq, xs, group, w, ws_full), rtol)
 
 
-def check_w4(m: int, n: int, k: int, group: int, fp4: bool, plan, dtype, device, rtol) -> None:
+def check_w4(m: int, n: int, k: int, group: int, fp4: bool, plan, dtype, device, rtol,
+             soft: bool | None = None) -> None:
     gen = torch.Generator().manual_seed(m + n + k)
     packed = torch.randint(-(2**31), 2**31 - 1, (n, -(-k // 8)), generator=gen, dtype=torch.int32)
+    # scales over e4m3's range, subnormals (below 2^-6) included
     scales = torch.rand(n, -(-k // group), generator=gen) * 0.1 + 0.01
+    if fp4:
+        scales = scales * torch.logspace(-9, 8, scales.shape[1], base=2.0)
     scales = scales.to(FP8) if fp4 else scales.to(dtype)
     row = torch.rand(n, generator=gen) + 0.5 if fp4 else None
     x = torch.randn(m, k, generator=gen).to(dtype)
@@ -135,6 +139,7 @@ def check_w4(m: int, n: int, k: int, group: int, fp4: bool, plan, dtype, device,
         fp4,
         row.to(device) if fp4 else None,
         plan=plan,
+        soft_e4m3=soft,
     )
     want = x.double() @ ref_w4(packed, scales, group, k, fp4, row).t()
     _close(got, want, rtol)
@@ -161,6 +166,24 @@ def check_fp8_linear(m: int, n: int, k: int, static: bool, plan, dtype, device, 
     assert not split_counters(1, torch.device(device)).any(), "arrival counters left non-zero"
 
 
+def check_e4m3_decode() -> None:
+    """Every e4m3 code but NaN, decoded from its bits in a kernel == torch's conversion."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def decode(src, dst):
+        i = tl.arange(0, 256)
+        tl.store(dst + i, w4a16_gemm._decode_e4m3(tl.load(src + i)))
+
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    out = torch.empty(256)
+    decode[(1,)](codes, out)
+    want = codes.view(FP8).float()
+    ok = ~want.isnan()
+    assert torch.equal(out[ok], want[ok]), (out[ok] - want[ok]).abs().max()
+
+
 CPU, F32, TOL32 = "cpu", torch.float32, 1e-5
 INTERPRETER_CHECKS = {
     "quant_group128_ragged_k": lambda: check_quant(5, 200, 128, F32, CPU),
@@ -184,6 +207,14 @@ INTERPRETER_CHECKS = {
     "nvfp4_rowscale_split2": lambda: check_w4(
         3, 40, 208, 16, True, (16, 32, 64, 2), F32, CPU, TOL32
     ),
+    # NVFP4 without the GPU's e4m3 type (Ampere): scales decoded from their bits
+    "nvfp4_soft_e4m3_scales": lambda: check_w4(
+        3, 40, 208, 16, True, (16, 32, 64, 2), F32, CPU, TOL32, soft=True
+    ),
+    "nvfp4_soft_e4m3_per_step": lambda: check_w4(
+        5, 40, 256, 16, True, (16, 32, 16, 1), F32, CPU, TOL32, soft=True
+    ),
+    "e4m3_soft_decode_all_codes": lambda: check_e4m3_decode(),
     "fp8_in_loop_quant_split3": lambda: check_fp8_linear(
         5, 72, 456, False, (16, 32, 128, 3), F32, CPU, TOL32
     ),

@@ -272,3 +272,34 @@ def test_tp2_gloo_logits_equal_tp1(tmp_path) -> None:
         for (fmt, (_, tol)), exp, res in zip(TP_CASES.items(), expected, got):
             err = max((g - e).abs().max().item() for e, g in zip(exp, res))
             assert err < tol, f"{fmt} rank {rank}: max abs logit difference {err:.2e}"
+
+
+def test_fp8_is_refused_by_name_on_gpus_without_fp8(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before any weight loads: an FP8 checkpoint (alone or mixed with INT4 layers) on a GPU
+    below compute capability 8.9 gets one message naming the capability and what to serve
+    instead; INT4 and NVFP4 (weight-only, scales decoded in the kernel) pass, as does FP8 on
+    an Ada/Hopper part or the CPU."""
+    from tiny_quant import quant_config
+
+    from specserve.kernels import gemm_split
+    from specserve.layers.quantization import check_device
+
+    cuda = torch.device("cuda:0")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(gemm_split, "fp8_native", lambda device: device.type != "cuda")
+    # Kimi K2.5's shape: INT4 routed experts, FP8 elsewhere, one compressed-tensors config
+    mixed = quant_config("ct-int4-g32")
+    mixed["config_groups"]["group_0"]["targets"] = ["re:.*experts.*"]
+    mixed["config_groups"]["group_1"] = {
+        **quant_config("ct-fp8-block")["config_groups"]["group_0"], "format": "float-quantized"}
+    fp8 = [quant_config(f) for f in ("fp8-block", "ct-fp8-block", "modelopt-fp8")] + [mixed]
+    assert get_quant_config(mixed).family == "mixed"
+    for raw in fp8:
+        with pytest.raises(ValueError, match=r"FP8 .*compute capability 8\.9.*cuda:0 is 8\.0"):
+            check_device(raw, cuda)
+        check_device(raw, torch.device("cpu"))
+    for fmt in ("ct-int4-g32", "ct-nvfp4"):
+        check_device(quant_config(fmt), cuda)
+    check_device(None, cuda)
+    monkeypatch.setattr(gemm_split, "fp8_native", lambda device: True)
+    check_device(quant_config("fp8-block"), cuda)

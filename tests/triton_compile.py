@@ -109,6 +109,7 @@ def _install(arch: str) -> list[str]:
 
     gemm_split.num_sms = lambda device: sms
     gemm_split.max_shared_memory = lambda device: shared_limit
+    gemm_split.fp8_native = lambda device: capability >= 89
     split_kv._num_sms = lambda device: sms
     return compiled
 

@@ -14,11 +14,12 @@ from typing import Any
 from specserve.config import EngineConfig, ModelConfig
 from specserve.distributed import comm
 from specserve.distributed.comm import configure_shard_emulation
-from specserve.layers.quantization import resolve_quantization
+from specserve.layers.quantization import check_device, resolve_quantization
 from specserve.models.loader import load_model_config, resolve_model_path
 from specserve.models.presets import PRESET_FORMATS, PRESETS
 from specserve.speculative.proposer import Proposer
 from specserve.speculative.worker import SpecWorker
+from specserve.worker.device import resolve_device
 from specserve.worker.model_runner import ModelRunner
 from specserve.worker.step_input import StepInput, StepOutput
 
@@ -42,6 +43,7 @@ def model_config_of(config: EngineConfig, model_path: str | None) -> ModelConfig
     quant = resolve_quantization(model_config.quantization, config.quantization,
                                  dummy=config.load_format == "dummy",
                                  model_formats=PRESET_FORMATS.get(config.model))  # fmt: skip
+    check_device(quant, resolve_device(config.device))
     if quant is model_config.quantization:
         return model_config
     return dataclasses.replace(model_config, quantization=quant)

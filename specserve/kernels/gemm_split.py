@@ -47,6 +47,14 @@ def max_shared_memory(device: torch.device) -> int:
     return _max_shared(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def fp8_native(device: torch.device) -> bool:
+    """Whether Triton has the e4m3 type on this device (compute capability 8.9 or later: Ada,
+    Hopper, Blackwell); True off CUDA (the interpreter emulates it)."""
+    if device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 # shared memory beyond the staged operand tiles (epilogue layout conversions, barriers): what
 # Triton's compiled GEMMs here used on top of stages x tile bytes, rounded up
 SHARED_ALLOWANCE = 32 * 1024

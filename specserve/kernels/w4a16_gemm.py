@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from specserve.kernels import gemm_split
 from specserve.kernels.dispatch import EXACT, jit, tl, triton
 from specserve.kernels.exact_gemm import rowwise_linear
 from specserve.kernels.gemm_split import GemmPlan, as_plan, launch_plan, split_buffers, store_tile
@@ -84,6 +85,25 @@ def _decode_e2m1(nib):
     return tl.where((nib & 8) != 0, -val, val)
 
 
+@jit
+def _decode_e4m3(bits):
+    """float8 e4m3 codes (uint8) -> fp32, exactly, without the GPU's e4m3 type (Ampere lacks
+    it): normals 2^(e - 7) * (1 + m / 8) built as fp32 bits, subnormals m * 2^-9."""
+    b = bits.to(tl.int32)
+    e = (b >> 3) & 0xF
+    m = b & 0x7
+    normal = ((e + 120) << 23 | (m << 20)).to(tl.float32, bitcast=True)
+    mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+    return tl.where((b & 0x80) != 0, -mag, mag)
+
+
+@jit
+def _scales(ptrs, mask, SOFT_E4M3: tl.constexpr):
+    if SOFT_E4M3:  # e4m3 scales read as bytes
+        return _decode_e4m3(tl.load(ptrs, mask=mask, other=0))
+    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
 # how a K step of BLOCK_K columns finds its scales (see scale_mode)
 PER_STEP, PER_GROUP, PER_COLUMN = 0, 1, 2
 # the same values as constexpr globals: @jit code may read only constexpr module globals
@@ -102,11 +122,12 @@ def scale_mode(group: int, block_k: int) -> int:
 @jit
 def w4_tile(
     w_rows, s_rows, n_ok, k0, K, GROUP: tl.constexpr, SCALES: tl.constexpr, FP4: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_E4M3: tl.constexpr = False,
 ):  # fmt: skip
     """The fp32 weight tile [BLOCK_N, BLOCK_K] of columns k0 .. k0 + BLOCK_K - 1 (k0 a multiple
     of 8): w_rows / s_rows [BLOCK_N, 1] point at each row's packed words and scales; rows past
-    n_ok and columns past K decode as zero codes (their scales are not read)."""
+    n_ok and columns past K decode as zero codes (their scales are not read). SOFT_E4M3: the
+    scales are e4m3 bytes decoded here (NVFP4 on GPUs without the e4m3 type)."""
     words = tl.arange(0, BLOCK_K // 8)
     shifts = tl.arange(0, 8) * 4
     k = k0 + tl.arange(0, BLOCK_K)
@@ -121,21 +142,18 @@ def w4_tile(
     else:
         val = (nib - 8).to(tl.float32)
     if SCALES == PER_STEP_C:  # the step lies in one group: one scale per row
-        sc = tl.load(s_rows + k0 // GROUP, mask=n_ok[:, None], other=0.0).to(tl.float32)
+        sc = _scales(s_rows + k0 // GROUP, n_ok[:, None], SOFT_E4M3)
         w = val * sc
     elif SCALES == PER_GROUP_C:  # BLOCK_K // GROUP whole groups: scale each group's slice
         g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-        sc = tl.load(
-            s_rows + g[None, :], mask=n_ok[:, None] & (g * GROUP < K)[None, :], other=0.0
-        ).to(tl.float32)  # [BN, BK / GROUP]
+        sc = _scales(s_rows + g[None, :], n_ok[:, None] & (g * GROUP < K)[None, :],
+                     SOFT_E4M3)  # [BN, BK / GROUP]
         w = tl.reshape(
             tl.reshape(val, (BLOCK_N, BLOCK_K // GROUP, GROUP)) * sc[:, :, None],
             (BLOCK_N, BLOCK_K),
         )
     else:  # groups that do not tile the step: each column's scale
-        sc = tl.load(
-            s_rows + (k // GROUP)[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0
-        ).to(tl.float32)
+        sc = _scales(s_rows + (k // GROUP)[None, :], n_ok[:, None] & (k < K)[None, :], SOFT_E4M3)
         w = val * sc
     return w
 
@@ -145,7 +163,7 @@ def _w4a16_kernel(
     x_ptr, w_ptr, s_ptr, rs_ptr, c_ptr, p_ptr, counter_ptr, M, N, K, k_per_split, splits,
     stride_xm, stride_wn, stride_sn, stride_cm,
     GROUP: tl.constexpr, SCALES: tl.constexpr, FP4: tl.constexpr,
-    HAS_ROW_SCALE: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_ROW_SCALE: tl.constexpr, SPLIT: tl.constexpr, SOFT_E4M3: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     # program (m tile, n tile, K split); BLOCK_K is a multiple of 8 (whole packed words)
@@ -164,7 +182,8 @@ def _w4a16_kernel(
         k_ok = k < k_end
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         # columns past k_end (the next split's) meet zero activations
-        w = w4_tile(w_rows, s_rows, n_ok, k0, K, GROUP, SCALES, FP4, BLOCK_N, BLOCK_K)
+        w = w4_tile(w_rows, s_rows, n_ok, k0, K, GROUP, SCALES, FP4, BLOCK_N, BLOCK_K,
+                    SOFT_E4M3)
         acc += tl.dot(x, tl.trans(w.to(x.dtype)))
     if HAS_ROW_SCALE:
         acc = acc * tl.load(rs_ptr + rn, mask=n_ok, other=0.0)[None, :]
@@ -179,9 +198,12 @@ def w4a16_mm(
     fp4: bool,
     row_scale: torch.Tensor | None = None,
     plan: GemmPlan | tuple | None = None,
+    soft_e4m3: bool | None = None,
 ) -> torch.Tensor:
     """w4a16_mm_torch on the GPU: x [M, K] (K contiguous) -> [M, N] in x's dtype.
-    plan: a GemmPlan (or its fields); BLOCK_K a multiple of 8."""
+    plan: a GemmPlan (or its fields); BLOCK_K a multiple of 8. NVFP4's e4m3 scales are decoded
+    from their bits in the kernel where the GPU has no e4m3 type (Ampere; soft_e4m3 forces
+    either way), so NVFP4 runs wherever INT4 does."""
     m, k = x.shape
     n = packed.shape[0]
     assert x.stride(1) == 1 and packed.stride(1) == 1 and scales.stride(1) == 1
@@ -194,12 +216,17 @@ def w4a16_mm(
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), splits)
     partials, counters = split_buffers(m, n, grid[0] * grid[1], splits, x.device)
+    soft = scales.dtype == torch.float8_e4m3fn and (
+        not gemm_split.fp8_native(x.device) if soft_e4m3 is None else soft_e4m3)
+    if soft:
+        scales = scales.view(torch.uint8)
     if m:
         _w4a16_kernel[grid](
             x, packed, scales, row_scale if row_scale is not None else scales, out, partials,
             counters, m, n, k, k_per_split, splits, x.stride(0), packed.stride(0),
             scales.stride(0), out.stride(0), GROUP=group, SCALES=scale_mode(group, bk), FP4=fp4,
-            HAS_ROW_SCALE=row_scale is not None, SPLIT=splits > 1, BLOCK_M=bm, BLOCK_N=bn,
+            HAS_ROW_SCALE=row_scale is not None, SPLIT=splits > 1, SOFT_E4M3=soft, BLOCK_M=bm,
+            BLOCK_N=bn,
             BLOCK_K=bk, num_warps=plan.num_warps, num_stages=plan.num_stages,
         )  # fmt: skip
     return out

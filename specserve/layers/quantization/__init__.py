@@ -113,6 +113,26 @@ def resolve_quantization(
     return raw
 
 
+def check_device(raw: dict[str, Any] | None, device: torch.device) -> None:
+    """FP8 (W8A8) GEMMs run on FP8 tensor cores, which GPUs before compute capability 8.9
+    lack (Triton has no e4m3 type there): refused by name before any weight loads. INT4 and
+    NVFP4 run weight-only everywhere (NVFP4's e4m3 scales are decoded from their bits)."""
+    from specserve.kernels.gemm_split import fp8_native
+
+    found = get_quant_config(raw)
+    if found is None or device.type != "cuda" or fp8_native(device):
+        return
+    families = {found.family, *(m.family for _, m in getattr(found, "groups", ()))}
+    if "fp8" not in families:
+        return
+    cc = ".".join(map(str, torch.cuda.get_device_capability(device)))
+    raise ValueError(
+        f"this checkpoint is FP8 ({found.name}), whose GEMMs need FP8 tensor cores: compute "
+        f"capability 8.9 or later (Ada, Hopper, Blackwell), and {device} is {cc}; serve a bf16 "
+        "or INT4 (w4a16) checkpoint of the model on this GPU, or run with --device cpu"
+    )
+
+
 def quant_modules(model: nn.Module) -> list[nn.Module]:
     """The modules whose weights a quantization method holds: linear layers and routed
     experts (dense ones included)."""
