@@ -197,7 +197,8 @@ class Fp8BlockMoEMethod(MoEMethod):
     def __init__(self, block: tuple[int, int], scale_name: str) -> None:
         bn, bk = block
         if bk < 16 or bk & (bk - 1):
-            raise ValueError(f"FP8 expert blocks of {bk} input features: need a power of 2")
+            raise ValueError(f"FP8 expert blocks of {bk} input features: need a power of 2, "
+                             "at least 16 (the K of one MMA step)")
         self.block, self.scale_name = (bn, bk), scale_name
         self.name = f"fp8-block{bn}x{bk}-moe"
 
