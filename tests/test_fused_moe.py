@@ -386,15 +386,16 @@ def test_fused_moe_cuda_graph_gpu(num_tokens: int) -> None:
 
 
 # compile-only (tests/triton_compile.py): DeepSeek-V3 / Kimi K2 expert dims (hidden 7168, inter
-# 256 = 2048 / TP 8, and 2048), bf16; fewer experts than 384 keep the host tensors small
+# 256 = 2048 / TP 8), bf16, with 8 experts and top-2 (small host tensors) at token counts that
+# give each tile config the real models' batches reach: per-pair blocks, BLOCK_M 16/32/64/128
 BF16 = torch.bfloat16
 GPU_DIM_CHECKS = {
-    "bf16_moe_decode_per_pair": lambda: check_fused_moe(1, 32, 8, 7168, 256, BF16, CPU, 2e-2),
-    "bf16_moe_sorted_64": lambda: check_fused_moe(64, 16, 8, 7168, 256, BF16, CPU, 2e-2),
-    "bf16_moe_sorted_inter2048": lambda: check_fused_moe(300, 8, 2, 1024, 2048, BF16, CPU, 2e-2),
+    **{f"bf16_moe_{m}_tokens": (lambda m=m: check_fused_moe(m, 8, 2, 7168, 256, BF16, CPU, 2e-2))
+       for m in (1, 64, 96, 300)},
+    "bf16_moe_600_inter2048": lambda: check_fused_moe(600, 8, 2, 1024, 2048, BF16, CPU, 2e-2),
     **{f"bf16_qmoe_{fmt}_{m}": (lambda fmt=fmt, m=m: check_quant_fused_moe(
-        fmt, m, 32, 8, 7168, 256, BF16, CPU, 2e-2)) for fmt in ("fp8-block", "ct-int4-g32",
-                                                              "ct-int4-g128") for m in (1, 64)},
+        fmt, m, 8, 2, 7168, 256, BF16, CPU, 2e-2)) for fmt in ("fp8-block", "ct-int4-g32",
+                                                             "ct-int4-g128") for m in (1, 96)},
     "bf16_route_v3": lambda: check_routing(64, 256, mr.RoutingRule(8, 8, 4, scaling=2.5), CPU),
 }  # fmt: skip
 
