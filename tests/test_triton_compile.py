@@ -2,10 +2,10 @@
 
 The kernel check files (their interpreter checks, plus bf16 launches at the GPU tests' dims)
 run in compile-only mode (tests/triton_compile.py): each launch is built down to a cubin for
-sm_90 (H100/H200) and sm_120 (RTX Blackwell, 99 KB of shared memory a block) and must fit the
-architecture's shared memory. The kernels no check file reaches (rotary, SiLU-and-mul, top-k
-log-probs, KV compaction, the busy-wait of the comm emulator, the one-shot all-reduce) are
-launched here at serving dims.
+sm_90 (H100/H200), the GEMM, MoE and MLA files also for sm_120 (RTX Blackwell, 99 KB of shared
+memory a block), and must fit the architecture's shared memory. The kernels no check file
+reaches (rotary, SiLU-and-mul, top-k log-probs, KV compaction, the busy-wait of the comm
+emulator, the one-shot all-reduce) are launched here at serving dims.
 """
 
 from __future__ import annotations
@@ -31,15 +31,20 @@ from specserve.kernels import allreduce, busy_wait, fused_ops, kv_compact, rotar
 KERNEL_FILES = ["test_kernels.py", "test_mla_kernels.py", "test_dsa.py", "test_fused_moe.py",
                 "test_quant_kernels.py", "test_exact_kernels.py", "test_ngram_kernel.py",
                 "test_triton_compile.py"]
-ARCHS = ["90", "120"]
 NO_LAUNCH = {"moe_no_tokens"}  # checks that rightly launch nothing (zero tokens)
 BF16 = torch.bfloat16
 
 
+# sm_120 (99 KB of shared memory a block) for the kernels with the largest tiles: the GEMMs,
+# the MoE and the MLA kernels (scripts/compile_targets.py runs the whole matrix)
+CASES = [(name, "90") for name in KERNEL_FILES] + [
+    (name, "120") for name in ("test_fused_moe.py", "test_quant_kernels.py", "test_mla_kernels.py")
+]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("name", KERNEL_FILES)
+@pytest.mark.parametrize("name,arch", CASES)
 def test_kernels_compile(name: str, arch: str) -> None:
     results = run_compiled(str(Path(__file__).parent / name), arch)
     assert results
@@ -179,3 +184,23 @@ GPU_DIM_CHECKS = {
 
 if __name__ == "__main__":
     report({}, GPU_DIM_CHECKS)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_compile_targets_script(tmp_path: Path) -> None:
+    """scripts/compile_targets.py: a line per (arch, file), the summary, the JSON; a bad arch
+    is one usage error."""
+    import json
+    import subprocess
+
+    script = str(REPO / "scripts" / "compile_targets.py")
+    out = tmp_path / "targets.json"
+    res = subprocess.run([sys.executable, script, "--archs", "80,90", "--files",
+                          "test_ngram_kernel.py", "--json-out", str(out)],
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "sm_80 test_ngram_kernel.py" in res.stdout and "sm_90: 3/3 checks compile" in res.stdout
+    assert set(json.loads(out.read_text())) == {"80", "90"}
+    bad = subprocess.run([sys.executable, script, "--archs", "75"], capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    assert bad.returncode == 2 and "unknown 75" in bad.stderr
