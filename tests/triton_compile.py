@@ -44,7 +44,8 @@ class CompileFailure(RuntimeError):
 
 def run_compiled(test_file: str, arch: str = "90", timeout: int = 1200) -> dict[str, str]:
     """Run `python test_file` in compile-only mode for sm_<arch>: {check: "ok" or why}."""
-    env = {**os.environ, COMPILE_ONLY_ENV: arch, "PYTHONPATH": str(REPO)}
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, COMPILE_ONLY_ENV: arch, "PYTHONPATH": path}
     env.pop("TRITON_INTERPRET", None)
     proc = subprocess.run(
         [sys.executable, test_file], env=env, cwd=REPO, capture_output=True, text=True,
