@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from interpreted import interpreter_test, report  # noqa: E402
+from interpreted import compiling, interpreter_test, report  # noqa: E402
 
 from specserve.kernels import fp8_gemm, w4a16_gemm  # noqa: E402
 from specserve.kernels.split_kv import split_counters  # noqa: E402
@@ -117,6 +117,8 @@ def check_fp8_mm(m: int, n: int, k: int, strategy: str, plan, dtype, device, rto
     got = fp8_gemm.fp8_mm(
         xq.to(device), xs.to(device), group, w.to(device), ws.to(device), bn, bk, dtype, plan=plan
     )
+    if compiling():
+        return
     _close(got, ref_fp8_mm(xq, xs, group, w, ws_full), rtol)
 
 
@@ -141,6 +143,8 @@ def check_w4(m: int, n: int, k: int, group: int, fp4: bool, plan, dtype, device,
         plan=plan,
         soft_e4m3=soft,
     )
+    if compiling():
+        return
     want = x.double() @ ref_w4(packed, scales, group, k, fp4, row).t()
     _close(got, want, rtol)
 
@@ -161,6 +165,8 @@ def check_fp8_linear(m: int, n: int, k: int, static: bool, plan, dtype, device, 
     got = fp8_gemm.fp8_linear(
         x.to(device), w.to(device), ws.to(device), 128, 128, 128, scale, plan=plan
     )
+    if compiling():
+        return
     assert got.dtype == dtype
     _close(got, ref_fp8_mm(xq, xs, 128, w, ws_full), rtol)
     assert not split_counters(1, torch.device(device)).any(), "arrival counters left non-zero"
