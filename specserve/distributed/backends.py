@@ -105,6 +105,29 @@ class TritonOneShotBackend(CommBackend):
         return ar.one_shot_all_reduce_add_rms_norm(x, residual, weight, eps, self.bufs)
 
 
+class OrderedBackend(CommBackend):
+    """Exact mode's all-reduce: every rank's partial gathered, then summed in fp32 in rank
+    order, as the Triton one-shot kernel sums (so the two agree bit for bit). NCCL's ring and
+    tree, and gloo's ring, cut a message into chunks by its size, so the order one element's
+    partials are added in follows the batch; here each element is ((p0 + p1) + p2) ...
+    whatever the message."""
+
+    name = "ordered"
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.world = dist.get_world_size(group)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        dist.all_gather(parts, x, group=self.group)
+        total = parts[0].float()
+        for part in parts[1:]:
+            total += part.float()
+        return total.to(x.dtype)
+
+
 def make_backend(
     name: str, group: dist.ProcessGroup, nbytes: int, device: torch.device
 ) -> CommBackend:

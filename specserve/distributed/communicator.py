@@ -24,6 +24,7 @@ from specserve.distributed.backends import (
     CUSTOM,
     NAMES,
     CommBackend,
+    OrderedBackend,
     ProcessGroupBackend,
     availability,
     local_facts,
@@ -57,7 +58,16 @@ class Communicator:
         self.backends: dict[str, CommBackend] = {self.base: ProcessGroupBackend(group)}
         self.unavailable = self._start_backends(config, nbytes)
         self.source = "fixed"
-        self.table = self._build_table(config)
+        # exact mode (kernels/dispatch.py): sums whose per-element order never follows the
+        # message size: the Triton one-shot where it fits, else the gathered rank-order sum
+        from specserve.kernels.dispatch import exact_mode
+
+        self.ordered = OrderedBackend(group) if exact_mode() else None
+        if self.ordered is not None:
+            self.source = "exact: rank-order fp32 sums"
+            self.table = dispatch.DispatchTable([], self.base)
+        else:
+            self.table = self._build_table(config)
 
     # -- 1, 2: backends ----------------------------------------------------------------------
     def _start_backends(self, config: CommConfig, nbytes: int) -> dict[str, str]:
@@ -173,7 +183,16 @@ class Communicator:
         return dist.get_rank(self.group) == 0
 
     # -- the calls ---------------------------------------------------------------------------
+    def _exact_backend(self, nbytes: int) -> CommBackend:
+        one = self.backends.get("triton-one-shot")
+        if one is not None and (one.max_bytes is None or nbytes <= one.max_bytes):
+            return one
+        assert self.ordered is not None
+        return self.ordered
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ordered is not None:
+            return self._exact_backend(x.numel() * x.element_size()).all_reduce(x)
         choice = self.table.choose("all_reduce", x.numel() * x.element_size())
         return self.backends[choice.backend].all_reduce(x)
 
@@ -185,6 +204,11 @@ class Communicator:
         eps: float,
         unfused: AddNorm,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.ordered is not None:
+            backend = self._exact_backend(x.numel() * x.element_size())
+            if backend.fused:
+                return backend.all_reduce_add_rms_norm(x, residual, weight, eps)
+            return unfused(backend.all_reduce(x), residual)
         choice = self.table.choose("add_rms_norm", x.numel() * x.element_size())
         backend = self.backends[choice.backend]
         if choice.fused:
@@ -193,6 +217,10 @@ class Communicator:
 
     def describe(self) -> list[str]:
         """One line per measured size: rows, bytes, the choice per op and its time."""
+        if self.ordered is not None:
+            one = "triton-one-shot" in self.backends
+            return [f"every size: {'triton-one-shot where it fits, else ' if one else ''}"
+                    "ordered (gathered, summed in rank order)"]
         lines = []
         by_size: dict[int, dict[str, dispatch.Choice]] = {}
         for op in dispatch.OPS:
