@@ -224,15 +224,18 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, 500) for _ in range(rng.randint(2, 30))] for _ in range(n)]
 
 
-@pytest.fixture(scope="module", params=["llama", "deepseek_v3"])
+@pytest.fixture(scope="module", params=["llama", "deepseek_v3", "glm_moe_dsa"])
 def pair(request, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
-    """A tiny target of each attention kind (GQA; MLA + MoE) with a random EAGLE-3 head."""
+    """A tiny target of each attention kind (GQA; MLA + MoE; GLM-5's MLA + DSA selecting 4
+    tokens, so the index scores' top-k picks in every decode and verify past 4 tokens) with
+    a random EAGLE-3 head."""
     from tiny_eagle import make_tiny_eagle3_head
     from tiny_models import make_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("exact")
-    layers = {"num_hidden_layers": 4} if request.param == "llama" else {}
-    target = make_tiny_checkpoint(root / "target", family=request.param, tokenizer=True, **layers)
+    extra = {"llama": {"num_hidden_layers": 4}, "deepseek_v3": {},
+             "glm_moe_dsa": {"index_topk": 4}}[request.param]
+    target = make_tiny_checkpoint(root / "target", family=request.param, tokenizer=True, **extra)
     return target, make_tiny_eagle3_head(str(root / "head"), target, draft_vocab_size=128)
 
 
