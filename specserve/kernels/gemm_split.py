@@ -52,7 +52,12 @@ def fp8_native(device: torch.device) -> bool:
     Hopper, Blackwell); True off CUDA (the interpreter emulates it)."""
     if device.type != "cuda":
         return True
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    return _has_e4m3(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _has_e4m3(device_index: int) -> bool:
+    return torch.cuda.get_device_has_e4m3(device_index) >= (8, 9)
 
 
 # shared memory beyond the staged operand tiles (epilogue layout conversions, barriers): what
