@@ -160,7 +160,7 @@ def moe_launch_config(num_tokens: int, n: int, k: int, num_experts: int, top_k: 
         bk = weights.group_k
     if weights is not None:  # fit the device's shared memory (block_m is shared by both GEMMs)
         w_bytes = 0.5 if weights.format == INT4 else weights.weight.element_size()
-        a_bytes = torch.empty(0, dtype=dtype).element_size()
+        a_bytes = dtype.itemsize
         _, bn, stages = fit_shared(bm, bn, bk, stages, a_bytes, w_bytes, weights.weight.device,
                                    shrink_m=False)
     return MoELaunch(bm, bn, bk, group, warps, stages)
