@@ -57,7 +57,7 @@ def fp8_native(device: torch.device) -> bool:
 
 @functools.cache
 def _has_e4m3(device_index: int) -> bool:
-    return torch.cuda.get_device_has_e4m3(device_index) >= (8, 9)
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
 
 
 # shared memory beyond the staged operand tiles (epilogue layout conversions, barriers): what
