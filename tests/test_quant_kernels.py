@@ -92,6 +92,8 @@ def _close(got: torch.Tensor, want: torch.Tensor, rtol: float) -> None:
 
 def check_quant(m: int, k: int, group: int, dtype, device) -> None:
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(dtype) * 3
+    # values that round to zero keep their sign (-0 is code 0x80), -0.0 itself included
+    x[0, :4] = torch.tensor([-1e-9, -0.0, 1e-9, 0.0], dtype=dtype)
     q, s = fp8_gemm.quant_fp8(x.to(device), group)
     rq, rs = ref_quant(x, group)
     assert torch.equal(s.cpu(), rs), "scales differ"

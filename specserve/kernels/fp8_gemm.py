@@ -48,21 +48,23 @@ def quant_fp8_torch(
 @jit
 def _round_to_e4m3(v):
     # v (fp32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, as an fp32 that the
-    # cast to fp8 then takes exactly (Triton's interpreter cast does not round correctly)
+    # cast to fp8 then takes exactly (Triton's interpreter cast does not round correctly); the
+    # sign is v's, so a negative value that rounds to zero is -0 (code 0x80) as torch's cast
     bits = v.to(tl.int32, bitcast=True)
     exp = ((bits >> 23) & 0xFF) - 127
     ulp_exp = tl.maximum(exp, -6) - 3  # 3 mantissa bits; subnormals below 2^-6
     ulp = ((ulp_exp + 127) << 23).to(tl.float32, bitcast=True)
-    y = v * ((127 - ulp_exp) << 23).to(tl.float32, bitcast=True)  # v / ulp, exact; |y| <= 16
+    y = tl.abs(v) * ((127 - ulp_exp) << 23).to(tl.float32, bitcast=True)  # |v| / ulp, exact
     magic = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds to an integer (RNE)
-    return ((y + magic) - magic) * ulp
+    mag = ((y + magic) - magic) * ulp
+    return (mag.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
 
 
 @jit
 def quant_rows_e4m3(x, fp8_max, eps):
     # x fp32 [R, G] -> (x / s rounded to e4m3 values (fp32) [R, G], s [R]): s = max|x| / 448
     # per row, as quant_fp8 over one group of G columns
-    s = tl.maximum(tl.max(tl.abs(x), 1), eps) / fp8_max
+    s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 1), eps), fp8_max)  # IEEE, as torch
     q = tl.clamp(tl.math.div_rn(x, s[:, None]), -fp8_max, fp8_max)
     return _round_to_e4m3(q), s
 
@@ -81,7 +83,7 @@ def _quant_fp8_kernel(
     if STATIC:
         s = tl.load(static_ptr).to(tl.float32)
     else:
-        s = tl.maximum(tl.max(tl.abs(x), 0), eps) / fp8_max
+        s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 0), eps), fp8_max)  # IEEE, as torch
         tl.store(s_ptr + row * stride_s + g, s)
     q = _round_to_e4m3(tl.clamp(tl.math.div_rn(x, s), -fp8_max, fp8_max))
     tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
