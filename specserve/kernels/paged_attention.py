@@ -304,7 +304,7 @@ def paged_attention(
         page_table.stride(0), *mask_strides,
         *mid_strides,
         GROUP=group, BLOCK_G=next_power_of_2(group), BLOCK_M=block_m, BLOCK_N=block_n,
-        PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
+        PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_D=max(next_power_of_2(head_dim), MIN_DOT),
         HEAD_DIM_V=head_dim_v, BLOCK_DV=next_power_of_2(head_dim_v), NUM_SPLITS=num_splits,
         BLOCK_S=next_power_of_2(num_splits), FUSED_COMBINE=fused,
         IS_DECODE=is_decode, HAS_MASK=custom_mask is not None,
