@@ -337,9 +337,15 @@ def test_fused_moe_topk_gpu(top_k: int) -> None:
 @pytest.mark.parametrize("hidden,inter", [(7168, 256), (7168, 2048), (1000, 200)])
 @pytest.mark.parametrize("fmt", ["fp8-block", "ct-int4-g32", "ct-int4-g128"])
 def test_quant_fused_moe_gpu(fmt: str, num_tokens: int, hidden: int, inter: int) -> None:
-    """Kimi K2 experts (I 2048, or its TP-8 slice) and a ragged shape, bf16 activations."""
-    check_quant_fused_moe(fmt, num_tokens, 384, 8, hidden, inter, torch.bfloat16, "cuda", 2e-2,
-                          seed=num_tokens, skew=0.01)  # fmt: skip
+    """Kimi K2 experts (I 2048, or its TP-8 slice) and a ragged shape, bf16 activations. At
+    I 2048, 32 experts: 384 of them are 68 GB of fp32 on the host before quantization (the
+    test machine's memory ran out)."""
+    experts = 32 if inter > 256 else 384
+    # W8A8: the intermediate's FP8 codes may round apart from the reference's (one e4m3 step
+    # is 6-12%), seen at 2.2% relative on one token through 8 experts of I 2048 on the H200
+    tol = 3e-2 if fmt == "fp8-block" else 2e-2
+    check_quant_fused_moe(fmt, num_tokens, experts, 8, hidden, inter, torch.bfloat16, "cuda",
+                          tol, seed=num_tokens, skew=0.01)  # fmt: skip
 
 
 @gpu_test

@@ -35,8 +35,8 @@ def check_lookup(device: str, page_size: int, width: int, lo: int, hi: int, voca
     bs, k = 12, 4
     limit = width * page_size
     rows = []
-    for r in range(bs):
-        n = rng.choice([1, 2, rng.randint(3, 40), rng.randint(limit // 2, limit)])
+    for r in range(bs):  # rows 1, 2: too short to match; then short and long rows in turn
+        n = r if r in (1, 2) else (rng.randint(3, 40) if r % 2 else rng.randint(limit // 2, limit))
         row = [rng.randrange(vocab) for _ in range(n)]
         if r % 2 and n > 4:  # an earlier span copied to the end
             a = rng.randrange(n - 1)
