@@ -16,7 +16,8 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv > "$o
 "${ss[@]}" doctor > "$out/doctor.txt" 2>&1
 
 if has tests; then
-  timeout 220 python -m pytest -q -m gpu -n 4 -rfE --tb=short -p no:cacheprovider tests \
+  # (220 s was too short on 2026-12-05: killed at 86%, so its failures went unnamed)
+  timeout 540 python -m pytest -q -m gpu -n 4 -rfE --tb=short -p no:cacheprovider tests \
     --ignore-glob="tests/test_server*" --ignore=tests/test_bench_serving.py \
     --ignore=tests/test_mla.py --ignore=tests/test_mla_kernels.py --ignore=tests/test_dsa.py \
     --ignore=tests/test_glm_engine.py --ignore=tests/test_quant_kernels.py \
