@@ -2,12 +2,29 @@
 # The GPU checks and benchmarks in one invocation (an H200 or any CUDA machine):
 #   bash scripts/gpu_suite.sh OUT_DIR [steps]
 # steps: any of tests,profile,plain,spec,moe,match,serve,mla,quant,comm,prefix,default,exact,glm,
-# policy,mtp,drafters (default: all but profile, quant, comm, exact, policy, mtp and drafters).
+# policy,mtp,drafters (default: all but profile, quant, comm, exact, policy, mtp and drafters);
+# `notests` among them skips the pytest runs inside the other steps (benchmarks only).
 # Results and logs go to OUT_DIR;
-# benchmark rows are appended to experiments/ (LOG.md, results.jsonl, PNGs).
+# benchmark rows are appended to experiments/ (LOG.md, results.jsonl, PNGs) and the rows and
+# plots this run added are copied to OUT_DIR/experiments-new at the end. A run cut short by an
+# outer time limit gets that copy from `bash scripts/gpu_suite.sh OUT_DIR collect`.
 set -u
 out=${1:-out}; steps=${2:-tests,plain,spec,moe,match,serve,mla,prefix,default,glm}
 mkdir -p "$out"
+collect() {  # the experiments/ rows and files added since this OUT_DIR's run began
+  local start=$out/.experiments-start new=$out/experiments-new
+  [ -f "$start" ] || return 0
+  mkdir -p "$new"
+  read -r log_n res_n < "$start"
+  tail -n +"$((log_n + 1))" experiments/LOG.md > "$new/LOG.md"
+  tail -n +"$((res_n + 1))" experiments/results.jsonl > "$new/results.jsonl"
+  find experiments -maxdepth 1 -type f -newer "$start" ! -name LOG.md ! -name results.jsonl \
+    -exec cp {} "$new/" \;
+  echo "experiments rows added: $(wc -l < "$new/LOG.md") (copied to $new)"
+}
+if [ "$steps" = collect ]; then collect; exit 0; fi
+echo "$(wc -l < experiments/LOG.md) $(wc -l < experiments/results.jsonl)" > "$out/.experiments-start"
+tests_too() { ! has notests; }
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 ss=(python -m specserve.cli)
@@ -77,12 +94,16 @@ if has moe; then
   echo "kimi-k2-61l-e16 chain3 rc=$?"; tail -10 "$out/kimi61-chain3.log"
 fi
 if has quant; then
-  timeout 300 python -m pytest -q -m gpu -n 4 -rfE --tb=short -p no:cacheprovider \
-    tests/test_quant_kernels.py > "$out/quant_tests.log" 2>&1
-  echo "quant gpu tests rc=$?"; tail -4 "$out/quant_tests.log"
-  timeout 300 python -m pytest -q -m gpu -n 4 -rfE --tb=short -p no:cacheprovider \
-    tests/test_fused_moe.py -k quant_fused_moe > "$out/quant_moe_tests.log" 2>&1
-  echo "quant moe gpu tests rc=$?"; tail -4 "$out/quant_moe_tests.log"
+  if tests_too; then
+    timeout 300 python -m pytest -q -m gpu -n 4 -rfE --tb=short -p no:cacheprovider \
+      tests/test_quant_kernels.py > "$out/quant_tests.log" 2>&1
+    echo "quant gpu tests rc=$?"; tail -4 "$out/quant_tests.log"
+  fi
+  if tests_too; then
+    timeout 300 python -m pytest -q -m gpu -n 4 -rfE --tb=short -p no:cacheprovider \
+      tests/test_fused_moe.py -k quant_fused_moe > "$out/quant_moe_tests.log" 2>&1
+    echo "quant moe gpu tests rc=$?"; tail -4 "$out/quant_moe_tests.log"
+  fi
   # quantized experts at Kimi K2 dims (kimi-k2-3l): w4a16 = Kimi K2.5's release format (INT4
   # g32 routed experts, the rest bf16), fp8 = DeepSeek-V3 / Kimi K2's (128x128 blocks, W8A8
   # everywhere); bs 1 / 64 decode vs each format's floor, and vs bf16 (the moe step's run)
@@ -152,9 +173,11 @@ if has comm; then
       --json-out "$out/comm-$compute.json" > "$out/comm-$compute.log" 2>&1
     echo "comm $compute rc=$?"; tail -9 "$out/comm-$compute.log"
   done
-  timeout 200 python -m pytest -q -m gpu -s -rfE -p no:cacheprovider tests/test_comm_gpu.py \
-    > "$out/comm_gpu_tests.log" 2>&1
-  echo "comm gpu tests rc=$?"; grep -E "busy-wait|padded|passed|failed" "$out/comm_gpu_tests.log" | tail -8
+  if tests_too; then
+    timeout 200 python -m pytest -q -m gpu -s -rfE -p no:cacheprovider tests/test_comm_gpu.py \
+      > "$out/comm_gpu_tests.log" 2>&1
+    echo "comm gpu tests rc=$?"; grep -E "busy-wait|padded|passed|failed" "$out/comm_gpu_tests.log" | tail -8
+  fi
 fi
 pair=specserve/assets/tiny-code; head=specserve/assets/tiny-code-eagle3
 if has match && [ -d "$pair" ]; then
@@ -172,9 +195,11 @@ fi
 if has exact; then
   # exact mode (EngineConfig.exact): bf16, 16 prompts x 256 tokens, plain vs EAGLE-3 chain 3 and
   # tree 4x16 and batch 16 vs batch 1, exact and default; then its cost at bs 1/16/64
-  timeout 240 python -m pytest -q -m gpu -rfE --tb=short -p no:cacheprovider tests/test_exact.py \
-    tests/test_exact_kernels.py > "$out/exact_tests.log" 2>&1
-  echo "exact tests rc=$?"; tail -4 "$out/exact_tests.log"
+  if tests_too; then
+    timeout 240 python -m pytest -q -m gpu -rfE --tb=short -p no:cacheprovider tests/test_exact.py \
+      tests/test_exact_kernels.py > "$out/exact_tests.log" 2>&1
+    echo "exact tests rc=$?"; tail -4 "$out/exact_tests.log"
+  fi
   for mode in exact default; do
     flag=(); [ "$mode" = exact ] && flag=(--exact)
     timeout 300 python scripts/spec_match_rate.py --model "$pair" --draft "$head" --num 16 \
@@ -193,9 +218,11 @@ if has exact; then
   echo "exact cost rc=$?"; tail -12 "$out/exact-cost.log"
 fi
 if has mla; then  # MLA kernels and layer (bf16 at 512/64 dims; fp32 layer vs transformers)
-  timeout 300 python -m pytest -q -m gpu -rfE --tb=short -p no:cacheprovider tests/test_mla.py \
-    tests/test_mla_kernels.py tests/test_kv_compact.py > "$out/mla_tests.log" 2>&1
-  echo "mla tests rc=$?"; tail -4 "$out/mla_tests.log"
+  if tests_too; then
+    timeout 300 python -m pytest -q -m gpu -rfE --tb=short -p no:cacheprovider tests/test_mla.py \
+      tests/test_mla_kernels.py tests/test_kv_compact.py > "$out/mla_tests.log" 2>&1
+    echo "mla tests rc=$?"; tail -4 "$out/mla_tests.log"
+  fi
   timeout 400 python scripts/bench_mla.py --json-out "$out/mla_bench.json" > "$out/mla_bench.log" 2>&1
   echo "mla bench rc=$?"; grep -v "^ " "$out/mla_bench.log" | tail -26
 fi
@@ -227,9 +254,11 @@ fi
 if has glm; then
   # DSA kernels at GLM-5 dims (bf16) and a CUDA-graph capture of selection + sparse attention on
   # both backends; the tiny GLMs through the engine: CUDA graphs (plain, chain, tree) == eager
-  timeout 400 python -m pytest -q -m gpu -rfE --tb=short -p no:cacheprovider tests/test_dsa.py \
-    tests/test_glm_engine.py > "$out/glm_tests.log" 2>&1
-  echo "glm tests rc=$?"; tail -4 "$out/glm_tests.log"
+  if tests_too; then
+    timeout 400 python -m pytest -q -m gpu -rfE --tb=short -p no:cacheprovider tests/test_dsa.py \
+      tests/test_glm_engine.py > "$out/glm_tests.log" 2>&1
+    echo "glm tests rc=$?"; tail -4 "$out/glm_tests.log"
+  fi
   # bs-1 decode vs the active-weight floor (attention + router + shared + top-8 routed experts
   # + LM head) for GLM-4.5-Air dims (4 layers) and GLM-5 dims (3 layers), bs 64 vs the floor of
   # the experts the batch touches
@@ -254,9 +283,11 @@ if has policy; then
   # mode and the adaptive policy in one engine; random per-request synthetic acceptance with
   # mean AL ~2.5 (rate 0.65) and ~1.5 (rate 0.3) at chain 3; dummy 8B weights. Also prints
   # the start-up cost table (its measuring time is in the log) and the GPU spec-policy tests.
-  timeout 300 python -m pytest -q -m gpu -rfE --tb=short -p no:cacheprovider \
-    tests/test_spec_proposers.py > "$out/policy_tests.log" 2>&1
-  echo "policy tests rc=$?"; tail -4 "$out/policy_tests.log"
+  if tests_too; then
+    timeout 300 python -m pytest -q -m gpu -rfE --tb=short -p no:cacheprovider \
+      tests/test_spec_proposers.py > "$out/policy_tests.log" 2>&1
+    echo "policy tests rc=$?"; tail -4 "$out/policy_tests.log"
+  fi
   for rate in 0.65 0.3; do
     timeout 580 python scripts/bench_spec_policy.py --model llama-3.1-8b \
       --concurrency 1,2,4,8,16,32,64,128,256 --modes chain3,chain1,chain2,tree4x3x8 \
@@ -271,9 +302,11 @@ if has mtp; then
   # GLM-4.5-Air (GQA) and GLM-5 (MLA + DSA, 8k context), chain 1 and chain 3 at synthetic
   # acceptance 0.8 against plain decoding (bench latency's speculative efficiency: spec tok/s
   # / (accept length x plain tok/s))
-  timeout 300 python -m pytest -q -m gpu -rfE --tb=short -p no:cacheprovider tests/test_mtp.py \
-    > "$out/mtp_tests.log" 2>&1
-  echo "mtp tests rc=$?"; tail -4 "$out/mtp_tests.log"
+  if tests_too; then
+    timeout 300 python -m pytest -q -m gpu -rfE --tb=short -p no:cacheprovider tests/test_mtp.py \
+      > "$out/mtp_tests.log" 2>&1
+    echo "mtp tests rc=$?"; tail -4 "$out/mtp_tests.log"
+  fi
   for preset in deepseek-v3-4l-mtp glm-4.5-air-4l-mtp; do
     for k in 1 3; do
       timeout 300 "${ss[@]}" bench latency --model "$preset" --load-format dummy \
@@ -303,9 +336,11 @@ if has drafters; then
   # graphs, overlap), then the copy-workload benchmark. The default model copies for real; the
   # dummy 8B weights copy nothing, so there acceptance is synthetic (rate 0.6) and the rows
   # give each drafter's own cost per cycle at bs 1 and 16 against plain.
-  timeout 300 python -m pytest -q -m gpu -rfE --tb=short -p no:cacheprovider \
-    tests/test_drafters.py > "$out/drafters_tests.log" 2>&1
-  echo "drafters tests rc=$?"; tail -4 "$out/drafters_tests.log"
+  if tests_too; then
+    timeout 300 python -m pytest -q -m gpu -rfE --tb=short -p no:cacheprovider \
+      tests/test_drafters.py > "$out/drafters_tests.log" 2>&1
+    echo "drafters tests rc=$?"; tail -4 "$out/drafters_tests.log"
+  fi
   timeout 300 python scripts/bench_drafters.py --model default --device cuda --batch-sizes 1,16 \
     --max-tokens 256 --out "$out/drafters-default.json" > "$out/drafters-default.log" 2>&1
   echo "drafters default rc=$?"; grep -v INFO "$out/drafters-default.log" | tail -8
@@ -314,3 +349,4 @@ if has drafters; then
     --max-prompt-tokens 1024 --out "$out/drafters-llama8b.json" > "$out/drafters-llama8b.log" 2>&1
   echo "drafters llama8b rc=$?"; grep -v INFO "$out/drafters-llama8b.log" | tail -8
 fi
+collect
