@@ -148,8 +148,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="wrap prompts in the chat template (auto: when the model has one)")
     p.add_argument("--out", type=Path, help="write the rows (without outputs) as JSON")
     args = p.parse_args(argv)
-    model = {"tiny-code": defaults.tiny_code_path(),
-             "default": defaults.default_model_path()}.get(args.model, args.model)
+    named = {"tiny-code": defaults.tiny_code_path, "default": defaults.default_model_path}
+    model = named[args.model]() if args.model in named else args.model
     rows = []
     plain_out: dict[int, list] = {}
     for method in args.methods.split(","):
