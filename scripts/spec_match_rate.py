@@ -22,6 +22,7 @@ import random
 
 import torch
 
+from specserve.config import CacheConfig
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
 
@@ -41,7 +42,10 @@ def main() -> None:
     mode = dict(dtype=args.dtype, load_format=args.load_format, exact=args.exact)
 
     rng = random.Random(0)
-    llm = LLM(args.model, **mode)
+    # the plain engine stays up beside each speculative one (divergence margins): its KV pool
+    # holds this run's requests and no more, so the other finds the GPU memory it needs
+    page = CacheConfig().page_size
+    llm = LLM(args.model, **mode, num_pages=args.num * -(-(128 + args.max_tokens + 64) // page))
     vocab = llm.engine.model_config.vocab_size
     prompts = [[rng.randrange(10, vocab) for _ in range(rng.randint(8, 128))]
                for _ in range(args.num)]

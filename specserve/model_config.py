@@ -64,8 +64,11 @@ class ModelConfig:
     dsa: DSAConfig | None = None
     # routed experts (DeepSeek-V2/V3, Kimi K2, GLM-4.5+); None = dense MLPs
     moe: MoEConfig | None = None
-    # MTP / NextN layers stored after the decoder layers (DeepSeek-V3, GLM: 1; not used yet)
+    # MTP / NextN layers stored after the decoder layers (DeepSeek-V3, GLM: 1; the MTP drafter)
     num_mtp_layers: int = 0
+    # parameters beside the decoder stack (an MTP block's eh_proj and input norms), counted by
+    # num_parameters
+    extra_parameters: int = 0
 
     def __post_init__(self) -> None:
         for field_name, kinds in (
@@ -195,7 +198,7 @@ class ModelConfig:
             experts = (moe.num_experts + moe.num_shared_experts) * 3 * h * moe.intermediate_size
             layers += router + experts
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return self.vocab_size * h + layers + h + head
+        return self.vocab_size * h + layers + h + head + self.extra_parameters
 
     @property
     def dsa_index_layers(self) -> int:

@@ -57,6 +57,21 @@ def test_pool_sizing_over_specs() -> None:
         )
 
 
+def test_gpu_budget_leaves_the_reserve(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the pool gets gpu_memory_utilization of the free memory less a fixed reserve
+    and the bytes of weights built after it (the drafters')."""
+    from specserve.kv_cache import pool
+
+    per_page = bytes_per_page([MHA], 16, torch.bfloat16)
+    free = pool.GPU_RESERVE_BYTES + 1000 * per_page
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 2 * free))
+    cache, gpu = CacheConfig(page_size=16, gpu_memory_utilization=1.0), torch.device("cuda")
+    assert plan_num_pages(cache, [MHA], torch.bfloat16, gpu) == 1000
+    assert plan_num_pages(cache, [MHA], torch.bfloat16, gpu, 300 * per_page + 1) == 699
+    with pytest.raises(ValueError, match="pages"):
+        plan_num_pages(cache, [MHA], torch.bfloat16, gpu, 999 * per_page)
+
+
 def test_llama_pool_is_one_group() -> None:
     """A llama target and its draft layer: one group, k and v of all layers (the layout the
     kernels and the compaction have always seen)."""

@@ -22,7 +22,7 @@ import time
 from specserve.config import EngineConfig
 from specserve.engine.executor import Executor
 from specserve.engine.local_worker import ProposerFactory, resolve_model
-from specserve.engine.memory import check_fits
+from specserve.engine.memory import check_fits, drafter_configs
 from specserve.engine.outputs import RequestOutput, record_logprobs, record_prompt_logprobs
 from specserve.engine.plan import SchedulerOutput
 from specserve.engine.request import Request
@@ -65,17 +65,9 @@ class Engine:
                         "there (sliding-window attention is not implemented)", window)
             self.max_model_len = window
         self.config = config.replace(scheduler={"max_model_len": self.max_model_len})
-        drafts = []  # the drafters' own models, for the memory check
-        if proposer is None and config.spec.algorithm == "eagle3":
-            from specserve.speculative.eagle3 import load_draft_config
-
-            drafts.append(load_draft_config(config.spec, self.model_config))
-        if proposer is None and "mtp" in (config.spec.algorithm, *config.spec.extra_methods):
-            from specserve.speculative.mtp import check_mtp_target  # primary or extra drafter
-
-            drafts.append(check_mtp_target(config.spec.for_method("mtp"),
-                                           None if config.load_format == "dummy"
-                                           else self.model_path, self.model_config))
+        # the drafters' own models, for the memory check
+        drafts = [] if proposer is not None else drafter_configs(config, self.model_config,
+                                                                 self.model_path)
         device = resolve_device(config.device)
         check_fits(self.model_name, self.model_config, drafts,
                    resolve_dtype(config.dtype, self.model_config, device), device, config.cache,

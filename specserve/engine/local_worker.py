@@ -14,12 +14,13 @@ from typing import Any
 from specserve.config import EngineConfig, ModelConfig
 from specserve.distributed import comm
 from specserve.distributed.comm import configure_shard_emulation
+from specserve.engine.memory import drafter_bytes, drafter_configs
 from specserve.layers.quantization import check_device, resolve_quantization
 from specserve.models.loader import load_model_config, resolve_model_path
 from specserve.models.presets import PRESET_FORMATS, PRESETS
 from specserve.speculative.proposer import Proposer
 from specserve.speculative.worker import SpecWorker
-from specserve.worker.device import resolve_device
+from specserve.worker.device import resolve_device, resolve_dtype
 from specserve.worker.model_runner import ModelRunner
 from specserve.worker.step_input import StepInput, StepOutput
 
@@ -117,7 +118,12 @@ def build_local_worker(config: EngineConfig, model_path: str | None,
         check_mtp_target(config.spec.for_method("mtp"), None if config.load_format == "dummy"
                          else model_path, model_config)  # the target has the layer
         draft_kv = draft_kv + mtp_kv_specs(model_config)
-    runner = ModelRunner(config, model_config, model_path, draft_kv)
+    # the drafters' weights are built after the KV pool: its budget leaves room for them
+    reserve = 0 if proposer is not None else drafter_bytes(
+        drafter_configs(config, model_config, model_path),
+        resolve_dtype(config.dtype, model_config, resolve_device(config.device)),
+        config.parallel.tp_size)
+    runner = ModelRunner(config, model_config, model_path, draft_kv, reserve)
     if proposer is None and config.spec.enabled:
         from specserve.speculative.methods import proposer_factory
 

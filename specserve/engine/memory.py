@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specserve.config import CacheConfig, ModelConfig
+from specserve.config import CacheConfig, EngineConfig, ModelConfig
 
 GB = 1e9
 
@@ -31,6 +31,30 @@ def available_bytes(device: torch.device) -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def drafter_configs(config: EngineConfig, model_config: ModelConfig,
+                    model_path: str | None) -> list[ModelConfig]:
+    """The models of the drafters that config.spec builds itself (an EAGLE-3 head, an MTP
+    layer; primary or extra), for the memory check and the KV budget's reserve."""
+    drafts = []
+    if config.spec.algorithm == "eagle3":
+        from specserve.speculative.eagle3 import load_draft_config
+
+        drafts.append(load_draft_config(config.spec, model_config))
+    if "mtp" in (config.spec.algorithm, *config.spec.extra_methods):
+        from specserve.speculative.mtp import check_mtp_target  # primary or extra drafter
+
+        drafts.append(check_mtp_target(config.spec.for_method("mtp"),
+                                       None if config.load_format == "dummy" else model_path,
+                                       model_config))
+    return drafts
+
+
+def drafter_bytes(drafts: Sequence[ModelConfig], dtype: torch.dtype, tp_size: int) -> int:
+    """Device bytes one rank gives the drafters' weights (unquantized size: an upper bound)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return -(-sum(d.num_parameters() for d in drafts) * elem // tp_size)
 
 
 def required_bytes(

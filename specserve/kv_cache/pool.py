@@ -53,18 +53,20 @@ GPU_RESERVE_BYTES = 2 << 30  # left free for activations, logits and CUDA-graph 
 
 
 def plan_num_pages(
-    cache, specs: Sequence[KVCacheSpec], dtype: torch.dtype, device: torch.device
+    cache, specs: Sequence[KVCacheSpec], dtype: torch.dtype, device: torch.device,
+    reserve_bytes: int = 0,
 ) -> int:
     """Pages the allocator may hand out under a CacheConfig for layers of these specs:
     `num_pages` when given, else what fits in `gpu_memory_utilization` of the free GPU memory
-    (less GPU_RESERVE_BYTES) or in `kv_cache_bytes` on the CPU. ValueError (what to change)
-    below two pages."""
+    less GPU_RESERVE_BYTES and `reserve_bytes` (weights allocated after the pool: the
+    drafters'), or in `kv_cache_bytes` on the CPU. ValueError (what to change) below two
+    pages."""
     if cache.num_pages > 0:
         num_pages = cache.num_pages
     else:
         if device.type == "cuda":
             free, _total = torch.cuda.mem_get_info(device)
-            budget = int(free * cache.gpu_memory_utilization) - GPU_RESERVE_BYTES
+            budget = int(free * cache.gpu_memory_utilization) - GPU_RESERVE_BYTES - reserve_bytes
         else:
             budget = cache.kv_cache_bytes
         num_pages = pages_for_budget(budget, specs, cache.page_size, dtype)

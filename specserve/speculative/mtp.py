@@ -37,11 +37,13 @@ def check_mtp_target(spec: SpecConfig, model_path: str | None,
     """Before the engine builds: the target declares an MTP layer and (unless its weights are
     random) its files hold the layer's tensors; ValueError in one line naming what is missing.
     Returns a config whose parameter count is the layer's block (for the memory check: one
-    decoder layer, MoE when the target has experts; no embedding or head of its own)."""
+    decoder layer, MoE when the target has experts, eh_proj and the enorm/hnorm pair; no
+    embedding or head of its own)."""
     DraftShape.from_config(spec)  # validates the tree size
     check_mtp_checkpoint(model_path, config)
+    h = config.hidden_size
     return dataclasses.replace(_one_layer(config), vocab_size=0, tie_word_embeddings=True,
-                               quantization=None)
+                               quantization=None, extra_parameters=2 * h * h + 2 * h)
 
 
 def _one_layer(config: ModelConfig) -> ModelConfig:

@@ -68,7 +68,7 @@ class LaunchedStep:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: str | None,
-                 extra_kv_specs: Sequence[KVCacheSpec] = ()) -> None:
+                 extra_kv_specs: Sequence[KVCacheSpec] = (), reserve_bytes: int = 0) -> None:
         self.config = config
         self.model_config = model_config
         self.device = resolve_device(config.device)
@@ -91,6 +91,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.attn_layers = attention_modules(self.model)
         self.extra_kv_specs = list(extra_kv_specs)  # layers past the target's (draft heads)
+        self.reserve_bytes = reserve_bytes  # for weights built after the pool (drafters')
         self.kv_pool = self._allocate_kv_pool()
         self.kv_pool.bind(self.attn_layers)
         # RoPE tables must cover every position before graphs are captured (replays run no
@@ -190,7 +191,7 @@ class ModelRunner:
     def _allocate_kv_pool(self) -> KVPool:
         cc = self.config.cache
         specs = [m.kv_spec for m in self.attn_layers] + self.extra_kv_specs
-        num_pages = plan_num_pages(cc, specs, self.dtype, self.device)
+        num_pages = plan_num_pages(cc, specs, self.dtype, self.device, self.reserve_bytes)
         # every rank holds the same pages (one allocator on rank 0): the least free memory wins
         num_pages = min_over_ranks(num_pages)
         # one spare page past the allocator's range: CUDA-graph padding rows point at it

@@ -224,8 +224,10 @@ class Fp8BlockMoEMethod(MoEMethod):
     def random_init(self, layer: FusedMoE, gen: torch.Generator, std: float) -> None:
         for which in ("w13", "w2"):
             w = getattr(layer, f"{which}_weight")
-            codes = torch.randn(w.shape, generator=gen, device=w.device)
-            w.data.copy_((codes * 64).clamp(-448, 448).to(FP8))
+            for e in range(w.shape[0]):  # one expert at a time: fp32 codes of all 384 of
+                # Kimi K2's experts would take 42 GB
+                codes = torch.randn(w.shape[1:], generator=gen, device=w.device)
+                w.data[e].copy_((codes * 64).clamp(-448, 448).to(FP8))
             getattr(layer, f"{which}_{self.scale_name}").data.fill_(std / 64)
 
 
