@@ -2,7 +2,8 @@
 
 For each format (fp8 block W8A8, int4 g128 W4A16, nvfp4 W4A16), each linear shape of the
 model and each row count M, times the default plan (gemm_split.launch_plan) and a grid of
-alternatives with triton.testing.do_bench (L2 flushed between runs), next to the dense bf16
+alternatives with triton.testing.do_bench_cudagraph (each call replayed from a CUDA graph, so
+the host's launch cost is left out, as in the engine's decode graphs), next to the dense bf16
 F.linear of the same shape. Prints one line per case and writes the full table as JSON:
 
     python scripts/bench_quant_gemm.py --out quant_gemm.json [--m 1,64] [--quick]
@@ -70,14 +71,22 @@ def plans(fmt: str, m: int, quick: bool) -> list[GemmPlan]:
     bks = (128,) if fmt == "fp8" else ((64, 128, 256) if not quick else (128,))
     splits = (1, 2, 4, 8)
     stages = (3, 4) if not quick else (3,)
-    return [
+    grid = [
         GemmPlan(bm, bn, bk, s, 4, st)
         for bn, bk, s, st in itertools.product(bns, bks, splits, stages)
     ]
+    if m == 1:  # GEMV plans (no tensor cores): narrower row tiles, more K splits
+        gemv_bks = (128,) if fmt == "fp8" else (128, 256)
+        grid += [GemmPlan(1, bn, bk, s, 4, 3) for bn, bk, s in itertools.product(
+            (32, 64) if quick else (16, 32, 64), gemv_bks, (2, 4, 8) if quick else (1, 2, 4, 8, 16))]
+    return grid
 
 
 def main() -> int:
-    from triton.testing import do_bench
+    from triton.testing import do_bench_cudagraph
+
+    def do_bench(fn):  # ms per call from a CUDA graph's replays: no host launch cost
+        return do_bench_cudagraph(fn, rep=50)
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)

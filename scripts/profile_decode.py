@@ -142,6 +142,8 @@ def main() -> int:
     ap.add_argument("--spec-num-steps", type=int, default=3)
     ap.add_argument("--spec-num-draft-tokens", type=int, default=0)
     ap.add_argument("--spec-accept-len", type=int, default=4, help="synthetic accept length")
+    ap.add_argument("--quantization", default=None,
+                    help="quantize the random weights (fp8, w4a16, nvfp4: as bench latency)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     out = Path(args.out)
@@ -153,11 +155,13 @@ def main() -> int:
                     num_steps=args.spec_num_steps, num_draft_tokens=args.spec_num_draft_tokens,
                     synthetic_accept_len=args.spec_accept_len)
     llm = LLM(args.model, speculative_config=spec, load_format="dummy",
+              quantization=args.quantization or "auto",
               cuda_graph_max_bs=max(batch_sizes),
               scheduler={"max_model_len": args.context_len + 512,
                          "max_num_seqs": max(batch_sizes)})
     engine = llm.engine
-    report = {"model": args.model, "context_len": args.context_len, "speculative": spec,
+    report = {"model": args.model, "quantization": args.quantization,
+              "context_len": args.context_len, "speculative": spec,
               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)",
               "points": []}
     for bs in batch_sizes:

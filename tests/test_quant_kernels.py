@@ -229,6 +229,33 @@ INTERPRETER_CHECKS = {
     "fp8_static_quant": lambda: check_fp8_linear(
         3, 40, 200, True, (16, 32, 64, 2), F32, CPU, TOL32
     ),
+    # GEMV plans (block_m < 16: no tensor cores), one to four rows, ragged and split
+    "gemv_fp8_block_split3": lambda: check_fp8_mm(
+        3, 72, 328, "block", (4, 16, 32, 3), F32, CPU, TOL32
+    ),
+    "gemv_fp8_channel": lambda: check_fp8_mm(
+        1, 40, 136, "channel", (1, 32, 32, 2), F32, CPU, TOL32
+    ),
+    "gemv_fp8_in_loop_quant": lambda: check_fp8_linear(
+        2, 72, 456, False, (2, 32, 128, 3), F32, CPU, TOL32
+    ),
+    "gemv_fp8_static_default_plan": lambda: check_fp8_linear(
+        1, 40, 200, True, None, F32, CPU, TOL32
+    ),
+    "gemv_int4_g32_ragged": lambda: check_w4(
+        3, 72, 200, 32, False, (4, 16, 64, 2), F32, CPU, TOL32
+    ),
+    "gemv_int4_default_plan": lambda: check_w4(1, 40, 264, 128, False, None, F32, CPU, TOL32),
+    "gemv_nvfp4_rowscale": lambda: check_w4(
+        2, 40, 208, 16, True, (2, 32, 64, 2), F32, CPU, TOL32
+    ),
+    # one row: the packed-layout GEMV kernel (scales per word, ragged K, split, soft e4m3)
+    "gemv_w4_one_row_int4_g32": lambda: check_w4(
+        1, 72, 200, 32, False, (1, 16, 64, 3), F32, CPU, TOL32
+    ),
+    "gemv_w4_one_row_nvfp4": lambda: check_w4(
+        1, 40, 208, 16, True, (1, 32, 64, 2), F32, CPU, TOL32, soft=True
+    ),
 }
 
 
@@ -250,7 +277,7 @@ def test_cuda_quant(m: int) -> None:
 
 
 @gpu
-@pytest.mark.parametrize("m", [1, 7, 64, 300])
+@pytest.mark.parametrize("m", [1, 3, 7, 64, 300])
 @pytest.mark.parametrize("n, k", SHAPES)
 @pytest.mark.parametrize("strategy", ["block", "channel"])
 def test_cuda_fp8_mm(m: int, n: int, k: int, strategy: str) -> None:
@@ -258,7 +285,7 @@ def test_cuda_fp8_mm(m: int, n: int, k: int, strategy: str) -> None:
 
 
 @gpu
-@pytest.mark.parametrize("m", [1, 7, 64, 300])
+@pytest.mark.parametrize("m", [1, 3, 7, 64, 300])
 @pytest.mark.parametrize("n, k", SHAPES)
 @pytest.mark.parametrize("static", [False, True])
 def test_cuda_fp8_linear(m: int, n: int, k: int, static: bool) -> None:
@@ -266,7 +293,7 @@ def test_cuda_fp8_linear(m: int, n: int, k: int, static: bool) -> None:
 
 
 @gpu
-@pytest.mark.parametrize("m", [1, 7, 64, 300])
+@pytest.mark.parametrize("m", [1, 3, 7, 64, 300])
 @pytest.mark.parametrize("n, k", [(1000, 1000), (4096, 4096)])
 @pytest.mark.parametrize("group, fp4", [(32, False), (128, False), (16, True)])
 def test_cuda_w4(m: int, n: int, k: int, group: int, fp4: bool) -> None:

@@ -17,7 +17,17 @@ import torch
 
 from specserve.kernels.dispatch import EXACT, jit, next_power_of_2, tl, triton
 from specserve.kernels.exact_gemm import rowwise_linear
-from specserve.kernels.gemm_split import GemmPlan, as_plan, launch_plan, split_buffers, store_tile
+from specserve.kernels.gemm_split import (
+    GemmPlan,
+    acc_add,
+    acc_add_scaled,
+    acc_init,
+    acc_result,
+    as_plan,
+    launch_plan,
+    split_buffers,
+    store_tile,
+)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -175,7 +185,7 @@ def _fp8_mm_kernel(
     b_rows = b_ptr + rn.to(tl.int64)[:, None] * stride_bn
     as_rows = as_ptr + rm * stride_asm
     bs_rows = bs_ptr + (rn // B_GROUP_N) * stride_bsn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = acc_init(BLOCK_M, BLOCK_N, BLOCK_K)
     k_start = pid_s * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     for k0 in range(k_start, k_end, BLOCK_K):
@@ -190,14 +200,14 @@ def _fp8_mm_kernel(
             q = tl.clamp(tl.math.div_rn(a.to(tl.float32), a_s[:, None]), -fp8_max, fp8_max)
             a = _round_to_e4m3(q).to(b_ptr.dtype.element_ty)
         b = tl.load(b_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        part = tl.dot(a, tl.trans(b))
         if SCALE_AT_END:
-            acc += part
+            acc = acc_add(acc, a, b, BLOCK_M)
         else:
             if QUANT_A == GIVEN_C:
                 a_s = tl.load(as_rows + (k0 // A_GROUP) * stride_ask, mask=m_ok, other=0.0)
             b_s = tl.load(bs_rows + (k0 // B_GROUP_K) * stride_bsk, mask=n_ok, other=0.0)
-            acc += part * a_s[:, None] * b_s[None, :]
+            acc = acc_add_scaled(acc, a, b, a_s, b_s, BLOCK_M)
+    acc = acc_result(acc, BLOCK_M)
     if SCALE_AT_END:
         a_s = tl.load(as_rows, mask=m_ok, other=0.0)
         b_s = tl.load(bs_rows, mask=n_ok, other=0.0)

@@ -10,6 +10,7 @@ in the same launch (arrival counters shared with attention: kernels/split_kv.py)
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,9 @@ from specserve.kernels.split_kv import split_counters
 
 PARTIALS_PER_SM = 2  # aim for this many programs per SM at decode sizes
 MAX_SPLITS = 16
+# up to this many rows a quantized GEMM's default plan is a GEMV (acc_add without tensor
+# cores); SPECSERVE_GEMV_MAX_ROWS=0 keeps every launch on tensor-core tiles (A/B runs)
+GEMV_MAX_ROWS = int(os.environ.get("SPECSERVE_GEMV_MAX_ROWS", "1"))
 
 
 @functools.cache
@@ -117,7 +121,10 @@ def launch_plan(m: int, n: int, k: int, device: torch.device, max_block_k: int =
     every m (64 x 64 tiles, no split-K): a row's K reduction is the same whatever the batch."""
     if EXACT.on:
         return GemmPlan(64, 64, min(max_block_k, 64), 1, num_warps=4)
-    if m <= 16:
+    if 0 < m <= GEMV_MAX_ROWS:  # GEMV: the rows padded to a power of 2, 64 row-columns a step
+        bm = triton.next_power_of_2(m)
+        bn = max(16, 64 // bm)
+    elif m <= 16:
         bm, bn = 16, 64
     elif m <= 64:
         bm, bn = 64, 64
@@ -135,6 +142,63 @@ def launch_plan(m: int, n: int, k: int, device: torch.device, max_block_k: int =
     # a 128 x 128 fp32 accumulator (and a decoded weight tile) wants 8 warps' registers
     return GemmPlan(bm, bn, bk, splits, num_warps=8 if bm * bn >= 128 * 128 else 4,
                     num_stages=stages)
+
+
+# The K loop's accumulator: tensor cores (tl.dot, [BM, BN]) from 16 rows up; below, a GEMV
+# plan (one to a few decode rows) keeps fp32 products [BM, BN, BK] in registers, adds one FMA
+# per weight element per row and sums over K once after the loop: no tile padded to 16 rows,
+# no cross-thread reduction in the loop. (Constexpr branches without early returns: only the
+# taken one is built.)
+
+
+@jit
+def acc_init(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    if BLOCK_M >= 16:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    elif BLOCK_M == 1:  # one row: [BN, BK], the row's activations broadcast over it
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    return acc
+
+
+@jit
+def acc_add(acc, a, b, BLOCK_M: tl.constexpr):
+    """acc + a [BM, BK] . b [BN, BK]^T"""
+    if BLOCK_M >= 16:
+        acc += tl.dot(a, tl.trans(b))
+    elif BLOCK_M == 1:
+        acc += a.to(tl.float32) * b.to(tl.float32)
+    else:
+        acc += a.to(tl.float32)[:, None, :] * b.to(tl.float32)[None, :, :]
+    return acc
+
+
+@jit
+def acc_add_scaled(acc, a, b, a_s, b_s, BLOCK_M: tl.constexpr):
+    """acc + (a . b^T) * a_s [BM] (x) b_s [BN]: a K step of one scale group"""
+    if BLOCK_M >= 16:
+        acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s[None, :]
+    else:
+        a = a.to(tl.float32) * a_s[:, None]
+        b = b.to(tl.float32) * b_s[:, None]
+        if BLOCK_M == 1:
+            acc += a * b
+        else:
+            acc += a[:, None, :] * b[None, :, :]
+    return acc
+
+
+@jit
+def acc_result(acc, BLOCK_M: tl.constexpr):
+    """The [BM, BN] fp32 product of an accumulator after the K loop."""
+    if BLOCK_M >= 16:
+        out = acc
+    elif BLOCK_M == 1:
+        out = tl.sum(acc, axis=1)[None, :]
+    else:
+        out = tl.sum(acc, axis=2)
+    return out
 
 
 @jit

@@ -22,7 +22,16 @@ import torch
 from specserve.kernels import gemm_split
 from specserve.kernels.dispatch import EXACT, jit, tl, triton
 from specserve.kernels.exact_gemm import rowwise_linear
-from specserve.kernels.gemm_split import GemmPlan, as_plan, launch_plan, split_buffers, store_tile
+from specserve.kernels.gemm_split import (
+    GemmPlan,
+    acc_add,
+    acc_init,
+    acc_result,
+    as_plan,
+    launch_plan,
+    split_buffers,
+    store_tile,
+)
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
@@ -174,7 +183,7 @@ def _w4a16_kernel(
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     s_rows = s_ptr + rn.to(tl.int64)[:, None] * stride_sn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = acc_init(BLOCK_M, BLOCK_N, BLOCK_K)
     k_start = pid_s * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     for k0 in range(k_start, k_end, BLOCK_K):
@@ -184,10 +193,58 @@ def _w4a16_kernel(
         # columns past k_end (the next split's) meet zero activations
         w = w4_tile(w_rows, s_rows, n_ok, k0, K, GROUP, SCALES, FP4, BLOCK_N, BLOCK_K,
                     SOFT_E4M3)
-        acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+        acc = acc_add(acc, x, w.to(x.dtype), BLOCK_M)
+    acc = acc_result(acc, BLOCK_M)
     if HAS_ROW_SCALE:
         acc = acc * tl.load(rs_ptr + rn, mask=n_ok, other=0.0)[None, :]
     store_tile(acc, c_ptr, p_ptr, counter_ptr, rm, rn, M, N, stride_cm, splits, SPLIT)
+
+
+@jit
+def _w4_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, rs_ptr, c_ptr, p_ptr, counter_ptr, N, K, k_per_split, splits,
+    stride_wn, stride_sn,
+    GROUP: tl.constexpr, PER_ROW_SCALE: tl.constexpr, FP4: tl.constexpr,
+    HAS_ROW_SCALE: tl.constexpr, SPLIT: tl.constexpr, SOFT_E4M3: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # one activation row (decode at batch 1), program (0, n tile, K split): the weight tile
+    # stays [BN, BK / 8, 8] as the words hold it (no reshape through shared memory), one FMA
+    # per element into fp32 registers, summed once after the loop. GROUP is a multiple of 8
+    # (each word in one scale group); PER_ROW_SCALE: the step lies in one group.
+    pid_n, pid_s = tl.program_id(1), tl.program_id(2)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    s_rows = s_ptr + rn.to(tl.int64)[:, None] * stride_sn
+    words = tl.arange(0, BLOCK_K // 8)
+    lanes = tl.arange(0, 8)
+    acc = tl.zeros((BLOCK_N, BLOCK_K // 8, 8), dtype=tl.float32)
+    k_start = pid_s * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        word = k0 // 8 + words
+        w_ok = n_ok[:, None] & (word * 8 < K)[None, :]
+        packed = tl.load(w_rows + word[None, :], mask=w_ok, other=0)  # [BN, W]
+        nib = (packed[:, :, None] >> (lanes * 4)[None, None, :]) & 0xF  # [BN, W, 8]
+        if FP4:
+            val = _decode_e2m1(nib)
+        else:
+            val = (nib - 8).to(tl.float32)
+        if PER_ROW_SCALE:
+            sc = _scales(s_rows + k0 // GROUP, n_ok[:, None], SOFT_E4M3)[:, :, None]
+        else:
+            sc = _scales(s_rows + (word * 8 // GROUP)[None, :], w_ok, SOFT_E4M3)[:, :, None]
+        kk = word[:, None] * 8 + lanes[None, :]  # [W, 8]; past k_end: the next split's
+        x = tl.load(x_ptr + kk, mask=kk < k_end, other=0.0)
+        # the weight rounded to the activation dtype, as the tensor-core path feeds tl.dot
+        w = (val * sc).to(x_ptr.dtype.element_ty).to(tl.float32)
+        acc += w * x.to(tl.float32)[None, :, :]
+    out = tl.sum(tl.sum(acc, axis=2), axis=1)
+    if HAS_ROW_SCALE:
+        out = out * tl.load(rs_ptr + rn, mask=n_ok, other=0.0)
+    store_tile(out[None, :], c_ptr, p_ptr, counter_ptr, tl.arange(0, 1), rn, 1, N, N, splits,
+               SPLIT)  # fmt: skip
 
 
 def w4a16_mm(
@@ -220,7 +277,15 @@ def w4a16_mm(
         not gemm_split.fp8_native(x.device) if soft_e4m3 is None else soft_e4m3)
     if soft:
         scales = scales.view(torch.uint8)
-    if m:
+    if m == 1 and bm == 1 and group % 8 == 0:  # a GEMV plan for one row
+        _w4_gemv_kernel[grid](
+            x, packed, scales, row_scale if row_scale is not None else scales, out, partials,
+            counters, n, k, k_per_split, splits, packed.stride(0), scales.stride(0),
+            GROUP=group, PER_ROW_SCALE=group % bk == 0, FP4=fp4,
+            HAS_ROW_SCALE=row_scale is not None, SPLIT=splits > 1, SOFT_E4M3=soft, BLOCK_N=bn,
+            BLOCK_K=bk, num_warps=plan.num_warps, num_stages=plan.num_stages,
+        )  # fmt: skip
+    elif m:
         _w4a16_kernel[grid](
             x, packed, scales, row_scale if row_scale is not None else scales, out, partials,
             counters, m, n, k, k_per_split, splits, x.stride(0), packed.stride(0),
