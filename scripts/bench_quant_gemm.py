@@ -77,8 +77,10 @@ def plans(fmt: str, m: int, quick: bool) -> list[GemmPlan]:
     ]
     if m == 1:  # GEMV plans (no tensor cores): narrower row tiles, more K splits
         gemv_bks = (128,) if fmt == "fp8" else (128, 256)
-        grid += [GemmPlan(1, bn, bk, s, 4, 3) for bn, bk, s in itertools.product(
-            (32, 64) if quick else (16, 32, 64), gemv_bks, (2, 4, 8) if quick else (1, 2, 4, 8, 16))]
+        gemv_bns = (32, 64) if quick else (16, 32, 64)
+        gemv_splits = (2, 4, 8) if quick else (1, 2, 4, 8, 16)
+        grid += [GemmPlan(1, bn, bk, s, 4, 3)
+                 for bn, bk, s in itertools.product(gemv_bns, gemv_bks, gemv_splits)]
     return grid
 
 
