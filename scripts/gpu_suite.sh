@@ -348,5 +348,11 @@ if has drafters; then
     --device cuda --batch-sizes 1,16 --synthetic-accept-rate 0.6 --max-tokens 256 \
     --max-prompt-tokens 1024 --out "$out/drafters-llama8b.json" > "$out/drafters-llama8b.log" 2>&1
   echo "drafters llama8b rc=$?"; grep -v INFO "$out/drafters-llama8b.log" | tail -8
+  # where an n-gram cycle's time goes at bs 1 (on 2026-12-05 it cost 3.4 plain steps at an
+  # accept length of 4, a suffix cycle 1.3): kernel table of the eager cycle, graph replay
+  timeout 150 python scripts/profile_decode.py --model llama-3.1-8b --batch-sizes 1 \
+    --spec-topk 1 --spec-method ngram --spec-num-steps 4 --out "$out/profile-ngram" \
+    > "$out/profile-ngram.log" 2>&1
+  echo "profile ngram rc=$?"; grep -v "^ " "$out/profile-ngram.log" | tail -6
 fi
 collect

@@ -139,6 +139,11 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--trace", action="store_true", help="write a Chrome trace per batch size")
     ap.add_argument("--spec-topk", type=int, default=0, help="profile speculation (0: plain)")
+    ap.add_argument("--spec-method", default="eagle3", choices=("eagle3", "ngram", "suffix"),
+                    help="the drafter of the speculative cycle (ngram/suffix: chain of "
+                    "--spec-num-steps tokens, synthetic acceptance at --spec-accept-rate)")
+    ap.add_argument("--spec-accept-rate", type=float, default=0.6,
+                    help="synthetic acceptance rate of the ngram/suffix cycle")
     ap.add_argument("--spec-num-steps", type=int, default=3)
     ap.add_argument("--spec-num-draft-tokens", type=int, default=0)
     ap.add_argument("--spec-accept-len", type=int, default=4, help="synthetic accept length")
@@ -150,7 +155,10 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     batch_sizes = parse_positive_list(args.batch_sizes, int, "--batch-sizes")
     spec = None
-    if args.spec_topk:
+    if args.spec_topk and args.spec_method != "eagle3":
+        spec = {"method": args.spec_method, "num_speculative_tokens": args.spec_num_steps,
+                "synthetic_accept_rate": args.spec_accept_rate}
+    elif args.spec_topk:
         spec = dict(algorithm="eagle3", draft_model="dummy", topk=args.spec_topk,
                     num_steps=args.spec_num_steps, num_draft_tokens=args.spec_num_draft_tokens,
                     synthetic_accept_len=args.spec_accept_len)

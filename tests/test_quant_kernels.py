@@ -7,6 +7,7 @@ Llama-3.1-8B shapes). Shapes include K and N that are not multiples of the tiles
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -245,7 +246,9 @@ INTERPRETER_CHECKS = {
     "gemv_int4_g32_ragged": lambda: check_w4(
         3, 72, 200, 32, False, (4, 16, 64, 2), F32, CPU, TOL32
     ),
-    "gemv_int4_default_plan": lambda: check_w4(1, 40, 264, 128, False, None, F32, CPU, TOL32),
+    "gemv_w4_one_row_int4_g128": lambda: check_w4(
+        1, 40, 264, 128, False, (1, 32, 128, 2), F32, CPU, TOL32
+    ),
     "gemv_nvfp4_rowscale": lambda: check_w4(
         2, 40, 208, 16, True, (2, 32, 64, 2), F32, CPU, TOL32
     ),
@@ -260,6 +263,19 @@ INTERPRETER_CHECKS = {
 
 
 test_interpreter = interpreter_test(__file__, INTERPRETER_CHECKS)
+
+
+def test_one_row_plans() -> None:
+    """The measured choice (gemm_split.GEMV_MAX_ROWS): one FP8 row runs as a GEMV, W4A16 and
+    two or more rows on tensor-core tiles; the GEMV is checked above for 1-4 rows."""
+    from specserve.kernels.gemm_split import launch_plan
+
+    if os.environ.get("SPECSERVE_GEMV_MAX_ROWS"):
+        pytest.skip("the GEMV row limit is set by the environment")
+    cpu = torch.device("cpu")
+    assert launch_plan(1, 6144, 4096, cpu).block_m == 1
+    assert launch_plan(2, 6144, 4096, cpu).block_m == 16
+    assert launch_plan(1, 6144, 4096, cpu, gemv_rows=0).block_m == 16
 
 
 # -- CUDA: bf16 at Llama-3.1-8B shapes (hidden 4096, qkv 6144, gate_up 28672, inter 14336) --------

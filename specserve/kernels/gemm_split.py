@@ -20,8 +20,10 @@ from specserve.kernels.split_kv import split_counters
 
 PARTIALS_PER_SM = 2  # aim for this many programs per SM at decode sizes
 MAX_SPLITS = 16
-# up to this many rows a quantized GEMM's default plan is a GEMV (acc_add without tensor
-# cores); SPECSERVE_GEMV_MAX_ROWS=0 keeps every launch on tensor-core tiles (A/B runs)
+# up to this many rows an FP8 GEMM's default plan is a GEMV (acc_add without tensor cores):
+# on the H200 it halved the Llama-3.1-8B FP8 decode step at bs 1 (11.2 -> 5.6 ms); the W4A16
+# GEMV kernel did not beat the tensor-core tiles there (10.6 vs 10.0 ms), so W4A16 asks for
+# none. SPECSERVE_GEMV_MAX_ROWS=0 keeps every launch on tensor-core tiles (A/B runs).
 GEMV_MAX_ROWS = int(os.environ.get("SPECSERVE_GEMV_MAX_ROWS", "1"))
 
 
@@ -115,13 +117,15 @@ def as_plan(plan: GemmPlan | tuple | None) -> GemmPlan | None:
 
 
 def launch_plan(m: int, n: int, k: int, device: torch.device, max_block_k: int = 128,
-                a_bytes: float = 2, b_bytes: float = 1) -> GemmPlan:
+                a_bytes: float = 2, b_bytes: float = 1,
+                gemv_rows: int | None = None) -> GemmPlan:
     """The default plan for an [m, k] x [k, n] product whose A and B elements take a_bytes and
     b_bytes in shared memory, fitted to the device's shared memory. In exact mode one plan for
-    every m (64 x 64 tiles, no split-K): a row's K reduction is the same whatever the batch."""
+    every m (64 x 64 tiles, no split-K): a row's K reduction is the same whatever the batch.
+    gemv_rows: up to this many rows a GEMV plan (default GEMV_MAX_ROWS)."""
     if EXACT.on:
         return GemmPlan(64, 64, min(max_block_k, 64), 1, num_warps=4)
-    if 0 < m <= GEMV_MAX_ROWS:  # GEMV: the rows padded to a power of 2, 64 row-columns a step
+    if 0 < m <= (GEMV_MAX_ROWS if gemv_rows is None else gemv_rows):  # GEMV: the rows padded to a power of 2, 64 row-columns a step
         bm = triton.next_power_of_2(m)
         bn = max(16, 64 // bm)
     elif m <= 16:

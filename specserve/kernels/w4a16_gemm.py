@@ -265,8 +265,10 @@ def w4a16_mm(
     n = packed.shape[0]
     assert x.stride(1) == 1 and packed.stride(1) == 1 and scales.stride(1) == 1
     # prefill tiles decode 64 columns per step: the decoded tile stays in registers
+    # (the one-row GEMV kernel runs for a plan with block_m 1; not the default: see
+    # gemm_split.GEMV_MAX_ROWS)
     plan = as_plan(plan) or launch_plan(m, n, k, x.device, max_block_k=128 if m <= 64 else 64,
-                                        a_bytes=x.element_size(), b_bytes=0.5)
+                                        a_bytes=x.element_size(), b_bytes=0.5, gemv_rows=0)
     bm, bn, bk = plan.block_m, plan.block_n, plan.block_k
     assert bk % 8 == 0
     k_per_split, splits = plan.k_per_split(k)
