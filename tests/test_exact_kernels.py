@@ -95,14 +95,17 @@ def check_mla_decode_equals_extend_and_verify(fn, device: str, dtype: torch.dtyp
 
 def check_exact_gemm() -> None:
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(80, 150, generator=g)
-    b = torch.randn(80, generator=g)
-    x = torch.randn(70, 150, generator=g)
-    torch.testing.assert_close(
-        eg.exact_gemm(x, w, b), eg.exact_gemm_ref(x, w, b), atol=1e-4, rtol=1e-4
-    )
-    for m in (1, 5, 70):
-        _row_alone_vs_batched(lambda t: eg.exact_gemm(t, w, b), x[:m], m - 1)
+    # K 150: one chunk; K 1100: split into chunks (few column tiles), bias on the first
+    for k, splits in ((150, 1), (1100, 2)):
+        assert eg.exact_splits(80, k, torch.device("cpu")) == splits
+        w = torch.randn(80, k, generator=g)
+        b = torch.randn(80, generator=g)
+        x = torch.randn(70, k, generator=g)
+        torch.testing.assert_close(
+            eg.exact_gemm(x, w, b), eg.exact_gemm_ref(x, w, b), atol=1e-4, rtol=1e-4
+        )
+        for m in (1, 5, 70):
+            _row_alone_vs_batched(lambda t, w=w, b=b: eg.exact_gemm(t, w, b), x[:m], m - 1)
 
 
 def check_exact_attention(device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:

@@ -3,9 +3,13 @@
 cuBLAS (and torch's CPU matmul) pick their algorithm from the problem shape: a different tile,
 a split-K for few rows, a GEMV for one row, each rounding the K reduction differently, so a row
 computed with 1 other row and with 63 others can differ in its last bits. This kernel has one
-configuration for every M (EXACT_TILE: BLOCK_M x BLOCK_N x BLOCK_K, warps, stages) and no
-split-K: each output tile accumulates its K blocks in fp32 in ascending order, one program per
-tile, and a row's tile holds the same row of x against the same W columns whatever M is.
+configuration for every M (EXACT_TILE: BLOCK_M x BLOCK_N x BLOCK_K, warps, stages): each
+output tile accumulates its K blocks in fp32 in ascending order, and a row's tile holds the same
+row of x against the same W columns whatever M is. A 2-D product with few column tiles splits
+K into a number of chunks chosen from N, K and the GPU (exact_splits), never from M: each chunk
+accumulates in ascending order and the last program of a tile to finish sums the chunks in
+chunk order (gemm_split.store_tile), so a one-row GEMM still occupies the SMs and a row's
+reduction is still the same in any batch.
 
 On the CPU, `exact_linear` computes one row at a time (`F.linear` of a [1, K] input, the same
 call for every row whatever the batch): torch's CPU GEMM chooses its blocking and kernels from
@@ -18,21 +22,49 @@ import torch
 import torch.nn.functional as F
 
 from specserve.kernels.dispatch import jit, tl, triton, use_triton
+from specserve.kernels.gemm_split import (
+    MAX_SPLITS,
+    PARTIALS_PER_SM,
+    num_sms,
+    split_buffers,
+    store_tile,
+)
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the one launch of every exact GEMM
 EXACT_TILE = (64, 32, 64, 4, 4)  # narrow N tiles: a one-row GEMM still fills the SMs
+EXACT_MIN_K_BLOCKS = 8  # K blocks one split accumulates at least (its loads still pipeline)
+
+
+def exact_splits(n: int, k: int, device: torch.device) -> int:
+    """K chunks of a 2-D exact GEMM of N columns: enough programs for PARTIALS_PER_SM per SM
+    when the column tiles alone are fewer, each chunk at least EXACT_MIN_K_BLOCKS blocks; a
+    function of N, K and the device only (never M), so the reduction is batch-invariant."""
+    bn, bk = EXACT_TILE[1], EXACT_TILE[2]
+    tiles, target = triton.cdiv(n, bn), PARTIALS_PER_SM * num_sms(device)
+    if tiles >= target:
+        return 1
+    return max(1, min(triton.cdiv(target, tiles), triton.cdiv(k, bk) // EXACT_MIN_K_BLOCKS,
+                      MAX_SPLITS))
 
 
 @jit
 def _exact_gemm_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, M, N, K,
+    x_ptr, w_ptr, b_ptr, y_ptr, p_ptr, counter_ptr, M, N, K, k_per_split, splits,
     stride_xb, stride_xm, stride_wb, stride_wn, stride_wk, stride_yb, stride_ym,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
+    # program (m tile, n tile, batch index or, with SPLIT, K chunk of the one product)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    batch = tl.program_id(2).to(tl.int64)  # one product per batch index (exact_bmm)
+    if SPLIT:
+        batch = 0
+        k_start = tl.program_id(2) * k_per_split
+        k_end = tl.minimum(k_start + k_per_split, K)
+    else:
+        batch = tl.program_id(2).to(tl.int64)  # one product per batch index (exact_bmm)
+        k_start = 0
+        k_end = K
     x_ptr += batch * stride_xb
     w_ptr += batch * stride_wb
     y_ptr += batch * stride_yb
@@ -40,26 +72,24 @@ def _exact_gemm_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # ascending K blocks: the same order for every M
+    for k0 in range(k_start, k_end, BLOCK_K):  # ascending K blocks: the same for every M
         kk = k0 + rk
         x = tl.load(
             x_ptr + rm.to(tl.int64)[:, None] * stride_xm + kk[None, :],
-            mask=(rm < M)[:, None] & (kk < K)[None, :],
+            mask=(rm < M)[:, None] & (kk < k_end)[None, :],
             other=0.0,
         )  # [BLOCK_M, BLOCK_K]
         w = tl.load(
             w_ptr + rn.to(tl.int64)[None, :] * stride_wn + kk[:, None] * stride_wk,
-            mask=(rn < N)[None, :] & (kk < K)[:, None],
+            mask=(rn < N)[None, :] & (kk < k_end)[:, None],
             other=0.0,
         )  # [BLOCK_K, BLOCK_N]
         acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(
-        y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :],
-        acc.to(y_ptr.dtype.element_ty),
-        mask=(rm < M)[:, None] & (rn < N)[None, :],
-    )
+        if k_start == 0:  # with SPLIT: the first chunk's partial, summed first
+            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    # stores acc, or (SPLIT) the chunk's partial and, last to arrive, the chunks' ordered sum
+    store_tile(acc, y_ptr, p_ptr, counter_ptr, rm, rn, M, N, stride_ym, splits, SPLIT)
 
 
 def exact_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -84,11 +114,16 @@ def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     strides), y [B, M, N] (unit N stride): the EXACT_TILE launch, one grid layer per b."""
     (nb, m, k), n = x.shape, w.shape[1]
     bm, bn, bk, warps, stages = EXACT_TILE
-    _exact_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), nb)](
-        x, w, bias if bias is not None else w, y, m, n, k,
+    splits = exact_splits(n, k, x.device) if nb == 1 else 1
+    per = triton.cdiv(triton.cdiv(k, splits), bk) * bk
+    splits = triton.cdiv(k, per)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), nb if splits == 1 else splits)
+    partials, counters = split_buffers(m, n, grid[0] * grid[1], splits, x.device)
+    _exact_gemm_kernel[grid](
+        x, w, bias if bias is not None else w, y, partials, counters, m, n, k, per, splits,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), y.stride(0),
         y.stride(1),
-        HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        HAS_BIAS=bias is not None, SPLIT=splits > 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip

@@ -214,7 +214,7 @@ def store_tile(acc, c_ptr, p_ptr, counter_ptr, rm, rn, M, N, stride_cm, splits,
     mask = (rm < M)[:, None] & (rn < N)[None, :]
     if SPLIT:
         tile = rm.to(tl.int64)[:, None] * N + rn[None, :]
-        mn = M * N  # split launches are decode-sized: S * M * N stays far below 2^31
+        mn = tl.full((), M, tl.int64) * N  # 64-bit: exact mode also splits prefill sizes
         tl.store(p_ptr + tl.program_id(2) * mn + tile, acc, mask=mask)
         # the barrier orders the CTA's stores before the one thread's release of the counter
         tl.debug_barrier()
