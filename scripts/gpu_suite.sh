@@ -269,6 +269,11 @@ if has glm; then
       --json-out "$out/$preset.json" > "$out/$preset.log" 2>&1
     echo "$preset rc=$?"; tail -12 "$out/$preset.log"
   done
+  # where GLM-5's bs-1 step goes (2026-12-05: 1.91 ms at 1k and 8k context alike, 1.60 ms with
+  # dense MLA at 8k: the indexer and selection cost ~0.1 ms a layer whatever the context)
+  timeout 150 python scripts/profile_decode.py --model glm-5-3l --batch-sizes 1 \
+    --out "$out/profile-glm5" > "$out/profile-glm5.log" 2>&1
+  echo "profile glm-5-3l rc=$?"; grep -v "^ *$" "$out/profile-glm5.log" | tail -20
   # GLM-5 at 8k context: sparse attention (each query reads its top 2048 tokens, after the
   # indexer scored all of them) vs dense MLA over every token (index_topk past the context)
   for preset in glm-5-3l glm-5-3l-dense; do

@@ -94,6 +94,15 @@ def test_bench_latency_cli_log_json_png(tmp_path, capsys):
         assert roof["ms"] == max(roof["memory_ms"], roof["compute_ms"])
         assert p["roofline_ratio"] == pytest.approx(roof["ms"] / base["ms_per_step"]["mean"])
     assert report["copy"]["bandwidth_gbs"] > 0
+    # the verify pass's floor: every node of every request as a row; a dense model streams
+    # the decode step's weights (a MoE one the experts the nodes touch: test_deepseek_engine)
+    vf, nodes = report["verify_floor"], report["config"]["spec"]["num_steps"] + 1
+    assert vf["nodes"] == nodes
+    for p, f in zip(report["points"], vf["points"]):
+        decode = next(d for d in report["floor"]["points"] if d["batch_size"] == p["batch_size"])
+        assert (f["batch_size"], f["rows"]) == (p["batch_size"], p["batch_size"] * nodes)
+        assert f["weight_bytes"] == decode["weight_bytes"] and p["verify_floor_ms"] == f["ms"]
+        assert f"verify floor bs {p['batch_size']} ({nodes} nodes a request" in table
     hf = report["hf"]
     _check_summary(hf["tok_s"], 2)
     assert report["points"][0]["hf_speedup"]["baseline"] == pytest.approx(

@@ -143,6 +143,18 @@ def test_oracle_tree_compacts_latent_kv(targets, head, single, name: str) -> Non
     check_oracle_tree(targets[name], head, single[name])
 
 
+def _routed(blocks, probe) -> tuple[list[int], list[torch.Tensor]]:
+    """probe()'s result and the expert ids each MoE block's router chose while it ran."""
+    ids: list[torch.Tensor] = []
+    hooks = [b.gate.register_forward_hook(lambda _m, _in, out: ids.append(out[1].clone()))
+             for b in blocks]
+    try:
+        return probe(), ids
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 def test_floor_counts_the_experts_a_step_reads(targets, single) -> None:
     """The MoE floor: router + shared experts + the routed experts read; the probe that counts
     them on live requests leaves their outputs unchanged."""
@@ -167,10 +179,17 @@ def test_floor_counts_the_experts_a_step_reads(targets, single) -> None:
         for out in engine.step():
             outs[out.request_id] += out.new_token_ids
         if step == 6:
-            one = touched_experts(engine, ids[:1])
+            one, routed = _routed(blocks, lambda: touched_experts(engine, ids[:1]))
             four = touched_experts(engine, ids)
             assert one == [2, 2]  # top_k distinct experts per token
             assert all(2 <= n <= 8 for n in four) and four != one
+            # a verify-shaped pass: the request's newest 4 tokens, its newest one routed as
+            # in the one-token probe
+            nodes, routed4 = _routed(blocks, lambda: touched_experts(engine, ids[:1], 4))
+            assert [r.shape[0] for r in routed4] == [4, 4]
+            assert nodes == [int(r.unique().numel()) for r in routed4] and nodes != one
+            assert all(torch.equal(a[-1].sort().values, b[0].sort().values)
+                       for a, b in zip(routed4, routed))
     while engine.has_unfinished():
         for out in engine.step():
             outs[out.request_id] += out.new_token_ids

@@ -149,11 +149,12 @@ def moe_blocks(model: nn.Module) -> list[DeepseekMoE]:
 
 
 @torch.inference_mode()
-def touched_experts(engine: Any, request_ids: Sequence[str]) -> list[int]:
+def touched_experts(engine: Any, request_ids: Sequence[str], tokens: int = 1) -> list[int]:
     """Distinct routed experts each MoE block reads in one decode step of these running
     requests (one entry per block; [] for a dense model): each request's newest computed token
     is run again at its position, eagerly, with the routers observed. The KV it rewrites is
-    its own slot, with the value it already holds."""
+    its own slot, with the value it already holds. tokens > 1: each request's newest `tokens`
+    computed tokens in one pass, the shape of a speculative verify pass of that many nodes."""
     from specserve.worker.forward_batch import build_attention_metadata
 
     blocks = moe_blocks(engine.runner.model)
@@ -161,16 +162,18 @@ def touched_experts(engine: Any, request_ids: Sequence[str]) -> list[int]:
         return []
     runner = engine.runner
     reqs = [engine.get_request(rid) for rid in request_ids]
-    positions = [r.num_computed_tokens - 1 for r in reqs]
-    tokens = [r.all_token_ids[p] for r, p in zip(reqs, positions)]
-    md = build_attention_metadata([1] * len(reqs), [p + 1 for p in positions],
+    lasts = [r.num_computed_tokens - 1 for r in reqs]
+    positions = [p for last in lasts for p in range(last - tokens + 1, last + 1)]
+    ids = [r.all_token_ids[p] for r, last in zip(reqs, lasts)
+           for p in range(last - tokens + 1, last + 1)]
+    md = build_attention_metadata([tokens] * len(reqs), [p + 1 for p in lasts],
                                   [list(r.page_ids) for r in reqs], runner.page_size,
                                   runner.device)  # fmt: skip
     counts: list[int] = []
     hooks = [b.gate.register_forward_hook(
         lambda _m, _in, out: counts.append(int(out[1].unique().numel()))) for b in blocks]
     try:
-        runner.forward(runner.tensor(tokens), runner.tensor(positions), md)
+        runner.forward(runner.tensor(ids), runner.tensor(positions), md)
     finally:
         for h in hooks:
             h.remove()

@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from specserve.bench.exact_cost import cost_rows, format_cost, measure_default
 from specserve.bench.floor import sync, touched_experts
+from specserve.bench.verify_floor import verify_floor_ms
 from specserve.bench.latency_report import BASELINE, SYNTHETIC, format_report, write_log
 from specserve.bench.log import environment_info
 from specserve.bench.stats import (
@@ -238,17 +239,21 @@ def planned_capacity(config: EngineConfig) -> tuple[int, int | None]:
 
 
 def bench_point(engine: Any, prompts: list[list[int]], modes: list[str], output_len: int,
-                runs: int, warmup: int, experts: dict[int, list[int]] | None = None,
+                runs: int, warmup: int, experts: dict[Any, list[int]] | None = None,
                 bar: Any = None) -> dict[str, ModeResult]:
     """Warm-up, then `runs` timed runs per mode, interleaved A B A B; `bar` (a tqdm) advances
     per run. With `experts` (a MoE model), the routed experts the batch touches in a decode
-    step after the last run are recorded as experts[bs] (for the floor)."""
+    step after the last run are recorded as experts[bs] (for the floor), and with a speculative
+    mode those of a verify pass as experts["verify", bs] (bench/verify_floor.py)."""
     bs, ctx = len(prompts), len(prompts[0])
     results = {m: ModeResult(m, bs, ctx, []) for m in modes}
 
     def probe(ids: list[str]) -> None:
         assert experts is not None
         experts.setdefault(bs, touched_experts(engine, ids))
+        if modes != [BASELINE]:
+            nodes = engine.config.spec.verify_tokens
+            experts.setdefault(("verify", bs), touched_experts(engine, ids, nodes))
 
     for i in range(warmup + runs):
         for mode in modes:
@@ -272,6 +277,7 @@ def bench_point(engine: Any, prompts: list[list[int]], modes: list[str], output_
 def run(args: argparse.Namespace, config: EngineConfig) -> int:
     """`specserve bench latency` with its flags already checked (specserve/cli/bench.py)."""
     from specserve.bench.floor import measure_copy_bandwidth, measure_references
+    from specserve.bench.verify_floor import measure_verify_floor
     from specserve.distributed import comm
     from specserve.distributed.comm import emulated_tables
     from specserve.llm import LLM
@@ -303,7 +309,7 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
                desc="bench latency",
                unit="run", disable=not args.progress)
     points = []
-    experts: dict[int, list[int]] = {}  # MoE: routed experts a decode step reads, per batch
+    experts: dict[Any, list[int]] = {}  # MoE: routed experts a decode step reads, per batch
     # the probe is one eager forward on this process: with TP ranks elsewhere the floor
     # counts top_k experts per token instead
     probe_experts = floor and config.parallel.tp_size == 1
@@ -324,6 +330,10 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
     first = make_prompts(engine, args.prompts, 1, contexts[0], config.seed)[0]
     refs = measure_references(engine, batch_sizes, floor, args.compare_hf, first,
                               args.output_len, args.runs, args.warmup, experts or None)
+    verify = {k[1]: v for k, v in experts.items() if isinstance(k, tuple)}
+    if verify:
+        refs["verify_floor"] = measure_verify_floor(engine.runner.model, verify,
+                                                    config.spec.verify_tokens)
     spec = config.spec
     report = {
         "benchmark": "latency", "label": args.label, "model": config.model,
@@ -391,6 +401,7 @@ def _point_dict(modes: dict[str, ModeResult], refs: dict[str, Any],
         "modes": {m: r.to_dict() for m, r in modes.items()},
         "efficiency": efficiency(spec, plain) if spec and plain else None,
         "floor_ms": floor_ms,
+        "verify_floor_ms": verify_floor_ms(refs, bs) if spec else None,
         "floor_ratio": floor_ms / plain.ms_per_step.mean if floor_ms and plain else None,
         "roofline": roofline,
         "roofline_ratio": roofline["ms"] / plain.ms_per_step.mean if roofline and plain

@@ -10,6 +10,7 @@ from typing import Any
 from specserve.bench.floor import describe_references
 from specserve.bench.log import append_result
 from specserve.bench.stats import format_range, relative_change
+from specserve.bench.verify_floor import describe_verify_floor
 
 BASELINE = "baseline"
 SYNTHETIC = "synthetic acceptance (cost-only)"
@@ -51,6 +52,7 @@ def format_report(report: dict[str, Any]) -> str:
     lines.extend(_describe_roofline(p) for p in report["points"] if p["roofline"])
     speedup = next((p["hf_speedup"] for p in report["points"] if p["hf_speedup"]), None)
     lines.extend(describe_references(report, speedup))
+    lines.extend(describe_verify_floor(report))
     return "\n".join(lines)
 
 
