@@ -34,13 +34,13 @@ from tqdm import tqdm
 
 from specserve.bench.exact_cost import cost_rows, format_cost, measure_default
 from specserve.bench.floor import sync, touched_experts
-from specserve.bench.verify_floor import verify_floor_ms
 from specserve.bench.latency_report import BASELINE, SYNTHETIC, format_report, write_log
 from specserve.bench.log import environment_info
 from specserve.bench.stats import (
     Summary,
     summarize,
 )
+from specserve.bench.verify_floor import verify_floor_ms
 from specserve.config import EngineConfig
 from specserve.sampling_params import SamplingParams
 
