@@ -25,6 +25,7 @@ from specserve.kernels.exact_gemm import rowwise_linear
 from specserve.kernels.gemm_split import (
     GemmPlan,
     acc_add,
+    acc_add_scaled,
     acc_init,
     acc_result,
     as_plan,
@@ -132,11 +133,13 @@ def scale_mode(group: int, block_k: int) -> int:
 def w4_tile(
     w_rows, s_rows, n_ok, k0, K, GROUP: tl.constexpr, SCALES: tl.constexpr, FP4: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_E4M3: tl.constexpr = False,
+    APPLY_SCALE: tl.constexpr = True,
 ):  # fmt: skip
     """The fp32 weight tile [BLOCK_N, BLOCK_K] of columns k0 .. k0 + BLOCK_K - 1 (k0 a multiple
     of 8): w_rows / s_rows [BLOCK_N, 1] point at each row's packed words and scales; rows past
     n_ok and columns past K decode as zero codes (their scales are not read). SOFT_E4M3: the
-    scales are e4m3 bytes decoded here (NVFP4 on GPUs without the e4m3 type)."""
+    scales are e4m3 bytes decoded here (NVFP4 on GPUs without the e4m3 type). Without
+    APPLY_SCALE the codes' values alone (the caller scales a PER_STEP tile's product)."""
     words = tl.arange(0, BLOCK_K // 8)
     shifts = tl.arange(0, 8) * 4
     k = k0 + tl.arange(0, BLOCK_K)
@@ -150,7 +153,9 @@ def w4_tile(
         val = _decode_e2m1(nib)
     else:
         val = (nib - 8).to(tl.float32)
-    if SCALES == PER_STEP_C:  # the step lies in one group: one scale per row
+    if not APPLY_SCALE:
+        w = val
+    elif SCALES == PER_STEP_C:  # the step lies in one group: one scale per row
         sc = _scales(s_rows + k0 // GROUP, n_ok[:, None], SOFT_E4M3)
         w = val * sc
     elif SCALES == PER_GROUP_C:  # BLOCK_K // GROUP whole groups: scale each group's slice
@@ -191,9 +196,18 @@ def _w4a16_kernel(
         k_ok = k < k_end
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         # columns past k_end (the next split's) meet zero activations
-        w = w4_tile(w_rows, s_rows, n_ok, k0, K, GROUP, SCALES, FP4, BLOCK_N, BLOCK_K,
-                    SOFT_E4M3)
-        acc = acc_add(acc, x, w.to(x.dtype), BLOCK_M)
+        if SCALES == PER_STEP_C:  # one scale per row: applied to the step's product
+            # ([BN] scales in the accumulator's layout, not broadcast over the decoded tile; the
+            # codes' values are exact in the activation dtype)
+            codes = w4_tile(w_rows, s_rows, n_ok, k0, K, GROUP, SCALES, FP4, BLOCK_N, BLOCK_K,
+                            SOFT_E4M3, APPLY_SCALE=False)
+            sc = _scales(s_ptr + rn.to(tl.int64) * stride_sn + k0 // GROUP, n_ok, SOFT_E4M3)
+            acc = acc_add_scaled(acc, x, codes.to(x.dtype), tl.full((BLOCK_M,), 1.0, tl.float32),
+                                 sc, BLOCK_M)
+        else:
+            w = w4_tile(w_rows, s_rows, n_ok, k0, K, GROUP, SCALES, FP4, BLOCK_N, BLOCK_K,
+                        SOFT_E4M3)
+            acc = acc_add(acc, x, w.to(x.dtype), BLOCK_M)
     acc = acc_result(acc, BLOCK_M)
     if HAS_ROW_SCALE:
         acc = acc * tl.load(rs_ptr + rn, mask=n_ok, other=0.0)[None, :]
