@@ -106,7 +106,11 @@ def test_tp_rank_loads_its_intermediate_slice(case: str, rank: int, monkeypatch)
     fmt, raw = CONFIGS[case]
     _tp(monkeypatch, 2, rank)
     e, h, i = 3, 64, 64
-    layer = FusedMoE(e, h, i, get_quant_config(raw), "m.experts")
+    torch.set_default_dtype(torch.bfloat16)  # a bf16 model: the global scales stay fp32
+    try:
+        layer = FusedMoE(e, h, i, get_quant_config(raw), "m.experts")
+    finally:
+        torch.set_default_dtype(torch.float32)
     gen = torch.Generator().manual_seed(rank)
     full = {}  # (expert, kind) -> dequantized [out, in]
     for expert in range(e):
@@ -131,6 +135,7 @@ def test_tp_rank_loads_its_intermediate_slice(case: str, rank: int, monkeypatch)
         torch.testing.assert_close(w2.dequantize(expert), full[expert, "down"][:, cut],
                                    rtol=1e-6, atol=0)  # fmt: skip
     assert (w13.global_scale[:, 1] > w13.global_scale[:, 0]).all()
+    assert w13.global_scale.dtype == w2.global_scale.dtype == torch.float32
 
 
 def test_group_splits_and_sizes_are_refused(monkeypatch) -> None:

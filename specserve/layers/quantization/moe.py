@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from specserve.layers.moe import FusedMoE
 
 PART = {"gate": 0, "up": 1, "down": 0}  # row part of w13 (gate | up) or w2
+FP4_SCALE = torch.float8_e4m3fn  # NVFP4's group scales
 
 
 def add_expert_param(
@@ -308,24 +309,23 @@ class Nvfp4MoEMethod(MoEMethod):
 
     def create_weights(self, layer: FusedMoE, dtype: torch.dtype) -> None:
         e, h, i, g = layer.num_experts, layer.hidden_size, layer.inter, NVFP4_GROUP
+        f32 = torch.float32  # global scales stay fp32 whatever the activation dtype
         for what, size in (("hidden_size", h), ("moe_intermediate_size", layer.full_inter)):
             if size % g:
                 raise ValueError(f"{layer.prefix}: NVFP4 experts need {what} in multiples of "
                                  f"{g} (their scale groups), got {size}")  # fmt: skip
         codes = ParamSpec(in_block=2, dtypes=(torch.uint8,))
         # a TP slice of I that cuts a group fails here, naming down_proj's weight_scale
-        scale = ParamSpec(in_block=g, dtypes=(torch.float8_e4m3fn,))
+        scale = ParamSpec(in_block=g, dtypes=(FP4_SCALE,))
         per_part = ParamSpec(out_dim=None, in_dim=None, per_shard=True, dtypes=FLOATS)
         for which, (n, k), parts in (("w13", (2 * i, h), 2), ("w2", (h, i), 1)):
-            add_expert_param(layer, which, self.codes,
-                             torch.empty(e, n, k // 2, dtype=torch.uint8), codes)  # fmt: skip
-            add_expert_param(layer, which, "weight_scale",
-                             torch.empty(e, n, k // g, dtype=torch.float8_e4m3fn), scale)  # fmt: skip
-            add_expert_param(layer, which, self.global_name,
-                             torch.empty(e, parts, dtype=torch.float32), per_part)  # fmt: skip
+            tensors = {self.codes: (torch.empty(e, n, k // 2, dtype=torch.uint8), codes),
+                       "weight_scale": (torch.empty(e, n, k // g, dtype=FP4_SCALE), scale),
+                       self.global_name: (torch.empty(e, parts, dtype=f32), per_part)}  # fmt: skip
             if self.has_input_scale:
-                add_expert_param(layer, which, self.input_name,
-                                 torch.empty(e, parts, dtype=torch.float32), per_part)  # fmt: skip
+                tensors[self.input_name] = (torch.empty(e, parts, dtype=f32), per_part)
+            for suffix, (tensor, spec) in tensors.items():
+                add_expert_param(layer, which, suffix, tensor, spec)
 
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
         for which in ("w13", "w2"):
