@@ -38,7 +38,7 @@ if has tests; then
     --ignore-glob="tests/test_server*" --ignore=tests/test_bench_serving.py \
     --ignore=tests/test_mla.py --ignore=tests/test_mla_kernels.py --ignore=tests/test_dsa.py \
     --ignore=tests/test_glm_engine.py --ignore=tests/test_quant_kernels.py \
-    -k "not quant_fused_moe" > "$out/gpu_tests.log" 2>&1
+    --ignore=tests/test_fused_moe_nvfp4.py -k "not quant_fused_moe" > "$out/gpu_tests.log" 2>&1
   echo "gpu tests rc=$?"; tail -4 "$out/gpu_tests.log"
 fi
 common=(--model llama-3.1-8b --load-format dummy --context-len 1024 --output-len 64 --runs 3
@@ -103,13 +103,17 @@ if has quant; then
     timeout 300 python -m pytest -q -m gpu -n 4 -rfE --tb=short -p no:cacheprovider \
       tests/test_fused_moe.py -k quant_fused_moe > "$out/quant_moe_tests.log" 2>&1
     echo "quant moe gpu tests rc=$?"; tail -4 "$out/quant_moe_tests.log"
+    timeout 300 python -m pytest -q -m gpu -n 4 -rfE --tb=short -p no:cacheprovider \
+      tests/test_fused_moe_nvfp4.py > "$out/nvfp4_moe_tests.log" 2>&1
+    echo "nvfp4 moe gpu tests rc=$?"; tail -4 "$out/nvfp4_moe_tests.log"
   fi
   # quantized experts at Kimi K2 dims (kimi-k2-3l): w4a16 = Kimi K2.5's release format (INT4
   # g32 routed experts, the rest bf16), fp8 = DeepSeek-V3 / Kimi K2's (128x128 blocks, W8A8
-  # everywhere); bs 1 / 64 decode vs each format's floor, and vs bf16 (the moe step's run)
+  # everywhere), nvfp4 = Kimi K2.5 NVFP4's (NVFP4 routed experts run W4A16, the rest bf16);
+  # bs 1 / 64 decode vs each format's floor, and vs bf16 (the moe step's run)
   kimi=(--model kimi-k2-3l --load-format dummy --context-len 1024 --output-len 64 --runs 3
         --warmup 1 --log --exp-dir experiments --batch-sizes 1,64 --max-num-seqs 64 --floor)
-  for q in w4a16 fp8; do
+  for q in w4a16 fp8 nvfp4; do
     timeout 300 "${ss[@]}" bench latency "${kimi[@]}" --quantization "$q" \
       --label "kimi-k2-3l $q" --json-out "$out/kimi-$q.json" > "$out/kimi-$q.log" 2>&1
     echo "kimi-k2-3l $q rc=$?"; tail -8 "$out/kimi-$q.log"
@@ -121,7 +125,7 @@ def points(name):
     f = out / f"kimi-{name}.json"
     return {p["batch_size"]: p for p in json.loads(f.read_text())["points"]} if f.exists() else {}
 base = points("plain")
-for q in ("w4a16", "fp8"):
+for q in ("w4a16", "fp8", "nvfp4"):
     for bs, p in sorted(points(q).items()):
         tok = p["modes"]["baseline"]["tok_s"]["mean"]
         ref = base.get(bs)

@@ -2,8 +2,10 @@
 the same weights dequantized in fp32 (tiny_quant.py): the MLA projections, dense MLP and
 shared experts take the format, MLA's kv_b_proj is dequantized at load (read as W_UK / W_UV);
 routed experts dense, FP8 block (DeepSeek-V3's format: W8A8, the reference's expert loop
-fake-quantizes both GEMMs' inputs) or INT4 g32 (Kimi K2.5's: experts only), also under the
-K2.5 wrapper; loading errors, TP=2 over gloo, random weights in a format and their floor.
+fake-quantizes both GEMMs' inputs), INT4 g32 (Kimi K2.5's: experts only; also under the K2.5
+wrapper) or NVFP4 (run W4A16: Kimi K2.5 NVFP4's split in ModelOpt's layout, and every
+projection in compressed-tensors'; more in test_quant_moe_nvfp4.py); loading errors, TP=2 over
+gloo, random weights in a format and their floor.
 
 Tolerances on |logit difference| per token row, as in test_quantization.py: weight-only
 formats 1e-4 for every row; W8A8 median row 1e-4, worst row 0.15 (an fp32-rounding difference
@@ -91,6 +93,11 @@ EXPERT_CASES = {  # case -> (format, experts split, overrides, tolerances, exper
     # Kimi K2.5's: only the routed experts, INT4 groups of 32
     "kimi-int4": ("ct-int4-g32", "only", {"n_group": 1, "topk_group": 1}, WEIGHT_ONLY,
                   "int4-w4a16-g32-moe"),
+    # Kimi K2.5 NVFP4's (ModelOpt): only the routed experts
+    "kimi-nvfp4": ("modelopt-nvfp4", "only", {"n_group": 1, "topk_group": 1}, WEIGHT_ONLY,
+                   "nvfp4-w4a16-moe (modelopt)"),
+    # compressed-tensors NVFP4 (reciprocal global scales) on every projection and expert
+    "ct-nvfp4": ("ct-nvfp4", "quantized", {}, WEIGHT_ONLY, "nvfp4-w4a16-moe (compressed-tensors)"),
 }  # fmt: skip
 
 
@@ -234,13 +241,14 @@ def test_expert_weight_shape_and_dtype_are_checked(expert_ckpts: dict, tmp_path)
 
 
 def test_unsupported_expert_format_is_refused(expert_ckpts: dict, tmp_path) -> None:
-    def nvfp4_experts(config: dict) -> None:  # NVFP4 everywhere but the ignore list
-        config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4",
+    def fp8_tensor_experts(config: dict) -> None:  # per-tensor FP8 but the ignore list
+        config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "FP8",
                                          "ignore": ["lm_head"]}  # fmt: skip
 
-    path = _edited(expert_ckpts["kimi-int4"]["path"], tmp_path / "m", edit_config=nvfp4_experts)
-    with pytest.raises(ValueError, match=r"experts\.0\.gate_proj: routed experts in nvfp4.*"
-                                         r"supported expert formats"):  # fmt: skip
+    path = _edited(expert_ckpts["kimi-int4"]["path"], tmp_path / "m",
+                   edit_config=fp8_tensor_experts)  # fmt: skip
+    with pytest.raises(ValueError, match=r"experts\.0\.gate_proj: routed experts in fp8-tensor"
+                                         r".*supported expert formats.*nvfp4"):  # fmt: skip
         _load(path)
 
 
@@ -271,6 +279,7 @@ def test_tp_split_inside_an_expert_block_names_the_tensor(monkeypatch) -> None:
 TP_CASES = {  # case -> (format, split, overrides giving each rank whole blocks / groups, tol)
     "fp8-block": ("fp8-block", "only", {"moe_intermediate_size": 256}, W8A8[1]),
     "int4-g32": ("ct-int4-g32", "only", {"moe_intermediate_size": 64}, WEIGHT_ONLY[1]),
+    "nvfp4": ("modelopt-nvfp4", "only", {"moe_intermediate_size": 64}, WEIGHT_ONLY[1]),
 }
 
 
@@ -320,7 +329,8 @@ def test_kimi_preset_w4a16_is_kimi_k25s_format() -> None:
 
 
 @pytest.mark.parametrize("flag, method", [("w4a16", "int4-w4a16-g128-moe"),
-                                          ("fp8", "fp8-block128x128-moe")])  # fmt: skip
+                                          ("fp8", "fp8-block128x128-moe"),
+                                          ("nvfp4", "nvfp4-w4a16-moe (modelopt)")])  # fmt: skip
 def test_dummy_quantized_experts_and_their_floor(flag: str, method: str, tmp_path) -> None:
     """Random codes in the format whose values are ~N(0, 0.02); decode runs; the floor streams
     each read expert's codes and scales (top_k per MoE layer at bs 1)."""
@@ -351,9 +361,10 @@ def test_dummy_quantized_experts_and_their_floor(flag: str, method: str, tmp_pat
     linears = [
         m for m in model.modules() if hasattr(m, "quant_method") and hasattr(m, "out_shards")
     ]
-    per_expert = sum(
-        t.numel() * t.element_size() for w in (w13, w2) for t in (w.weight[0], w.scale[0])
-    )
+    per_expert = sum(  # codes, scales (and NVFP4's two or one global scales)
+        t.numel() * t.element_size() for w in (w13, w2)
+        for t in (w.weight[0], w.scale[0], *([] if w.global_scale is None else [w.global_scale[0]]))
+    )  # fmt: skip
     router = sum(b.gate.weight.numel() * 4 for b in blocks)
     head = model.lm_head.weight.numel() * 4
     streamed = (sum(m.quant_method.stream_bytes(m) for m in linears) + router + head

@@ -29,8 +29,8 @@ from triton_compile import run_compiled  # noqa: E402
 from specserve.kernels import allreduce, busy_wait, fused_ops, kv_compact, rotary, topk  # noqa: E402
 
 KERNEL_FILES = ["test_kernels.py", "test_mla_kernels.py", "test_dsa.py", "test_fused_moe.py",
-                "test_quant_kernels.py", "test_exact_kernels.py", "test_ngram_kernel.py",
-                "test_triton_compile.py"]
+                "test_fused_moe_nvfp4.py", "test_quant_kernels.py", "test_exact_kernels.py",
+                "test_ngram_kernel.py", "test_triton_compile.py"]
 NO_LAUNCH = {"moe_no_tokens"}  # checks that rightly launch nothing (zero tokens)
 BF16 = torch.bfloat16
 
@@ -38,7 +38,8 @@ BF16 = torch.bfloat16
 # sm_120 (99 KB of shared memory a block) for the kernels with the largest tiles: the GEMMs,
 # the MoE and the MLA kernels (scripts/compile_targets.py runs the whole matrix)
 CASES = [(name, "90") for name in KERNEL_FILES] + [
-    (name, "120") for name in ("test_fused_moe.py", "test_quant_kernels.py", "test_mla_kernels.py")
+    (name, "120") for name in ("test_fused_moe.py", "test_fused_moe_nvfp4.py",
+                               "test_quant_kernels.py", "test_mla_kernels.py")
 ]
 
 

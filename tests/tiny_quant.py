@@ -308,10 +308,14 @@ def _w8a8_experts_forward(self, hidden_states, top_k_index, top_k_weights):  # n
 
 
 # which linears a DeepSeek-V3 checkpoint quantizes (`experts=`): all but the routed experts,
-# all of them, or only the routed experts (Kimi K2.5's INT4 split)
+# all of them, or only the routed experts (Kimi K2.5's INT4 split, and its NVFP4 releases')
 EXPERT_SPLITS = ("dense", "quantized", "only")
+ONLY_FORMATS = ("fp8-block", "ct-int4-g32", "modelopt-nvfp4", "ct-nvfp4")
 KIMI_IGNORE = ["lm_head", r"re:.*self_attn.*", r"re:.*shared_experts.*",
                r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"]  # fmt: skip
+# the same modules as ModelOpt wildcards (the dense MLP of layer 0 by its projections' names)
+KIMI_EXCLUDE = ["lm_head", "*self_attn*", "*shared_experts*", "*mlp.gate_proj",
+                "*mlp.up_proj", "*mlp.down_proj"]  # fmt: skip
 
 
 def make_quantized_checkpoint(
@@ -320,7 +324,7 @@ def make_quantized_checkpoint(
 ) -> torch.nn.Module:  # fmt: skip
     """Write a tiny `family` model (llama | deepseek_v3) in `fmt` at `path`; return the fp32
     reference transformers model. `experts`: see EXPERT_SPLITS (DeepSeek-V3)."""
-    assert experts in EXPERT_SPLITS and (experts != "only" or fmt in ("fp8-block", "ct-int4-g32"))
+    assert experts in EXPERT_SPLITS and (experts != "only" or fmt in ONLY_FORMATS)
     path = os.fspath(path)
     shape = SHAPE if family == "llama" else DEEPSEEK_TINY
     model = make_hf_model(family, seed, **{**shape, **overrides})
@@ -374,7 +378,9 @@ def make_quantized_checkpoint(
                         "quant_algo": "NVFP4",
                         "kv_cache_quant_algo": None,
                         "group_size": 16,
-                        "exclude_modules": ["lm_head"] + (["*.experts.*"] if dense_experts else []),
+                        "exclude_modules": (
+                            KIMI_EXCLUDE if experts == "only"
+                            else ["lm_head"] + (["*.experts.*"] if dense_experts else [])),
                     },
                 },
                 fh,

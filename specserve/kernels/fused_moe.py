@@ -30,6 +30,10 @@ Quantized experts (`ExpertWeights`) are dequantized inside the K loop of both GE
     INT4       W4A16: int4 nibbles packed 8 per int32 along K with group scales (compressed-
                tensors pack-quantized), decoded and scaled in registers, tl.dot in the
                activation dtype
+    NVFP4      W4A16: e2m1 nibbles in the same packed layout, e4m3 scales per 16 along K
+               (decoded from their bits where the GPU has no e4m3 type), decoded like INT4;
+               each (expert, part) has a global scale, applied to the accumulator after the
+               K loop (gate and up apart), as the dense NVFP4 GEMM applies its row scale
 A gate_up weight holds its two parts' scales apart: the up part's scale rows start at
 `rows_per_part` (a ragged last block of the gate part never covers up rows).
 """
@@ -41,6 +45,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specserve.kernels import gemm_split
 from specserve.kernels.dispatch import EXACT, jit, next_power_of_2, tl, triton
 from specserve.kernels.exact_gemm import rowwise_linear
 from specserve.kernels.fp8_gemm import (
@@ -54,10 +59,10 @@ from specserve.kernels.gemm_split import fit_shared
 from specserve.kernels.w4a16_gemm import dequantize_w4, scale_mode, w4_tile
 
 # weight formats of the grouped GEMMs
-DENSE, FP8_BLOCK, INT4 = 0, 1, 2
+DENSE, FP8_BLOCK, INT4, NVFP4 = 0, 1, 2, 3
 # the same values as constexpr globals: @jit code may read only constexpr module globals
-DENSE_C, FP8_BLOCK_C, INT4_C = (
-    (tl.constexpr(v) if tl is not None else v) for v in (DENSE, FP8_BLOCK, INT4))
+DENSE_C, FP8_BLOCK_C, INT4_C, NVFP4_C = (
+    (tl.constexpr(v) if tl is not None else v) for v in (DENSE, FP8_BLOCK, INT4, NVFP4))
 
 
 @dataclass(frozen=True)
@@ -65,10 +70,13 @@ class ExpertWeights:
     """One grouped GEMM's stacked expert matrices [E, N, K] in their stored format.
 
     weight  DENSE [E, N, K] (activation dtype); FP8_BLOCK [E, N, K] float8_e4m3fn; INT4
-            [E, N, ceil(K/8)] int32 (element 8c + i in bits 4i of word c, nibble = q + 8)
+            [E, N, ceil(K/8)] int32 (element 8c + i in bits 4i of word c, nibble = q + 8);
+            NVFP4 [E, N, K/8] int32, the same layout holding e2m1 codes (sign bit 3), i.e.
+            ModelOpt's uint8 [E, N, K/2] (low nibble first) viewed as int32
     scale   FP8_BLOCK [E, parts * ceil(N/parts/group_n), ceil(K/group_k)] fp32; INT4
-            [E, N, ceil(K/group_k)]; DENSE None
+            [E, N, ceil(K/group_k)]; NVFP4 [E, N, K/16] float8_e4m3fn; DENSE None
     parts   row parts with scales of their own (gate_up: 2, down: 1)
+    global_scale  NVFP4 only: [E, parts] fp32, w = e2m1 * scale * global_scale[e, part]
     """
 
     format: int
@@ -78,6 +86,14 @@ class ExpertWeights:
     group_n: int = 1
     group_k: int = 1
     parts: int = 1
+    global_scale: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.format == NVFP4:
+            e, n = self.weight.shape[:2]
+            assert self.group_k == 16 and self.in_features % 16 == 0, "NVFP4: K in groups of 16"
+            assert self.global_scale is not None and self.global_scale.shape == (e, self.parts)
+            assert n % self.parts == 0
 
     @property
     def rows_per_part(self) -> int:
@@ -92,6 +108,10 @@ class ExpertWeights:
             return w
         if self.format == INT4:
             return dequantize_w4(w, self.scale[expert], self.group_k, self.in_features, False)
+        if self.format == NVFP4:  # each part's rows times that part's global scale
+            rows = self.global_scale[expert].float().repeat_interleave(w.shape[0] // self.parts)
+            return dequantize_w4(w, self.scale[expert], self.group_k, self.in_features, True,
+                                 rows)  # fmt: skip
         n, k = w.shape
         part = n // self.parts
         rows = torch.arange(n, device=w.device)
@@ -159,7 +179,7 @@ def moe_launch_config(num_tokens: int, n: int, k: int, num_experts: int, top_k: 
     if weights is not None and weights.format == FP8_BLOCK:
         bk = weights.group_k
     if weights is not None:  # fit the device's shared memory (block_m is shared by both GEMMs)
-        w_bytes = 0.5 if weights.format == INT4 else weights.weight.element_size()
+        w_bytes = 0.5 if weights.format in (INT4, NVFP4) else weights.weight.element_size()
         a_bytes = dtype.itemsize
         _, bn, stages = fit_shared(bm, bn, bk, stages, a_bytes, w_bytes, weights.weight.device,
                                    shrink_m=False)
@@ -202,13 +222,13 @@ def align_pairs(topk_ids: torch.Tensor, block_m: int, num_experts: int) -> MoEAl
 
 @jit
 def _moe_gemm_kernel(
-    a_ptr, b_ptr, bs_ptr, c_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
-    n, k, num_pairs, num_rows, stride_am, stride_be, stride_bn, stride_bse, stride_bsn,
-    stride_cm, up_offset, up_scale_row, fp8_max, eps,
+    a_ptr, b_ptr, bs_ptr, gs_ptr, c_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr,
+    num_padded_ptr, n, k, num_pairs, num_rows, stride_am, stride_be, stride_bn, stride_bse,
+    stride_bsn, stride_gse, stride_cm, up_offset, up_scale_row, fp8_max, eps,
     A_ROW_DIV: tl.constexpr, SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     WEIGHTS: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, SCALES: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    SOFT_E4M3: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     # c[p, cols] = f(a[p // A_ROW_DIV] @ b[e, cols]^T) for the BLOCK_M pairs p of this block
     pid = tl.program_id(0)
@@ -238,7 +258,7 @@ def _moe_gemm_kernel(
     if WEIGHTS == FP8_BLOCK_C:  # scale rows of the gate (or only) part and of the up part
         s_gate = bs_ptr + expert * stride_bse + (cols // GROUP_N).to(tl.int64) * stride_bsn
         s_up = s_gate + up_scale_row * stride_bsn
-    if WEIGHTS == INT4_C:  # per-row packed words and group scales, [BLOCK_N, 1]
+    if WEIGHTS == INT4_C or WEIGHTS == NVFP4_C:  # per-row packed words and group scales
         w_rows = b_ptr + expert * stride_be + cols.to(tl.int64)[:, None] * stride_bn
         s_rows = bs_ptr + expert * stride_bse + cols.to(tl.int64)[:, None] * stride_bsn
     for k0 in range(0, k, BLOCK_K):
@@ -255,22 +275,15 @@ def _moe_gemm_kernel(
                 b_up = tl.load(b_ptrs + up_offset * stride_bn, mask=b_mask, other=0.0)
                 bu_s = tl.load(s_up + k0 // GROUP_K, mask=col_ok, other=0.0)
                 acc_up += tl.dot(a8, b_up) * a_s[:, None] * bu_s[None, :]
-        elif WEIGHTS == INT4_C:  # W4A16: nibbles decoded and scaled in registers
-            w = w4_tile(w_rows, s_rows, col_ok, k0, k, GROUP_K, SCALES, False, BLOCK_N, BLOCK_K)
+        elif WEIGHTS == INT4_C or WEIGHTS == NVFP4_C:  # W4A16: decoded and scaled in registers
+            fp4: tl.constexpr = WEIGHTS == NVFP4_C
+            w = w4_tile(w_rows, s_rows, col_ok, k0, k, GROUP_K, SCALES, fp4, BLOCK_N, BLOCK_K,
+                        SOFT_E4M3)  # fmt: skip
             acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc, input_precision=DOT_PRECISION)
             if SILU_MUL:
-                w_up = w4_tile(
-                    w_rows + up_offset * stride_bn,
-                    s_rows + up_scale_row * stride_bsn,
-                    col_ok,
-                    k0,
-                    k,
-                    GROUP_K,
-                    SCALES,
-                    False,
-                    BLOCK_N,
-                    BLOCK_K,
-                )
+                w_up = w4_tile(w_rows + up_offset * stride_bn, s_rows + up_scale_row * stride_bsn,
+                               col_ok, k0, k, GROUP_K, SCALES, fp4, BLOCK_N, BLOCK_K,
+                               SOFT_E4M3)  # fmt: skip
                 acc_up = tl.dot(a, tl.trans(w_up.to(a.dtype)), acc_up,
                                 input_precision=DOT_PRECISION)  # fmt: skip
         else:
@@ -281,6 +294,10 @@ def _moe_gemm_kernel(
                 acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    if WEIGHTS == NVFP4_C:  # the global scales of the expert's gate (or only) and up parts
+        acc = acc * tl.load(gs_ptr + expert * stride_gse)
+        if SILU_MUL:
+            acc_up = acc_up * tl.load(gs_ptr + expert * stride_gse + 1)
     out_ty = c_ptr.dtype.element_ty
     y = acc.to(out_ty).to(tl.float32)
     if SILU_MUL:  # round gate and up, round silu(gate), then the product
@@ -294,21 +311,30 @@ def _moe_gemm_kernel(
 def _grouped_gemm(
     a: torch.Tensor, b: ExpertWeights, out: torch.Tensor, topk_weights: torch.Tensor | None,
     align: MoEAlignment, n: int, a_row_div: int, silu_mul: bool, launch: MoELaunch,
+    soft_e4m3: bool | None = None,
 ) -> None:  # fmt: skip
     k = a.shape[1]
     w, scale = b.weight, b.scale if b.scale is not None else b.weight
+    glob = b.global_scale if b.global_scale is not None else scale
     assert a.stride(1) == 1 and w.stride(2) == 1 and out.stride(1) == 1 and scale.stride(-1) == 1
     assert b.format != FP8_BLOCK or launch.block_k == b.group_k, "W8A8: BLOCK_K = the group"
+    assert b.format != NVFP4 or (glob.dtype == torch.float32 and glob.stride(1) == 1)
+    # NVFP4's e4m3 scales are read as bytes and decoded in the kernel where the GPU has no
+    # e4m3 type (soft_e4m3 forces either way)
+    soft = b.format == NVFP4 and (
+        not gemm_split.fp8_native(a.device) if soft_e4m3 is None else soft_e4m3)
+    if soft:
+        scale = scale.view(torch.uint8)
     num_rows = align.sorted_ids.shape[0]
     grid = (triton.cdiv(num_rows, launch.block_m) * triton.cdiv(n, launch.block_n),)
     _moe_gemm_kernel[grid](
-        a, w, scale, out, topk_weights if topk_weights is not None else a, align.sorted_ids,
-        align.block_expert, align.num_padded, n, k, out.shape[0], num_rows,
-        a.stride(0), w.stride(0), w.stride(1), scale.stride(0), scale.stride(1),
+        a, w, scale, glob, out, topk_weights if topk_weights is not None else a,
+        align.sorted_ids, align.block_expert, align.num_padded, n, k, out.shape[0], num_rows,
+        a.stride(0), w.stride(0), w.stride(1), scale.stride(0), scale.stride(1), glob.stride(0),
         out.stride(0), n, b.rows_per_part, FP8_MAX, AMAX_EPS,
         A_ROW_DIV=a_row_div, SILU_MUL=silu_mul, MUL_WEIGHT=topk_weights is not None,
         WEIGHTS=b.format, GROUP_N=b.group_n, GROUP_K=b.group_k,
-        SCALES=scale_mode(b.group_k, launch.block_k),
+        SCALES=scale_mode(b.group_k, launch.block_k), SOFT_E4M3=soft,
         BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
         GROUP_M=launch.group_m, DOT_PRECISION="ieee" if a.dtype == torch.float32 else None,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
@@ -318,12 +344,14 @@ def _grouped_gemm(
 def fused_moe(
     x: torch.Tensor, w13: torch.Tensor | ExpertWeights, w2: torch.Tensor | ExpertWeights,
     topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-    launch: tuple[MoELaunch, MoELaunch] | None = None,
+    launch: tuple[MoELaunch, MoELaunch] | None = None, soft_e4m3: bool | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Routed-expert output [M, H] (Triton). w13 [E, 2I, H], w2 [E, H, I] (dense tensors, or
     ExpertWeights in a quantized format); topk_* [M, k].
 
-    `launch`: (gate_up config, down config); None picks them from the shapes.
+    `launch`: (gate_up config, down config); None picks them from the shapes. `soft_e4m3`:
+    NVFP4 scales decoded from their bits (True) or read as e4m3 (False); None: as the GPU
+    allows (bits below compute capability 8.9).
     """
     w13, w2 = expert_weights(w13, 2), expert_weights(w2, 1)
     m, hidden = x.shape
@@ -343,9 +371,10 @@ def fused_moe(
     align = align_pairs(topk_ids, launch[0].block_m, num_experts)
     weights = topk_weights.float().contiguous().view(-1)
     act = x.new_empty(m * top_k, inter)
-    _grouped_gemm(x.contiguous(), w13, act, None, align, inter, top_k, True, launch[0])
+    _grouped_gemm(x.contiguous(), w13, act, None, align, inter, top_k, True, launch[0],
+                  soft_e4m3)  # fmt: skip
     out = x.new_empty(m * top_k, hidden)
-    _grouped_gemm(act, w2, out, weights, align, hidden, 1, False, launch[1])
+    _grouped_gemm(act, w2, out, weights, align, hidden, 1, False, launch[1], soft_e4m3)
     return out.view(m, top_k, hidden).sum(1, dtype=torch.float32).to(x.dtype)
 
 

@@ -111,8 +111,14 @@ _KIMI_K25_INT4 = {  # Kimi K2.5 / K2 Thinking: INT4 routed experts only, groups 
     "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
                "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
 }
-PRESET_FORMATS: dict[str, dict[str, dict]] = {"kimi-k2-3l": {"w4a16": _KIMI_K25_INT4},
-                                              "kimi-k2-61l-e16": {"w4a16": _KIMI_K25_INT4}}
+_KIMI_K25_NVFP4 = {  # nvidia/Kimi-K2.5-NVFP4 (ModelOpt): NVFP4 routed experts only
+    "quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
+    "ignore": ["lm_head", "*self_attn*", "*shared_experts*", "*mlp.gate_proj", "*mlp.up_proj",
+               "*mlp.down_proj"],
+}
+_KIMI_FORMATS = {"w4a16": _KIMI_K25_INT4, "nvfp4": _KIMI_K25_NVFP4}
+PRESET_FORMATS: dict[str, dict[str, dict]] = {"kimi-k2-3l": _KIMI_FORMATS,
+                                              "kimi-k2-61l-e16": _KIMI_FORMATS}
 
 PRESETS: dict[str, dict] = {
     "llama-3.1-8b": _LLAMA_31_8B,

@@ -6,7 +6,7 @@
 
 Methods, one file each: unquantized.py (dense F.linear), fp8.py (W8A8: block / channel /
 tensor scales), w4a16.py (INT4 groups), nvfp4.py (NVFP4, weight-only); routed experts: moe.py
-(dense, FP8 block W8A8, INT4 W4A16). Config formats:
+(dense, FP8 block W8A8, INT4 W4A16, NVFP4 W4A16). Config formats:
 fp8.py (`"quant_method": "fp8"`), compressed_tensors.py, modelopt.py.
 """
 

@@ -2,7 +2,7 @@
 `"quant_method": "modelopt"`.
 
     quant_algo FP8          fp8 weight + per-tensor `weight_scale`, static `input_scale` (W8A8)
-    quant_algo NVFP4        see nvfp4.py (run weight-only)
+    quant_algo NVFP4        see nvfp4.py (run weight-only; routed experts: moe.py)
     quant_algo W4A16_NVFP4  NVFP4 weights without activation scales
 `exclude_modules` (legacy file) or `ignore` (inline) list wildcard module names kept in the
 activation dtype (e.g. "lm_head", "*self_attn*", "model.layers.0.mlp*").

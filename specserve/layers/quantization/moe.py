@@ -13,6 +13,13 @@ down columns), scales included. The checkpoint stores each expert's matrices apa
                  activations of both GEMMs quantized per token and 128-group in the K loop
     int4 W4A16   w13_weight_packed int32 [E, 2I, H/8], w13_weight_scale [E, 2I, H/G],
                  w13_weight_shape (checked, then dropped); w2 likewise [E, H, I/8], [E, H, I/G]
+    nvfp4 W4A16  w13_weight uint8 [E, 2I, H/2] (two e2m1 codes a byte, low nibble first),
+                 w13_weight_scale float8_e4m3fn [E, 2I, H/16], w13_weight_scale_2 fp32 [E, 2]
+                 (gate, up: each part's global scale), w13_input_scale [E, 2] (W4A4 only:
+                 read, then dropped); w2 likewise [E, H, I/2], [E, H, I/16], [E, 1], [E, 1].
+                 compressed-tensors names: weight_packed, weight_global_scale (the reciprocal),
+                 input_global_scale. After loading: w13_packed (the bytes as int32 words) and
+                 w13_global_scale [E, 2] fp32 (w = e2m1 * scale * global)
 The config's method for the experts is its linear method for `experts.0.{gate,up,down}_proj`.
 """
 
@@ -29,6 +36,7 @@ from specserve.kernels.fused_moe import (
     DENSE,
     FP8_BLOCK,
     INT4,
+    NVFP4,
     ExpertWeights,
     fused_moe,
     fused_moe_ref,
@@ -43,6 +51,8 @@ from specserve.layers.quantization.base import (
     child,
 )
 from specserve.layers.quantization.fp8 import FLOATS, Fp8LinearMethod
+from specserve.layers.quantization.nvfp4 import FP4_STD, NAMES, Nvfp4LinearMethod
+from specserve.layers.quantization.nvfp4 import GROUP as NVFP4_GROUP
 from specserve.layers.quantization.unquantized import UNQUANTIZED
 from specserve.layers.quantization.w4a16 import INT4_STD, Int4LinearMethod
 
@@ -50,6 +60,7 @@ if TYPE_CHECKING:
     from specserve.layers.moe import FusedMoE
 
 PART = {"gate": 0, "up": 1, "down": 0}  # row part of w13 (gate | up) or w2
+FP4_SCALE = torch.float8_e4m3fn  # NVFP4's group scales
 
 
 def add_expert_param(
@@ -285,6 +296,78 @@ class Int4MoEMethod(MoEMethod):
             getattr(layer, f"{which}_weight_shape").data[:] = torch.tensor(want)
 
 
+class Nvfp4MoEMethod(MoEMethod):
+    """NVFP4 experts (ModelOpt or compressed-tensors), run weight-only (W4A16): e2m1 codes,
+    e4m3 scales per 16 inputs, one global scale per expert and part (gate, up, down)."""
+
+    family = "nvfp4"
+
+    def __init__(self, convention: str, has_input_scale: bool = True) -> None:
+        self.codes, self.global_name, self.input_name, self.reciprocal = NAMES[convention]
+        self.has_input_scale = has_input_scale
+        self.name = f"nvfp4-w4a16-moe ({convention})"
+
+    def create_weights(self, layer: FusedMoE, dtype: torch.dtype) -> None:
+        e, h, i, g = layer.num_experts, layer.hidden_size, layer.inter, NVFP4_GROUP
+        f32 = torch.float32  # global scales stay fp32 whatever the activation dtype
+        for what, size in (("hidden_size", h), ("moe_intermediate_size", layer.full_inter)):
+            if size % g:
+                raise ValueError(f"{layer.prefix}: NVFP4 experts need {what} in multiples of "
+                                 f"{g} (their scale groups), got {size}")  # fmt: skip
+        codes = ParamSpec(in_block=2, dtypes=(torch.uint8,))
+        # a TP slice of I that cuts a group fails here, naming down_proj's weight_scale
+        scale = ParamSpec(in_block=g, dtypes=(FP4_SCALE,))
+        per_part = ParamSpec(out_dim=None, in_dim=None, per_shard=True, dtypes=FLOATS)
+        for which, (n, k), parts in (("w13", (2 * i, h), 2), ("w2", (h, i), 1)):
+            tensors = {self.codes: (torch.empty(e, n, k // 2, dtype=torch.uint8), codes),
+                       "weight_scale": (torch.empty(e, n, k // g, dtype=FP4_SCALE), scale),
+                       self.global_name: (torch.empty(e, parts, dtype=f32), per_part)}  # fmt: skip
+            if self.has_input_scale:
+                tensors[self.input_name] = (torch.empty(e, parts, dtype=f32), per_part)
+            for suffix, (tensor, spec) in tensors.items():
+                add_expert_param(layer, which, suffix, tensor, spec)
+
+    def process_weights_after_loading(self, layer: FusedMoE) -> None:
+        for which in ("w13", "w2"):
+            codes = layer._parameters.pop(f"{which}_{self.codes}").data
+            setattr(layer, f"{which}_packed",
+                    nn.Parameter(codes.view(torch.int32), requires_grad=False))  # fmt: skip
+            glob = layer._parameters.pop(f"{which}_{self.global_name}").data
+            if self.reciprocal:
+                glob = 1.0 / glob
+            setattr(layer, f"{which}_global_scale",
+                    nn.Parameter(glob.contiguous(), requires_grad=False))  # fmt: skip
+            if self.has_input_scale:  # W4A4 only: the activations stay in their dtype here
+                del layer._parameters[f"{which}_{self.input_name}"]
+
+    def expert_weights(self, layer: FusedMoE) -> tuple[ExpertWeights, ExpertWeights]:
+        g = NVFP4_GROUP
+        w13 = ExpertWeights(NVFP4, layer.w13_packed, layer.w13_weight_scale, layer.hidden_size,
+                            1, g, 2, layer.w13_global_scale)  # fmt: skip
+        w2 = ExpertWeights(NVFP4, layer.w2_packed, layer.w2_weight_scale, layer.inter, 1, g, 1,
+                           layer.w2_global_scale)  # fmt: skip
+        return w13, w2
+
+    def stream_tensors(self, layer: FusedMoE, expert: int) -> list[list[torch.Tensor]]:
+        return [[w.weight[expert], w.scale[expert], w.global_scale[expert]]
+                for w in self.expert_weights(layer)]  # fmt: skip
+
+    def random_init(self, layer: FusedMoE, gen: torch.Generator, std: float) -> None:
+        """Uniform random codes (one expert at a time), scales 8, global scales giving the
+        values a std of `std`."""
+        glob = std / FP4_STD / 8.0
+        for which in ("w13", "w2"):
+            codes = getattr(layer, f"{which}_{self.codes}")
+            for e in range(codes.shape[0]):
+                codes.data[e].copy_(torch.randint(0, 256, codes.shape[1:], generator=gen,
+                                                  dtype=torch.uint8, device=codes.device))
+            getattr(layer, f"{which}_weight_scale").data.fill_(8.0)
+            getattr(layer, f"{which}_{self.global_name}").data.fill_(
+                1.0 / glob if self.reciprocal else glob)
+            if self.has_input_scale:
+                getattr(layer, f"{which}_{self.input_name}").data.fill_(1.0)
+
+
 UNQUANTIZED_MOE = UnquantizedMoEMethod()
 
 
@@ -308,7 +391,10 @@ def moe_method(quant_config: QuantConfig | None, prefix: str) -> MoEMethod:
         return Fp8BlockMoEMethod(method.block, method.scale_name)
     if isinstance(method, Int4LinearMethod):
         return Int4MoEMethod(method.group)
+    if isinstance(method, Nvfp4LinearMethod):
+        return Nvfp4MoEMethod(method.convention, method.has_input_scale)
     raise ValueError(
         f"{names[0]}: routed experts in {method.name} are not supported; supported expert "
-        "formats: unquantized, fp8 block (W8A8), int4 pack-quantized (W4A16)"
+        "formats: unquantized, fp8 block (W8A8), int4 pack-quantized (W4A16), nvfp4 (run as "
+        "W4A16)"
     )

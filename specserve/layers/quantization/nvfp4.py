@@ -36,6 +36,7 @@ class Nvfp4LinearMethod(LinearMethod):
 
     def __init__(self, convention: str, has_input_scale: bool = True) -> None:
         self.codes, self.global_name, self.input_name, self.reciprocal = NAMES[convention]
+        self.convention = convention
         self.has_input_scale = has_input_scale
         self.name = f"nvfp4-w4a16 ({convention})"
 
