@@ -381,13 +381,18 @@ def test_routing_gpu() -> None:
 def test_fused_moe_cuda_graph_gpu(num_tokens: int) -> None:
     """Alignment and both GEMMs captured once, replayed on new routing (no host sync)."""
     x, w13, w2, weights, ids = make_inputs(num_tokens, 384, 8, 1024, 256, 0, device="cuda")
-    x, w13, w2 = x.bfloat16(), w13.bfloat16(), w2.bfloat16()
+    check_graph_replay(x.bfloat16(), w13.bfloat16(), w2.bfloat16(), weights, ids)
+
+
+def check_graph_replay(x, w13, w2, weights, ids) -> None:
+    """fused_moe captured once (x [T, 1024], 384 experts, top 8, inter 256), replayed on new
+    tokens and routing == fused_moe_ref."""
     fm.fused_moe(x, w13, w2, weights, ids)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fm.fused_moe(x, w13, w2, weights, ids)
     for seed in (1, 2):
-        nx, _, _, nw, nids = make_inputs(num_tokens, 384, 8, 1024, 256, seed, 0.02, 0, "cuda")
+        nx, _, _, nw, nids = make_inputs(x.shape[0], 384, 8, 1024, 256, seed, 0.02, 0, "cuda")
         x.copy_(nx)
         weights.copy_(nw)
         ids.copy_(nids)

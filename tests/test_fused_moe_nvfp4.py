@@ -36,6 +36,7 @@ from test_fused_moe import (  # noqa: E402
     _poison_allocator,
     _small_launch,
     check_alignment,
+    check_graph_replay,
     make_inputs,
     naive_moe,
     rel_error,
@@ -236,18 +237,7 @@ def test_nvfp4_fused_moe_cuda_graph_gpu() -> None:
     """Both NVFP4 GEMMs captured once, replayed on new routing."""
     x, w13, w2, weights, ids = shaped_inputs(8, 384, 8, 1024, 256, 0, 0.0, False, "cuda")
     e13, e2, _, _ = nvfp4_experts(w13, w2)
-    x = x.bfloat16()
-    fm.fused_moe(x, e13, e2, weights, ids)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fm.fused_moe(x, e13, e2, weights, ids)
-    for seed in (1, 2):
-        nx, _, _, nw, nids = make_inputs(8, 384, 8, 1024, 256, seed, 0.02, 0, "cuda")
-        x.copy_(nx)
-        weights.copy_(nw)
-        ids.copy_(nids)
-        graph.replay()
-        assert rel_error(out, fm.fused_moe_ref(x, e13, e2, weights, ids)) < 2e-2
+    check_graph_replay(x.bfloat16(), e13, e2, weights, ids)
 
 
 # compile-only (tests/triton_compile.py): Kimi K2 expert dims (hidden 7168, inter 256 = 2048 /
