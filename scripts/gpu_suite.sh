@@ -2,7 +2,8 @@
 # The GPU checks and benchmarks in one invocation (an H200 or any CUDA machine):
 #   bash scripts/gpu_suite.sh OUT_DIR [steps]
 # steps: any of tests,profile,plain,spec,moe,match,serve,mla,quant,comm,prefix,default,exact,glm,
-# policy,mtp,drafters (default: all but profile, quant, comm, exact, policy, mtp and drafters);
+# policy,mtp,drafters,longctx (default: all but profile, quant, comm, exact, policy, mtp,
+# drafters and longctx);
 # `notests` among them skips the pytest runs inside the other steps (benchmarks only).
 # Results and logs go to OUT_DIR;
 # benchmark rows are appended to experiments/ (LOG.md, results.jsonl, PNGs) and the rows and
@@ -286,6 +287,30 @@ if has glm; then
       --label "$preset ctx8k" --json-out "$out/$preset-8k.json" > "$out/$preset-8k.log" 2>&1
     echo "$preset ctx8k rc=$?"; tail -10 "$out/$preset-8k.log"
   done
+fi
+if has longctx; then
+  # paged decode at long context vs the bandwidth roofline (weights + every request's KV at the
+  # copy bandwidth of the same run): 1k and 8k at bs 1-64, 32k at bs 1 and 16 (bs 32 at 32k
+  # needs ~137 GB of KV, more than one H200 leaves); EAGLE-3 chain 3 at synthetic AL 3 at 8k;
+  # then the roofline plot (experiments/)
+  lc=(--model llama-3.1-8b --load-format dummy --output-len 64 --runs 2 --warmup 1 --floor
+      --log --exp-dir experiments)
+  timeout 500 "${ss[@]}" bench latency "${lc[@]}" --context-len 1024,8192 --batch-sizes 1,16,32,64 \
+    --max-num-seqs 64 --max-model-len 8448 --label "llama-3.1-8b long-context" \
+    --json-out "$out/longctx-8k.json" > "$out/longctx-8k.log" 2>&1
+  echo "longctx 1k/8k rc=$?"; grep -E "^ +[0-9]+ +[0-9]+ baseline" "$out/longctx-8k.log"
+  timeout 400 "${ss[@]}" bench latency "${lc[@]}" --context-len 32768 --batch-sizes 1,16 \
+    --max-num-seqs 16 --max-model-len 33024 --label "llama-3.1-8b long-context 32k" \
+    --json-out "$out/longctx-32k.json" > "$out/longctx-32k.log" 2>&1
+  echo "longctx 32k rc=$?"; grep -E "^ +[0-9]+ +[0-9]+ baseline" "$out/longctx-32k.log"
+  timeout 300 "${ss[@]}" bench latency "${lc[@]}" --context-len 8192 --batch-sizes 1,16 \
+    --max-num-seqs 16 --max-model-len 8448 --cuda-graph-max-bs 16 --spec-algorithm eagle3 \
+    --spec-draft-model dummy --spec-num-steps 3 --spec-topk 1 --spec-synthetic-accept-len 3 \
+    --label "llama-3.1-8b chain3 synthetic AL3 ctx8k" --json-out "$out/longctx-chain3.json" \
+    > "$out/longctx-chain3.log" 2>&1
+  echo "longctx chain3 8k rc=$?"; grep -E "^ +8192" "$out/longctx-chain3.log"
+  python scripts/plot_roofline.py "$out"/longctx-8k.json "$out"/longctx-32k.json --goal 0.9 \
+    --goal-context 8192 --out experiments/llama-3.1-8b-long-context-roofline.png
 fi
 if has policy; then
   # load-adaptive speculation: output tok/s against concurrency for plain, each static draft

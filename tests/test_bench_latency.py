@@ -108,6 +108,20 @@ def test_bench_latency_cli_log_json_png(tmp_path, capsys):
     assert report["points"][0]["hf_speedup"]["baseline"] == pytest.approx(
         report["points"][0]["modes"]["baseline"]["tok_s"]["mean"] / hf["tok_s"]["mean"])
 
+    # scripts/plot_roofline.py over this report: one row per plain point, its ratio, a PNG
+    import importlib.util
+
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "plot_roofline.py"
+    spec = importlib.util.spec_from_file_location("plot_roofline", script)
+    plot_roofline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot_roofline)
+    png = tmp_path / "roofline.png"
+    assert plot_roofline.main([str(out_json), "--out", str(png), "--goal", "0.9"]) == 0
+    assert [(r["batch"], r["ratio"]) for r in plot_roofline.roofline_rows([report])] == [
+        (p["batch_size"], p["roofline_ratio"]) for p in report["points"]]
+    assert png.read_bytes()[:4] == b"\x89PNG"
     exp = tmp_path / "exp"
     rows = [r for r in (exp / "LOG.md").read_text().splitlines() if "| latency |" in r]
     assert len(rows) == 4  # (baseline, eagle3) x (bs 1, bs 3)

@@ -21,7 +21,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = ("tests,profile,plain,spec,moe,match,serve,mla,quant,comm,prefix,default,exact,glm,"
-         "policy,mtp,drafters")
+         "policy,mtp,drafters,longctx")
 RECORDER = """#!{python}
 import json, os, sys
 with open(os.environ["SUITE_LOG"], "a") as f:
