@@ -110,7 +110,6 @@ def test_bench_latency_cli_log_json_png(tmp_path, capsys):
 
     # scripts/plot_roofline.py over this report: one row per plain point, its ratio, a PNG
     import importlib.util
-
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "scripts" / "plot_roofline.py"
