@@ -193,6 +193,23 @@ def check_e4m3_decode() -> None:
     assert torch.equal(out[ok], want[ok]), (out[ok] - want[ok]).abs().max()
 
 
+def check_e2m1_decode() -> None:
+    """Every e2m1 nibble decoded in a kernel == decode_nibbles (signs, -0 and 0.5 included)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def decode(src, dst):
+        i = tl.arange(0, 16)
+        tl.store(dst + i, w4a16_gemm._decode_e2m1(tl.load(src + i)))
+
+    nib = torch.arange(16, dtype=torch.int32)
+    out = torch.empty(16)
+    decode[(1,)](nib, out)
+    want = w4a16_gemm.decode_nibbles(nib, fp4=True)
+    assert torch.equal(out, want) and torch.equal(out.signbit(), want.signbit()), (out, want)
+
+
 CPU, F32, TOL32 = "cpu", torch.float32, 1e-5
 INTERPRETER_CHECKS = {
     "quant_group128_ragged_k": lambda: check_quant(5, 200, 128, F32, CPU),
@@ -224,6 +241,7 @@ INTERPRETER_CHECKS = {
         5, 40, 256, 16, True, (16, 32, 16, 1), F32, CPU, TOL32, soft=True
     ),
     "e4m3_soft_decode_all_codes": lambda: check_e4m3_decode(),
+    "e2m1_decode_all_codes": lambda: check_e2m1_decode(),
     "fp8_in_loop_quant_split3": lambda: check_fp8_linear(
         5, 72, 456, False, (16, 32, 128, 3), F32, CPU, TOL32
     ),

@@ -87,12 +87,13 @@ def w4a16_mm_torch(
 
 @jit
 def _decode_e2m1(nib):
-    mag = nib & 7
-    e = mag >> 1
-    frac = (mag & 1).to(tl.float32) * 0.5
-    pow2 = (1 << tl.maximum(e - 1, 0)).to(tl.float32)
-    val = tl.where(e == 0, frac, pow2 * (1.0 + frac))
-    return tl.where((nib & 8) != 0, -val, val)
+    # the fp32 value built from its bits: e2m1 s.e1e0.m is 2^(e - 1) * (1 + m / 2) for e > 0
+    # (fp32 exponent e + 126, mantissa's top bit m) and m / 2 for e = 0 (0.5: exponent 126);
+    # the sign to bit 31
+    e = (nib >> 1) & 3
+    m = nib & 1
+    bits = tl.where(e > 0, ((e + 126) << 23) | (m << 22), m * (126 << 23))
+    return (bits | ((nib & 8) << 28)).to(tl.float32, bitcast=True)
 
 
 @jit
