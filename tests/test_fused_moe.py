@@ -165,13 +165,18 @@ def check_quant_fused_moe(
     if compiling():
         return
     naive = naive_moe(x, d13, d2, weights, ids, w8a8=fmt == "fp8-block")
-    ref = fm.fused_moe_ref(x, e13, e2, weights, ids)
-    assert out.dtype == dtype and out.shape == (num_tokens, hidden)
+    check_against(out, fm.fused_moe_ref(x, e13, e2, weights, ids), naive, dtype,
+                  (num_tokens, hidden), tol, fmt)
+
+
+def check_against(out, ref, naive, dtype, shape, tol: float, what: str) -> None:
+    """The kernel's output vs fused_moe_ref and the naive loop, and the two references."""
+    assert out.dtype == dtype and out.shape == shape
     assert rel_error(ref, naive) < tol, f"reference vs naive {rel_error(ref, naive):.3g}"
     err = rel_error(out, naive)
-    assert err < tol, f"{fmt} kernel vs naive: relative error {err:.3g} >= {tol}"
+    assert err < tol, f"{what} kernel vs naive: relative error {err:.3g} >= {tol}"
     err = rel_error(out, ref)
-    assert err < tol, f"{fmt} kernel vs reference: relative error {err:.3g} >= {tol}"
+    assert err < tol, f"{what} kernel vs reference: relative error {err:.3g} >= {tol}"
 
 
 def _poison_allocator(device: str, numel: int) -> None:

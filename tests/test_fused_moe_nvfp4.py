@@ -35,6 +35,7 @@ from test_fused_moe import (  # noqa: E402
     SMALL,
     _poison_allocator,
     _small_launch,
+    check_against,
     check_alignment,
     check_graph_replay,
     make_inputs,
@@ -118,14 +119,8 @@ def check_nvfp4_moe(
     out = fm.fused_moe(x, e13, e2, weights, ids, launch, soft_e4m3=soft)
     if compiling():
         return
-    naive = naive_moe(x, d13, d2, weights, ids)
-    ref = fm.fused_moe_ref(x, e13, e2, weights, ids)
-    assert out.dtype == dtype and out.shape == (num_tokens, hidden)
-    assert rel_error(ref, naive) < tol, f"reference vs naive {rel_error(ref, naive):.3g}"
-    err = rel_error(out, naive)
-    assert err < tol, f"nvfp4 kernel vs naive: relative error {err:.3g} >= {tol}"
-    err = rel_error(out, ref)
-    assert err < tol, f"nvfp4 kernel vs reference: relative error {err:.3g} >= {tol}"
+    check_against(out, fm.fused_moe_ref(x, e13, e2, weights, ids),
+                  naive_moe(x, d13, d2, weights, ids), dtype, (num_tokens, hidden), tol, "nvfp4")
 
 
 # --------------------------------------------------------------------------------------------

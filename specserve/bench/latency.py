@@ -330,10 +330,8 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
     first = make_prompts(engine, args.prompts, 1, contexts[0], config.seed)[0]
     refs = measure_references(engine, batch_sizes, floor, args.compare_hf, first,
                               args.output_len, args.runs, args.warmup, experts or None)
-    verify = {k[1]: v for k, v in experts.items() if isinstance(k, tuple)}
-    if verify:
-        refs["verify_floor"] = measure_verify_floor(engine.runner.model, verify,
-                                                    config.spec.verify_tokens)
+    refs["verify_floor"] = measure_verify_floor(engine.runner.model, experts,
+                                                config.spec.verify_tokens)
     spec = config.spec
     report = {
         "benchmark": "latency", "label": args.label, "model": config.model,

@@ -23,12 +23,16 @@ from torch import nn
 from specserve.bench.floor import measure_floor
 
 
-def measure_verify_floor(model: nn.Module, experts: dict[int, list[int]],
-                         nodes: int) -> dict[str, Any]:
-    """{nodes, points: one per batch size}; experts[bs]: the routed experts each MoE block
-    reads in the verify pass of that batch ([] for a dense model)."""
+def measure_verify_floor(model: nn.Module, experts: dict[Any, list[int]],
+                         nodes: int) -> dict[str, Any] | None:
+    """{nodes, points: one per batch size}, None without verify probes; experts["verify", bs]:
+    the routed experts each MoE block reads in the verify pass of that batch ([] for a dense
+    model; bench latency's probe records them beside the decode step's experts[bs])."""
+    verify = {k[1]: v for k, v in experts.items() if isinstance(k, tuple) and k[0] == "verify"}
+    if not verify:
+        return None
     points = []
-    for bs, touched in sorted(experts.items()):
+    for bs, touched in sorted(verify.items()):
         rows = bs * nodes
         (point,) = measure_floor(model, [rows], experts={rows: touched} if touched else None)
         points.append({**point.to_dict(), "batch_size": bs, "rows": rows})
