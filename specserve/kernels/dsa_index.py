@@ -6,7 +6,7 @@ Per query token t of request r and cached position s (layers/dsa.py computes q, 
     score[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s])        h < index_n_heads
     w[t, h]     = weights_proj(x_t)[h] * index_n_heads^-0.5 * index_head_dim^-0.5
     selected    = the index_topk visible positions of highest score (all of them when fewer
-                  are visible); slots of positions that are not visible come out -1
+                  are visible), as cache slots in ascending position order, then -1
 
 (relu(a) * c = relu(a * c) for c > 0: the head_dim^-0.5 of the reference sits in w.)
 
@@ -17,7 +17,10 @@ custom mask of width W over the last W positions; positions >= seq_len are never
 
 Shapes never depend on sequence lengths: scores are [T, width] with width = the page table's
 columns * page_size (a captured graph's fixed table), so every function here is CUDA-graph
-safe (no host sync, no data-dependent shape). A long prefill is scored in chunks of its tokens
+safe (no host sync, no data-dependent shape). The Triton kernels' work still follows the
+requests' lengths: the scores kernel loops over each token's own positions and leaves the
+columns past its request's length unwritten, and the selection (kernels/dsa_select.py) reads
+no further; the torch forms fill them with -inf and rank the whole row. A long prefill is scored in chunks of its tokens
 (`first_token`), keeping [chunk, width] bounded. The batch layout comes as attention metadata's
 tensors: query_start_loc [bs + 1], seq_lens [bs], page_table [bs, pages], custom_mask
 [bs, max_q, W] bool or None.
@@ -33,6 +36,8 @@ MIN_DOT = 16
 # the torch path gathers [tokens, width, index_head_dim] keys per chunk of tokens: at most this
 # many values at once
 REF_CHUNK_VALUES = 1 << 24
+# the scores kernel's programs in all (each loops over blocks of its token's positions)
+SCORE_PROGRAMS = 1024
 
 
 def token_requests(
@@ -106,16 +111,16 @@ def index_scores_ref(
 @jit
 def _index_scores_kernel(
     q_ptr, w_ptr, cache_ptr, out_ptr, req_ptr, qsl_ptr, seq_lens_ptr, page_table_ptr, mask_ptr,
-    num_heads, head_dim, width, bs, mask_width, first_token,
+    num_heads, head_dim, bs, mask_width, first_token, num_programs,
     stride_qt, stride_qh, stride_wt, stride_cp, stride_cs, stride_ot, stride_tab,
     stride_mr, stride_mi, stride_mj,
     PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    # one program per (token, block of BLOCK_N positions): scores of all heads in one dot,
-    # relu, weighted sum over heads, the attention mask; -inf where not visible
+    # program (token, p) scores blocks p, p + num_programs, ... of BLOCK_N positions below the
+    # token's request length (none past it: those columns are not written): all heads in one
+    # dot, relu, weighted sum over heads, the attention mask; -inf where not visible
     t = tl.program_id(0).to(tl.int64)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     req = tl.load(req_ptr + t)
     live = tl.where(req < bs, 1, 0)  # 0: a padding token past the last request
     req = tl.minimum(req, bs - 1)
@@ -123,18 +128,6 @@ def _index_scores_kernel(
     q_len = tl.load(qsl_ptr + req + 1) - q_start
     qi = first_token + t - q_start
     seq_len = tl.load(seq_lens_ptr + req) * live  # a padding token sees nothing
-    in_kv = n < seq_len
-    if HAS_MASK:
-        j = n - (seq_len - mask_width)
-        tree = tl.load(
-            mask_ptr + req * stride_mr + qi * stride_mi + j * stride_mj,
-            mask=in_kv & (j >= 0) & (j < mask_width),
-            other=0,
-        )
-        seen = (j < 0) | (tree != 0)
-    else:
-        seen = n <= seq_len - q_len + qi
-    seen = seen & in_kv
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     q = tl.load(
@@ -143,28 +136,44 @@ def _index_scores_kernel(
         other=0.0,
     )
     wt = tl.load(w_ptr + t * stride_wt + h, mask=h < num_heads, other=0.0).to(tl.float32)
-    page = tl.load(page_table_ptr + req * stride_tab + n // PAGE_SIZE, mask=seen, other=0)
-    base = page.to(tl.int64) * stride_cp + (n % PAGE_SIZE) * stride_cs
-    k = tl.load(
-        cache_ptr + base[:, None] + d[None, :],
-        mask=seen[:, None] & (d[None, :] < head_dim),
-        other=0.0,
-    )  # [BLOCK_N, BLOCK_D]
-    logits = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N]
-    score = tl.sum(tl.maximum(logits, 0.0) * wt[:, None], 0)
-    score = tl.where(seen, score, float("-inf"))
-    tl.store(out_ptr + t * stride_ot + n, score, mask=n < width)
+    for blk in range(tl.program_id(1), tl.cdiv(seq_len, BLOCK_N), num_programs):
+        n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_kv = n < seq_len
+        if HAS_MASK:
+            j = n - (seq_len - mask_width)
+            tree = tl.load(
+                mask_ptr + req * stride_mr + qi * stride_mi + j * stride_mj,
+                mask=in_kv & (j >= 0) & (j < mask_width),
+                other=0,
+            )
+            seen = (j < 0) | (tree != 0)
+        else:
+            seen = n <= seq_len - q_len + qi
+        seen = seen & in_kv
+        page = tl.load(page_table_ptr + req * stride_tab + n // PAGE_SIZE, mask=seen, other=0)
+        base = page.to(tl.int64) * stride_cp + (n % PAGE_SIZE) * stride_cs
+        k = tl.load(
+            cache_ptr + base[:, None] + d[None, :],
+            mask=seen[:, None] & (d[None, :] < head_dim),
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_D]
+        logits = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N]
+        score = tl.sum(tl.maximum(logits, 0.0) * wt[:, None], 0)
+        score = tl.where(seen, score, float("-inf"))
+        tl.store(out_ptr + t * stride_ot + n, score, mask=in_kv)
 
 
 def index_scores(
     q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor, query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor, page_table: torch.Tensor, custom_mask: torch.Tensor | None = None,
-    first_token: int = 0, block_n: int = 64,
+    first_token: int = 0, block_n: int = 64, token_req: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """score[t, s] (module docstring) for every position s < width of each token's request:
-    q [T, nI, dI] (the cache's dim order), w [T, nI] fp32, index_cache [pages, page_size, dI]
-    -> [T, width] fp32, -inf where not visible. Row t is the batch's token first_token + t (a
-    chunk of the tokens). One launch."""
+    """score[t, s] (module docstring) of each token's request's positions s < seq_len: q
+    [T, nI, dI] (the cache's dim order), w [T, nI] fp32, index_cache [pages, page_size, dI]
+    -> [T, width] fp32, -inf where not visible below seq_len; columns at or past seq_len are
+    not written (a captured graph's width is the context limit: the work follows the
+    requests' lengths). Row t is the batch's token first_token + t (a chunk of the tokens);
+    token_req: token_requests' answer if the caller has it. One launch."""
     num_tokens, num_heads, head_dim = q.shape
     assert q.stride(-1) == 1 and index_cache.stride(-1) == 1 and index_cache.shape[-1] == head_dim
     page_size = index_cache.shape[1]
@@ -172,15 +181,17 @@ def index_scores(
     out = torch.empty(num_tokens, width, dtype=torch.float32, device=q.device)
     if num_tokens == 0:
         return out
-    token_req = token_requests(query_start_loc, num_tokens, first_token)
+    if token_req is None:
+        token_req = token_requests(query_start_loc, num_tokens, first_token)
     mask = custom_mask
     mask_arg = mask.view(torch.uint8) if mask is not None else page_table
     mask_strides = mask.stride() if mask is not None else (0, 0, 0)
-    grid = (num_tokens, -(-width // block_n))
-    _index_scores_kernel[grid](
+    # programs per token: the blocks of the widest row at most, ~SCORE_PROGRAMS in all
+    num_programs = max(1, min(-(-width // block_n), -(-SCORE_PROGRAMS // num_tokens)))
+    _index_scores_kernel[(num_tokens, num_programs)](
         q, w, index_cache, out, token_req, query_start_loc, seq_lens, page_table,
-        mask_arg, num_heads, head_dim, width, seq_lens.shape[0],
-        mask.shape[-1] if mask is not None else 0, first_token,
+        mask_arg, num_heads, head_dim, seq_lens.shape[0],
+        mask.shape[-1] if mask is not None else 0, first_token, num_programs,
         q.stride(0), q.stride(1), w.stride(0), index_cache.stride(0), index_cache.stride(1),
         out.stride(0), page_table.stride(0), *mask_strides,
         PAGE_SIZE=page_size, BLOCK_H=max(next_power_of_2(num_heads), MIN_DOT),
@@ -211,17 +222,23 @@ def select_slots(
     page_size: int,
     first_token: int = 0,
 ) -> torch.Tensor:
-    """The cache slots of each token's top-k visible positions: scores [T, width] (-inf: not
-    visible; row t: the batch's token first_token + t) -> [T, k] int64, -1 where fewer than k
-    positions are visible. Needs k <= width (the caller attends densely while every visible
-    set fits in k). Equal scores go to the earlier position (`selection_keys`), so a decode
-    and a verify of the same token select the same tokens where their scores tie exactly
-    (ReLU makes exact zeros common)."""
+    """The cache slots of each token's top-k visible positions, in ascending position order:
+    scores [T, width] (-inf: not visible; row t: the batch's token first_token + t) -> [T, k]
+    int64, -1 after them where fewer than k positions are visible. Needs k <= width (the
+    caller attends densely while every visible set fits in k). Equal scores go to the earlier
+    position (`selection_keys`), so a decode and a verify of the same token select the same
+    tokens where their scores tie exactly (ReLU makes exact zeros common); the order is
+    canonical, so they attend over them in the same order. The torch form of
+    kernels/dsa_select.py."""
     assert k <= scores.shape[1], (k, scores.shape)
+    width = scores.shape[1]
     _, pos = selection_keys(scores).topk(k, dim=-1)  # [T, k]
-    values = scores.gather(1, pos)
+    chosen = scores.gather(1, pos) > float("-inf")
+    pos = torch.where(chosen, pos, width).sort(dim=-1).values  # ascending, the unchosen last
     bs = page_table.shape[0]
     r = token_requests(query_start_loc, scores.shape[0], first_token).clamp(max=bs - 1)
+    real = pos < width
+    pos = pos.clamp(max=width - 1)
     pages = page_table[r[:, None], pos // page_size].long()
     slots = pages * page_size + pos % page_size
-    return torch.where(values > float("-inf"), slots, -1)
+    return torch.where(real, slots, -1)

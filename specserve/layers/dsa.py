@@ -15,9 +15,10 @@ Exactness: a query that sees at most index_topk positions selects all of them, s
 sequence of a forward is at most index_topk long (md.max_seq_len, a host int) the layer runs
 plain dense MLA, bit for bit the MLA path, and skips the indexer's query side; the index keys
 are written always (a later, longer step needs every token's). Past it the selection runs:
-kernels/dsa_index.py (scores + top-k -> slots) and kernels/sparse_mla.py (attention over the
-slots), Triton on the GPU backend, the torch references on the reference backend; both are
-CUDA-graph safe. A captured graph's metadata carries max_seq_len = the graph's position bound,
+kernels/dsa_index.py (scores), kernels/dsa_select.py (top-k -> slots) and
+kernels/sparse_mla.py (attention over the slots), Triton on the GPU backend, the torch
+references on the reference backend; both are CUDA-graph safe, and the Triton kernels' work
+follows the requests' lengths, not the graph's page-table width (the context limit). A captured graph's metadata carries max_seq_len = the graph's position bound,
 so graphs of an engine whose context exceeds index_topk hold the sparse path (exact for short
 sequences too: every visible position is selected).
 
@@ -42,7 +43,6 @@ import torch
 from torch import nn
 
 from specserve.config import ModelConfig
-from specserve.kernels.dsa_index import select_slots
 from specserve.kv_cache.spec import KVCacheSpec
 from specserve.layers.attention_metadata import AttentionMetadata, get_forward_context
 from specserve.layers.linear import ReplicatedLinear, default_weight_loader
@@ -65,7 +65,17 @@ class DSABackend(Protocol):
     ) -> torch.Tensor:  # fmt: skip
         """q [T, nI, dI] (cache dim order), w [T, nI] fp32 of the batch's tokens first_token
         .. first_token + T - 1 -> scores [T, width] fp32, -inf where not visible (width =
-        page_table columns * page_size)."""
+        page_table columns * page_size; columns at or past a token's request length may be
+        left unwritten)."""
+        ...
+
+    def select(
+        self, q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor, md: AttentionMetadata,
+        k: int, first_token: int = 0,
+    ) -> torch.Tensor:  # fmt: skip
+        """index_scores, then each token's top-k visible positions as cache slots [T, k]
+        int64 in ascending position order, -1 after them (kernels/dsa_index.py:
+        select_slots)."""
         ...
 
     def sparse_absorbed(
@@ -213,9 +223,7 @@ class DSAAttention(MLAAttention):
         chunk = max(1, SCORE_CHUNK_VALUES // width)  # host ints: one chunk in decode graphs
         slots = []
         for a in range(0, t, chunk):
-            scores = dsa_ops.index_scores(q_idx[a : a + chunk], w[a : a + chunk], cache, md, a)
-            slots.append(select_slots(scores, k, md.query_start_loc, md.page_table,
-                                      cache.shape[1], a))  # fmt: skip
+            slots.append(dsa_ops.select(q_idx[a : a + chunk], w[a : a + chunk], cache, md, k, a))
         return slots[0] if len(slots) == 1 else torch.cat(slots)
 
 

@@ -23,7 +23,7 @@ import torch
 
 from specserve.kernels import mla_attention as mla_ref
 from specserve.kernels.dispatch import EXACT
-from specserve.kernels.dsa_index import index_scores_ref
+from specserve.kernels.dsa_index import index_scores_ref, select_slots
 from specserve.kernels.kv_store import store_kv_ref
 from specserve.kernels.mla_store import mla_store_ref
 from specserve.kernels.sparse_mla import sparse_mla_ref
@@ -127,6 +127,12 @@ class TorchDSA:
                      md: AttentionMetadata, first_token: int = 0) -> torch.Tensor:
         return index_scores_ref(q, w, index_cache, md.query_start_loc, md.seq_lens,
                                 md.page_table, md.custom_mask, first_token)
+
+    def select(self, q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor,
+               md: AttentionMetadata, k: int, first_token: int = 0) -> torch.Tensor:
+        scores = self.index_scores(q, w, index_cache, md, first_token)
+        return select_slots(scores, k, md.query_start_loc, md.page_table, index_cache.shape[1],
+                            first_token)  # fmt: skip
 
     def sparse_absorbed(self, q_lat: torch.Tensor, q_pe: torch.Tensor,
                         latent_cache: torch.Tensor, slots: torch.Tensor,

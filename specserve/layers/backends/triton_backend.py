@@ -10,8 +10,9 @@ MLA layers use `TritonBackend.mla`: the latent write (kernels/mla_store.py), the
 (kernels/mla_attention.py, decode / causal / tree mask, graph-capturable) and the compute form
 (latent rows gathered and expanded to per-head K/V, then the paged-attention kernel above over
 them as a cache of one-token pages; eager batches only: it is sized by host lengths). DSA
-layers use `TritonBackend.dsa`: the indexer's scores (kernels/dsa_index.py) and the attention
-over the selected slots (kernels/sparse_mla.py), both graph-capturable.
+layers use `TritonBackend.dsa`: the indexer's scores (kernels/dsa_index.py), the top-k
+(kernels/dsa_select.py) and the attention over the selected slots (kernels/sparse_mla.py), all
+graph-capturable, the first two doing work in proportion to the requests' lengths.
 """
 
 from __future__ import annotations
@@ -85,15 +86,25 @@ class TritonDSA:
     """DSA ops on the Triton kernels (the DSABackend protocol of layers/dsa.py)."""
 
     def __init__(self) -> None:
-        from specserve.kernels import dsa_index, sparse_mla
+        from specserve.kernels import dsa_index, dsa_select, sparse_mla
 
         self._index = dsa_index
+        self._select = dsa_select
         self._sparse = sparse_mla
 
     def index_scores(self, q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor,
-                     md: AttentionMetadata, first_token: int = 0) -> torch.Tensor:
+                     md: AttentionMetadata, first_token: int = 0,
+                     token_req: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         return self._index.index_scores(q, w, index_cache, md.query_start_loc, md.seq_lens,
-                                        md.page_table, md.custom_mask, first_token)
+                                        md.page_table, md.custom_mask, first_token,
+                                        token_req=token_req)  # fmt: skip
+
+    def select(self, q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor,
+               md: AttentionMetadata, k: int, first_token: int = 0) -> torch.Tensor:
+        token_req = self._index.token_requests(md.query_start_loc, q.shape[0], first_token)
+        scores = self.index_scores(q, w, index_cache, md, first_token, token_req)
+        return self._select.select_slots_fast(scores, k, token_req, md.seq_lens, md.page_table,
+                                              index_cache.shape[1])  # fmt: skip
 
     def sparse_absorbed(self, q_lat: torch.Tensor, q_pe: torch.Tensor,
                         latent_cache: torch.Tensor, slots: torch.Tensor,
