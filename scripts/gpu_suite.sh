@@ -38,6 +38,7 @@ if has tests; then
   timeout 540 python -m pytest -q -m gpu -n 4 -rfE --tb=short -p no:cacheprovider tests \
     --ignore-glob="tests/test_server*" --ignore=tests/test_bench_serving.py \
     --ignore=tests/test_mla.py --ignore=tests/test_mla_kernels.py --ignore=tests/test_dsa.py \
+    --ignore=tests/test_dsa_select.py \
     --ignore=tests/test_glm_engine.py --ignore=tests/test_quant_kernels.py \
     --ignore=tests/test_fused_moe_nvfp4.py -k "not quant_fused_moe" > "$out/gpu_tests.log" 2>&1
   echo "gpu tests rc=$?"; tail -4 "$out/gpu_tests.log"
@@ -257,11 +258,12 @@ if has default && python -c "import specserve.defaults as d; d.default_model_pat
   echo "default eval rc=$?"; tail -8 "$out/default_eval.log"
 fi
 if has glm; then
-  # DSA kernels at GLM-5 dims (bf16) and a CUDA-graph capture of selection + sparse attention on
-  # both backends; the tiny GLMs through the engine: CUDA graphs (plain, chain, tree) == eager
+  # DSA kernels at GLM-5 dims (bf16; the top-k kernel over 8k-200k positions against
+  # torch.topk) and a CUDA-graph capture of selection + sparse attention on both backends; the
+  # tiny GLMs through the engine: CUDA graphs (plain, chain, tree) == eager
   if tests_too; then
     timeout 400 python -m pytest -q -m gpu -rfE --tb=short -p no:cacheprovider tests/test_dsa.py \
-      tests/test_glm_engine.py > "$out/glm_tests.log" 2>&1
+      tests/test_dsa_select.py tests/test_glm_engine.py > "$out/glm_tests.log" 2>&1
     echo "glm tests rc=$?"; tail -4 "$out/glm_tests.log"
   fi
   # bs-1 decode vs the active-weight floor (attention + router + shared + top-8 routed experts
@@ -275,7 +277,8 @@ if has glm; then
     echo "$preset rc=$?"; tail -12 "$out/$preset.log"
   done
   # where GLM-5's bs-1 step goes (2026-12-05: 1.91 ms at 1k and 8k context alike, 1.60 ms with
-  # dense MLA at 8k: the indexer and selection cost ~0.1 ms a layer whatever the context)
+  # dense MLA at 8k: the indexer and torch.topk selection cost ~0.1 ms a layer whatever the
+  # context; since then one selection launch whose work follows the lengths, unmeasured)
   timeout 150 python scripts/profile_decode.py --model glm-5-3l --batch-sizes 1 \
     --out "$out/profile-glm5" > "$out/profile-glm5.log" 2>&1
   echo "profile glm-5-3l rc=$?"; grep -v "^ *$" "$out/profile-glm5.log" | tail -20

@@ -28,7 +28,7 @@ import torch
 
 from specserve.kernels.dispatch import jit, tl
 
-BLOCK = 1024  # positions per loop step
+BLOCK = 2048  # positions per loop step (8 warps: 8 a thread)
 BINS = 256  # one key byte per radix pass
 
 
