@@ -210,6 +210,31 @@ def check_e2m1_decode() -> None:
     assert torch.equal(out, want) and torch.equal(out.signbit(), want.signbit()), (out, want)
 
 
+def check_offset_codes_decode() -> None:
+    """w4_offset_codes over words holding every nibble at every position: bf16 and fp16 values
+    magic + nibble in word order (the GEMM itself is checked in fp16 above: the interpreter's
+    bf16 tl.dot is unusable)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def decode(src, dst, MAGIC: tl.constexpr, BF16: tl.constexpr):
+        rows = tl.arange(0, 16)
+        codes = w4a16_gemm.w4_offset_codes(src + rows[:, None] * 2, rows < 16, 0, 16, MAGIC, 16,
+                                           16)  # fmt: skip
+        val = codes.to(tl.bfloat16 if BF16 else tl.float16, bitcast=True).to(tl.float32)
+        tl.store(dst + rows[:, None] * 16 + tl.arange(0, 16)[None, :], val)
+
+    nib = (torch.arange(16)[:, None] + torch.arange(16)[None, :] * 7) % 16  # [16 rows, 16]
+    words = (nib.view(16, 2, 8) << (torch.arange(8) * 4)).sum(-1)  # [16, 2] (int64)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    for magic, base, bf16 in ((w4a16_gemm.MAGIC_BF16, 128, True),
+                              (w4a16_gemm.MAGIC_FP16, 1024, False)):  # fmt: skip
+        out = torch.empty(16, 16)
+        decode[(1,)](words, out, int(magic), bf16)
+        assert torch.equal(out, (nib + base).float()), (bf16, out - base)
+
+
 CPU, F32, TOL32 = "cpu", torch.float32, 1e-5
 INTERPRETER_CHECKS = {
     "quant_group128_ragged_k": lambda: check_quant(5, 200, 128, F32, CPU),
@@ -229,6 +254,15 @@ INTERPRETER_CHECKS = {
         3, 40, 200, 24, False, (16, 32, 64, 2), F32, CPU, TOL32
     ),
     "int4_default_plan_prefill": lambda: check_w4(70, 40, 200, 32, False, None, F32, CPU, TOL32),
+    # 16-bit activations, steps inside one group: the magic-number decode (codes + 1032 in
+    # fp16, the offset subtracted before the dot), ragged N and K, split or one row
+    "int4_offset_codes_fp16": lambda: check_w4(
+        20, 40, 264, 128, False, (16, 32, 64, 2), torch.float16, CPU, 1e-3
+    ),
+    "int4_offset_codes_fp16_one_row": lambda: check_w4(
+        1, 72, 200, 64, False, (16, 32, 64, 1), torch.float16, CPU, 1e-3
+    ),
+    "int4_offset_codes_decode": lambda: check_offset_codes_decode(),
     "fp8_default_plan_prefill": lambda: check_fp8_linear(70, 40, 200, False, None, F32, CPU, TOL32),
     "nvfp4_rowscale_split2": lambda: check_w4(
         3, 40, 208, 16, True, (16, 32, 64, 2), F32, CPU, TOL32
