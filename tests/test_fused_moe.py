@@ -10,6 +10,8 @@ runs the checks and prints a JSON line of results that `test_interpreter` reads.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import importlib.util
 import sys
 from pathlib import Path
@@ -159,6 +161,8 @@ def check_quant_fused_moe(
         num_tokens, num_experts, top_k, hidden, inter, seed, skew, device=device
     )
     e13, e2, d13, d2 = quantized_experts(w13, w2, fmt)
+    if dtype == torch.float16 and fmt.startswith("ct-int4"):  # fp16 scales (from bf16: exact)
+        e13, e2 = (replace(e, scale=e.scale.half()) for e in (e13, e2))
     x = x.to(dtype)
     _poison_allocator(device, num_tokens * top_k * max(hidden, inter))
     out = fm.fused_moe(x, e13, e2, weights, ids, launch)
@@ -253,6 +257,10 @@ INTERPRETER_CHECKS = {
     ),
     "qmoe_int4_g32_groups": lambda: check_quant_fused_moe(
         "ct-int4-g32", 12, 4, 3, 72, 40, F32, CPU, TOL32, seed=9, launch=K64
+    ),
+    # fp16 activations and scales: INT4 decoded by the magic number and scaled in fp16
+    "qmoe_int4_g32_fp16_magic": lambda: check_quant_fused_moe(
+        "ct-int4-g32", 12, 4, 3, 72, 40, torch.float16, CPU, 2e-3, seed=9, launch=K64
     ),
     "qmoe_int4_g128_decode": lambda: check_quant_fused_moe(
         "ct-int4-g128", 2, 16, 2, 256, 136, F32, CPU, TOL32, seed=10

@@ -262,6 +262,13 @@ INTERPRETER_CHECKS = {
     "int4_offset_codes_fp16_one_row": lambda: check_w4(
         1, 72, 200, 64, False, (16, 32, 64, 1), torch.float16, CPU, 1e-3
     ),
+    # and several groups a step (scaled in fp16) or each column's scale
+    "int4_magic_fp16_groups": lambda: check_w4(
+        5, 40, 200, 16, False, (16, 32, 64, 2), torch.float16, CPU, 1e-3
+    ),
+    "int4_magic_fp16_column_scales": lambda: check_w4(
+        3, 40, 200, 24, False, (16, 32, 64, 1), torch.float16, CPU, 1e-3
+    ),
     "int4_offset_codes_decode": lambda: check_offset_codes_decode(),
     "fp8_default_plan_prefill": lambda: check_fp8_linear(70, 40, 200, False, None, F32, CPU, TOL32),
     "nvfp4_rowscale_split2": lambda: check_w4(

@@ -278,12 +278,12 @@ def _moe_gemm_kernel(
         elif WEIGHTS == INT4_C or WEIGHTS == NVFP4_C:  # W4A16: decoded and scaled in registers
             fp4: tl.constexpr = WEIGHTS == NVFP4_C
             w = w4_tile(w_rows, s_rows, col_ok, k0, k, GROUP_K, SCALES, fp4, BLOCK_N, BLOCK_K,
-                        SOFT_E4M3)  # fmt: skip
+                        SOFT_E4M3, DTYPE=a_ptr.dtype.element_ty)  # fmt: skip
             acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc, input_precision=DOT_PRECISION)
             if SILU_MUL:
                 w_up = w4_tile(w_rows + up_offset * stride_bn, s_rows + up_scale_row * stride_bsn,
                                col_ok, k0, k, GROUP_K, SCALES, fp4, BLOCK_N, BLOCK_K,
-                               SOFT_E4M3)  # fmt: skip
+                               SOFT_E4M3, DTYPE=a_ptr.dtype.element_ty)  # fmt: skip
                 acc_up = tl.dot(a, tl.trans(w_up.to(a.dtype)), acc_up,
                                 input_precision=DOT_PRECISION)  # fmt: skip
         else:

@@ -109,10 +109,14 @@ def _decode_e4m3(bits):
 
 
 @jit
-def _scales(ptrs, mask, SOFT_E4M3: tl.constexpr):
+def _scales(ptrs, mask, SOFT_E4M3: tl.constexpr, KEEP: tl.constexpr = False):
     if SOFT_E4M3:  # e4m3 scales read as bytes
-        return _decode_e4m3(tl.load(ptrs, mask=mask, other=0))
-    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        sc = _decode_e4m3(tl.load(ptrs, mask=mask, other=0))
+    elif KEEP:  # in their own type
+        sc = tl.load(ptrs, mask=mask, other=0.0)
+    else:
+        sc = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    return sc
 
 
 # how a K step of BLOCK_K columns finds its scales (see scale_mode)
@@ -134,41 +138,51 @@ def scale_mode(group: int, block_k: int) -> int:
 def w4_tile(
     w_rows, s_rows, n_ok, k0, K, GROUP: tl.constexpr, SCALES: tl.constexpr, FP4: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_E4M3: tl.constexpr = False,
-    APPLY_SCALE: tl.constexpr = True,
+    APPLY_SCALE: tl.constexpr = True, DTYPE: tl.constexpr = None,
 ):  # fmt: skip
     """The fp32 weight tile [BLOCK_N, BLOCK_K] of columns k0 .. k0 + BLOCK_K - 1 (k0 a multiple
     of 8): w_rows / s_rows [BLOCK_N, 1] point at each row's packed words and scales; rows past
     n_ok and columns past K decode as zero codes (their scales are not read). SOFT_E4M3: the
     scales are e4m3 bytes decoded here (NVFP4 on GPUs without the e4m3 type). Without
-    APPLY_SCALE the codes' values alone (the caller scales a PER_STEP tile's product)."""
-    words = tl.arange(0, BLOCK_K // 8)
-    shifts = tl.arange(0, 8) * 4
+    APPLY_SCALE the codes' values alone (the caller scales a PER_STEP tile's product). DTYPE
+    (the activations' 16-bit float type): INT4 with scales of that type is decoded by the
+    magic number and scaled in DTYPE, the tile then in DTYPE: the same values as the fp32 tile
+    rounded to DTYPE (a code times a scale is exact in fp32, rounded once either way)."""
     k = k0 + tl.arange(0, BLOCK_K)
-    word = k0 // 8 + words
-    packed = tl.load(
-        w_rows + word[None, :], mask=n_ok[:, None] & (word * 8 < K)[None, :], other=0
-    )  # [BN, BK/8]
-    nib = (packed[:, :, None] >> shifts[None, None, :]) & 0xF  # [BN, BK/8, 8]
-    nib = tl.reshape(nib, (BLOCK_N, BLOCK_K))
-    if FP4:
-        val = _decode_e2m1(nib)
+    MAGIC: tl.constexpr = (not FP4 and DTYPE is not None
+                           and (DTYPE == tl.bfloat16 or DTYPE == tl.float16)
+                           and (not APPLY_SCALE or s_rows.dtype.element_ty == DTYPE))
+    if MAGIC:
+        magic: tl.constexpr = MAGIC_BF16 if DTYPE == tl.bfloat16 else MAGIC_FP16
+        offset: tl.constexpr = OFFSET_BF16 if DTYPE == tl.bfloat16 else OFFSET_FP16
+        val = w4_offset_codes(w_rows, n_ok, k0, K, magic, BLOCK_N, BLOCK_K)
+        val = val.to(DTYPE, bitcast=True) - tl.full((1, 1), offset, DTYPE)  # exact
     else:
-        val = (nib - 8).to(tl.float32)
+        word = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        packed = tl.load(
+            w_rows + word[None, :], mask=n_ok[:, None] & (word * 8 < K)[None, :], other=0
+        )  # [BN, BK/8]
+        nib = (packed[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
+        nib = tl.reshape(nib, (BLOCK_N, BLOCK_K))  # [BN, BK/8, 8] -> [BN, BK]
+        if FP4:
+            val = _decode_e2m1(nib)
+        else:
+            val = (nib - 8).to(tl.float32)
     if not APPLY_SCALE:
         w = val
     elif SCALES == PER_STEP_C:  # the step lies in one group: one scale per row
-        sc = _scales(s_rows + k0 // GROUP, n_ok[:, None], SOFT_E4M3)
+        sc = _scales(s_rows + k0 // GROUP, n_ok[:, None], SOFT_E4M3, MAGIC)
         w = val * sc
     elif SCALES == PER_GROUP_C:  # BLOCK_K // GROUP whole groups: scale each group's slice
         g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
         sc = _scales(s_rows + g[None, :], n_ok[:, None] & (g * GROUP < K)[None, :],
-                     SOFT_E4M3)  # [BN, BK / GROUP]
+                     SOFT_E4M3, MAGIC)  # [BN, BK / GROUP]
         w = tl.reshape(
             tl.reshape(val, (BLOCK_N, BLOCK_K // GROUP, GROUP)) * sc[:, :, None],
             (BLOCK_N, BLOCK_K),
         )
     else:  # groups that do not tile the step: each column's scale
-        sc = _scales(s_rows + (k // GROUP)[None, :], n_ok[:, None] & (k < K)[None, :], SOFT_E4M3)
+        sc = _scales(s_rows + (k // GROUP)[None, :], n_ok[:, None] & (k < K)[None, :], SOFT_E4M3, MAGIC)
         w = val * sc
     return w
 
@@ -229,12 +243,10 @@ def _w4a16_kernel(
     # second operand; with several groups a step that form stays, being the shorter one there);
     # fewer rows: acc_add's GEMV
     TRANSPOSED: tl.constexpr = BLOCK_M >= 16 and SCALES == PER_STEP_C
-    # there, INT4 with 16-bit activations decodes by the magic number (w4_offset_codes), the
-    # same values: sm_90 code 389 instead of 581 SASS instructions a thread per K step at M 16
-    # (BN 64, BK 128; 432 instead of 648 at M 64), no I2F, 8 instead of 64 shared stores
+    # INT4 with 16-bit activations (and scales of their type) decodes by the magic number
+    # (w4_tile's DTYPE): sm_90 code of a step inside one group at M 16 (BN 64, BK 128): 389
+    # instead of 581 SASS instructions a thread, no I2F, 8 instead of 64 shared stores
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
-    OFFSET_CODES: tl.constexpr = TRANSPOSED and not FP4 and (
-        DTYPE == tl.bfloat16 or DTYPE == tl.float16)
     if TRANSPOSED:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
@@ -249,24 +261,17 @@ def _w4a16_kernel(
         if SCALES == PER_STEP_C:  # one scale per row: applied to the step's product
             # ([BN] scales in the accumulator's layout, not broadcast over the decoded tile; the
             # codes' values are exact in the activation dtype)
+            w = w4_tile(w_rows, s_rows, n_ok, k0, K, GROUP, SCALES, FP4, BLOCK_N, BLOCK_K,
+                        SOFT_E4M3, APPLY_SCALE=False, DTYPE=DTYPE).to(x.dtype)
             sc = _scales(s_ptr + rn.to(tl.int64) * stride_sn + k0 // GROUP, n_ok, SOFT_E4M3)
-            if OFFSET_CODES:
-                magic: tl.constexpr = MAGIC_BF16 if DTYPE == tl.bfloat16 else MAGIC_FP16
-                offset: tl.constexpr = OFFSET_BF16 if DTYPE == tl.bfloat16 else OFFSET_FP16
-                w = w4_offset_codes(w_rows, n_ok, k0, K, magic, BLOCK_N, BLOCK_K)
-                w = w.to(DTYPE, bitcast=True) - tl.full((1, 1), offset, DTYPE)  # exact
+            if TRANSPOSED:
                 acc += tl.dot(w, tl.trans(x)) * sc[:, None]
             else:
-                w = w4_tile(w_rows, s_rows, n_ok, k0, K, GROUP, SCALES, FP4, BLOCK_N, BLOCK_K,
-                            SOFT_E4M3, APPLY_SCALE=False).to(x.dtype)
-                if TRANSPOSED:
-                    acc += tl.dot(w, tl.trans(x)) * sc[:, None]
-                else:
-                    acc = acc_add_scaled(acc, x, w, tl.full((BLOCK_M,), 1.0, tl.float32), sc,
-                                         BLOCK_M)
+                acc = acc_add_scaled(acc, x, w, tl.full((BLOCK_M,), 1.0, tl.float32), sc,
+                                     BLOCK_M)
         else:
             w = w4_tile(w_rows, s_rows, n_ok, k0, K, GROUP, SCALES, FP4, BLOCK_N, BLOCK_K,
-                        SOFT_E4M3).to(x.dtype)
+                        SOFT_E4M3, DTYPE=DTYPE).to(x.dtype)
             acc = acc_add(acc, x, w, BLOCK_M)
     if TRANSPOSED:
         acc = tl.trans(acc)
