@@ -210,29 +210,31 @@ def check_e2m1_decode() -> None:
     assert torch.equal(out, want) and torch.equal(out.signbit(), want.signbit()), (out, want)
 
 
-def check_offset_codes_decode() -> None:
-    """w4_offset_codes over words holding every nibble at every position: bf16 and fp16 values
-    magic + nibble in word order (the GEMM itself is checked in fp16 above: the interpreter's
-    bf16 tl.dot is unusable)."""
+def check_codes16_decode() -> None:
+    """w4_codes16 over words holding every nibble at every position, in bf16 and fp16: INT4
+    magic + nibble, NVFP4 the e2m1 value (signs and -0 included), in word order (the GEMMs are
+    checked in fp16 above: the interpreter's bf16 tl.dot is unusable)."""
     import triton
     import triton.language as tl
 
     @triton.jit
-    def decode(src, dst, MAGIC: tl.constexpr, BF16: tl.constexpr):
+    def decode(src, dst, FP4: tl.constexpr, BF16: tl.constexpr):
         rows = tl.arange(0, 16)
-        codes = w4a16_gemm.w4_offset_codes(src + rows[:, None] * 2, rows < 16, 0, 16, MAGIC, 16,
-                                           16)  # fmt: skip
+        codes = w4a16_gemm.w4_codes16(src + rows[:, None] * 2, rows < 16, 0, 16, FP4, BF16, 16,
+                                      16)  # fmt: skip
         val = codes.to(tl.bfloat16 if BF16 else tl.float16, bitcast=True).to(tl.float32)
         tl.store(dst + rows[:, None] * 16 + tl.arange(0, 16)[None, :], val)
 
     nib = (torch.arange(16)[:, None] + torch.arange(16)[None, :] * 7) % 16  # [16 rows, 16]
     words = (nib.view(16, 2, 8) << (torch.arange(8) * 4)).sum(-1)  # [16, 2] (int64)
     words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-    for magic, base, bf16 in ((w4a16_gemm.MAGIC_BF16, 128, True),
-                              (w4a16_gemm.MAGIC_FP16, 1024, False)):  # fmt: skip
-        out = torch.empty(16, 16)
-        decode[(1,)](words, out, int(magic), bf16)
-        assert torch.equal(out, (nib + base).float()), (bf16, out - base)
+    for fp4 in (False, True):
+        for bf16, base in ((True, 128), (False, 1024)):
+            out = torch.empty(16, 16)
+            decode[(1,)](words, out, fp4, bf16)
+            want = w4a16_gemm.decode_nibbles(nib, fp4=True) if fp4 else (nib + base).float()
+            assert torch.equal(out, want) and torch.equal(out.signbit(), want.signbit()), (
+                fp4, bf16, out, want)
 
 
 CPU, F32, TOL32 = "cpu", torch.float32, 1e-5
@@ -269,7 +271,13 @@ INTERPRETER_CHECKS = {
     "int4_magic_fp16_column_scales": lambda: check_w4(
         3, 40, 200, 24, False, (16, 32, 64, 1), torch.float16, CPU, 1e-3
     ),
-    "int4_offset_codes_decode": lambda: check_offset_codes_decode(),
+    "nvfp4_fp16_groups": lambda: check_w4(
+        3, 40, 208, 16, True, (16, 32, 64, 2), torch.float16, CPU, 1e-3
+    ),
+    "nvfp4_fp16_soft_e4m3_one_step": lambda: check_w4(
+        5, 40, 256, 16, True, (16, 32, 16, 1), torch.float16, CPU, 1e-3, soft=True
+    ),
+    "codes16_decode": lambda: check_codes16_decode(),
     "fp8_default_plan_prefill": lambda: check_fp8_linear(70, 40, 200, False, None, F32, CPU, TOL32),
     "nvfp4_rowscale_split2": lambda: check_w4(
         3, 40, 208, 16, True, (16, 32, 64, 2), F32, CPU, TOL32

@@ -109,13 +109,17 @@ def _decode_e4m3(bits):
 
 
 @jit
-def _scales(ptrs, mask, SOFT_E4M3: tl.constexpr, KEEP: tl.constexpr = False):
+def _scales(ptrs, mask, SOFT_E4M3: tl.constexpr, FAST: tl.constexpr = False,
+            DTYPE: tl.constexpr = None):
+    """Scales as fp32, or with FAST in DTYPE (where w4_tile guarantees the conversion exact)."""
     if SOFT_E4M3:  # e4m3 scales read as bytes
         sc = _decode_e4m3(tl.load(ptrs, mask=mask, other=0))
-    elif KEEP:  # in their own type
-        sc = tl.load(ptrs, mask=mask, other=0.0)
     else:
-        sc = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        sc = tl.load(ptrs, mask=mask, other=0.0)
+    if FAST:
+        sc = sc.to(DTYPE)
+    else:
+        sc = sc.to(tl.float32)
     return sc
 
 
@@ -145,18 +149,19 @@ def w4_tile(
     n_ok and columns past K decode as zero codes (their scales are not read). SOFT_E4M3: the
     scales are e4m3 bytes decoded here (NVFP4 on GPUs without the e4m3 type). Without
     APPLY_SCALE the codes' values alone (the caller scales a PER_STEP tile's product). DTYPE
-    (the activations' 16-bit float type): INT4 with scales of that type is decoded by the
-    magic number and scaled in DTYPE, the tile then in DTYPE: the same values as the fp32 tile
-    rounded to DTYPE (a code times a scale is exact in fp32, rounded once either way)."""
+    (the activations' 16-bit float type): the codes decoded straight to it (w4_codes16) and
+    scaled in it, for NVFP4 and for INT4 with scales of that type; the same values as the fp32
+    tile rounded to DTYPE (an NVFP4 value times its e4m3 scale is exact in 16 bits; an INT4
+    code times a 16-bit scale is exact in fp32, rounded once either way)."""
     k = k0 + tl.arange(0, BLOCK_K)
-    MAGIC: tl.constexpr = (not FP4 and DTYPE is not None
-                           and (DTYPE == tl.bfloat16 or DTYPE == tl.float16)
-                           and (not APPLY_SCALE or s_rows.dtype.element_ty == DTYPE))
-    if MAGIC:
-        magic: tl.constexpr = MAGIC_BF16 if DTYPE == tl.bfloat16 else MAGIC_FP16
-        offset: tl.constexpr = OFFSET_BF16 if DTYPE == tl.bfloat16 else OFFSET_FP16
-        val = w4_offset_codes(w_rows, n_ok, k0, K, magic, BLOCK_N, BLOCK_K)
-        val = val.to(DTYPE, bitcast=True) - tl.full((1, 1), offset, DTYPE)  # exact
+    FAST: tl.constexpr = (DTYPE is not None and (DTYPE == tl.bfloat16 or DTYPE == tl.float16)
+                          and (FP4 or not APPLY_SCALE or s_rows.dtype.element_ty == DTYPE))
+    if FAST:
+        bf16: tl.constexpr = DTYPE == tl.bfloat16
+        val = w4_codes16(w_rows, n_ok, k0, K, FP4, bf16, BLOCK_N, BLOCK_K).to(DTYPE, bitcast=True)
+        if not FP4:
+            offset: tl.constexpr = OFFSET_BF16 if bf16 else OFFSET_FP16
+            val = val - tl.full((1, 1), offset, DTYPE)  # exact
     else:
         word = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         packed = tl.load(
@@ -171,53 +176,66 @@ def w4_tile(
     if not APPLY_SCALE:
         w = val
     elif SCALES == PER_STEP_C:  # the step lies in one group: one scale per row
-        sc = _scales(s_rows + k0 // GROUP, n_ok[:, None], SOFT_E4M3, MAGIC)
+        sc = _scales(s_rows + k0 // GROUP, n_ok[:, None], SOFT_E4M3, FAST, DTYPE)
         w = val * sc
     elif SCALES == PER_GROUP_C:  # BLOCK_K // GROUP whole groups: scale each group's slice
         g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
         sc = _scales(s_rows + g[None, :], n_ok[:, None] & (g * GROUP < K)[None, :],
-                     SOFT_E4M3, MAGIC)  # [BN, BK / GROUP]
+                     SOFT_E4M3, FAST, DTYPE)  # [BN, BK / GROUP]
         w = tl.reshape(
             tl.reshape(val, (BLOCK_N, BLOCK_K // GROUP, GROUP)) * sc[:, :, None],
             (BLOCK_N, BLOCK_K),
         )
     else:  # groups that do not tile the step: each column's scale
-        sc = _scales(s_rows + (k // GROUP)[None, :], n_ok[:, None] & (k < K)[None, :], SOFT_E4M3, MAGIC)
+        sc = _scales(s_rows + (k // GROUP)[None, :], n_ok[:, None] & (k < K)[None, :], SOFT_E4M3, FAST, DTYPE)
         w = val * sc
     return w
 
 
-# The 16-bit float whose mantissa's last ulp is 1 (bf16: 128, 7 mantissa bits; fp16: 1024, 10
-# bits): (nibble | its bits) is it + nibble exactly; subtracting the offset (it + INT4's zero
-# point 8) leaves the code's value, exactly. constexpr globals (@jit code reads only those)
+# INT4 by the magic number: the 16-bit float whose mantissa's last ulp is 1 (bf16: 128, 7
+# mantissa bits; fp16: 1024, 10 bits): (nibble | its bits) is it + nibble exactly; subtracting
+# the offset (it + INT4's zero point 8) leaves the code's value, exactly. constexpr globals
+# (@jit code reads only those)
 MAGIC_BF16, MAGIC_FP16, OFFSET_BF16, OFFSET_FP16 = (
     (tl.constexpr(v) if tl is not None else v) for v in (0x4300, 0x6400, 136.0, 1032.0))
 
 
 @jit
-def _magic_nibble(packed, SHIFT: tl.constexpr, MAGIC: tl.constexpr):
-    return (((packed >> SHIFT) & 0xF) | MAGIC).to(tl.int16)
+def _code_bits16(packed, SHIFT: tl.constexpr, FP4: tl.constexpr, BF16: tl.constexpr):
+    """The nibbles at SHIFT of packed words as 16-bit float bits (int16): INT4 magic + nibble;
+    NVFP4 the e2m1 value itself: magnitude c = e1e0m, c >= 2 is 2^(e - 1) (1 + m / 2), i.e.
+    the bits (c << mantissa bits - 1) + those of 0.5 (the exponent's bias moved by 126 (bf16) /
+    14 (fp16)); c = 1 is 0.5 and c = 0 is 0: c times 0.5's bits; the sign to bit 15."""
+    nib = (packed >> SHIFT) & 0xF
+    if FP4:
+        c = nib & 7
+        half: tl.constexpr = 0x3F00 if BF16 else 0x3800  # 0.5
+        step: tl.constexpr = 64 if BF16 else 512  # c's position: e1e0 at the exponent's foot
+        bits = tl.where(c >= 2, c * step + half, c * half) | ((nib & 8) << 12)
+    else:
+        bits = nib | (MAGIC_BF16 if BF16 else MAGIC_FP16)
+    return bits.to(tl.int16)
 
 
 @jit
-def w4_offset_codes(w_rows, n_ok, k0, K, MAGIC: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):  # fmt: skip
-    """INT4 codes of columns k0 .. k0 + BLOCK_K - 1 as the bits [BLOCK_N, BLOCK_K] int16 of
-    the 16-bit floats magic + nibble = code + offset (MAGIC_* / OFFSET_*): bitcast them to the
-    activation dtype and subtract the offset there (one packed HADD2 per two values on sm_90)
-    for the codes' values, exactly. No int-to-float conversion, and each word's eight values
-    stay in one thread (joined, not broadcast and reshaped through shared memory). Rows past
-    n_ok and columns past K decode as code 0 (zero scales or activations meet them)."""
+def w4_codes16(w_rows, n_ok, k0, K, FP4: tl.constexpr, BF16: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """The codes of columns k0 .. k0 + BLOCK_K - 1 as the bits [BLOCK_N, BLOCK_K] int16 of 16-bit
+    floats (bf16 or fp16; _code_bits16): NVFP4 their values, INT4 code + offset (MAGIC_* /
+    OFFSET_*: bitcast and subtract the offset in that type, one packed HADD2 per two values on
+    sm_90, exactly). No int-to-float conversion, and each word's eight values stay in one
+    thread (joined, not broadcast and reshaped through shared memory). Rows past n_ok and
+    columns past K decode as nibble 0 (zero scales or activations meet them)."""
     word = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     packed = tl.load(
         w_rows + word[None, :], mask=n_ok[:, None] & (word * 8 < K)[None, :], other=0
     )  # [BN, BK/8]
     # join adds its axis last, so three joins index nibble 4i + 2j + k at [.., i, j, k]: the
     # innermost pairs are nibbles (0, 4), (2, 6), (1, 5), (3, 7)
-    a = tl.join(tl.join(_magic_nibble(packed, 0, MAGIC), _magic_nibble(packed, 16, MAGIC)),
-                tl.join(_magic_nibble(packed, 8, MAGIC), _magic_nibble(packed, 24, MAGIC)))
-    b = tl.join(tl.join(_magic_nibble(packed, 4, MAGIC), _magic_nibble(packed, 20, MAGIC)),
-                tl.join(_magic_nibble(packed, 12, MAGIC), _magic_nibble(packed, 28, MAGIC)))
+    a = tl.join(tl.join(_code_bits16(packed, 0, FP4, BF16), _code_bits16(packed, 16, FP4, BF16)),
+                tl.join(_code_bits16(packed, 8, FP4, BF16), _code_bits16(packed, 24, FP4, BF16)))
+    b = tl.join(tl.join(_code_bits16(packed, 4, FP4, BF16), _code_bits16(packed, 20, FP4, BF16)),
+                tl.join(_code_bits16(packed, 12, FP4, BF16), _code_bits16(packed, 28, FP4, BF16)))
     return tl.reshape(tl.join(a, b), (BLOCK_N, BLOCK_K))  # word-major, nibble 0 first
 
 
