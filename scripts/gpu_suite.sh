@@ -40,6 +40,7 @@ if has tests; then
     --ignore=tests/test_mla.py --ignore=tests/test_mla_kernels.py --ignore=tests/test_dsa.py \
     --ignore=tests/test_dsa_select.py \
     --ignore=tests/test_glm_engine.py --ignore=tests/test_quant_kernels.py \
+    --ignore=tests/test_quant_kernels_gpu.py \
     --ignore=tests/test_fused_moe_nvfp4.py -k "not quant_fused_moe" > "$out/gpu_tests.log" 2>&1
   echo "gpu tests rc=$?"; tail -4 "$out/gpu_tests.log"
 fi
@@ -98,12 +99,12 @@ fi
 if has quant; then
   if tests_too; then
     timeout 300 python -m pytest -q -m gpu -n 4 -rfE --tb=short -p no:cacheprovider \
-      tests/test_quant_kernels.py > "$out/quant_tests.log" 2>&1
+      tests/test_quant_kernels.py tests/test_quant_kernels_gpu.py > "$out/quant_tests.log" 2>&1
     echo "quant gpu tests rc=$?"; tail -4 "$out/quant_tests.log"
   fi
   if tests_too; then
     timeout 300 python -m pytest -q -m gpu -n 4 -rfE --tb=short -p no:cacheprovider \
-      tests/test_fused_moe.py -k quant_fused_moe > "$out/quant_moe_tests.log" 2>&1
+      tests/test_fused_moe_gpu.py -k quant_fused_moe > "$out/quant_moe_tests.log" 2>&1
     echo "quant moe gpu tests rc=$?"; tail -4 "$out/quant_moe_tests.log"
     timeout 300 python -m pytest -q -m gpu -n 4 -rfE --tb=short -p no:cacheprovider \
       tests/test_fused_moe_nvfp4.py > "$out/nvfp4_moe_tests.log" 2>&1
