@@ -345,6 +345,32 @@ def test_one_row_plans() -> None:
     assert launch_plan(1, 6144, 4096, cpu, gemv_rows=0).block_m == 16
 
 
+def test_fp8_activations_quantized_in_the_loop_only_for_gemv_plans(monkeypatch) -> None:
+    """fp8_linear quantizes in the K loop for a GEMV plan (one row) and with quant_fp8 first
+    for tensor-core plans (more rows, an explicit 16-row plan, exact mode's tiles)."""
+    from specserve.kernels import dispatch, gemm_split
+
+    calls = []
+    monkeypatch.setattr(gemm_split, "GEMV_MAX_ROWS", 1)
+    monkeypatch.setattr(fp8_gemm, "_launch", lambda a, s, quant, *rest: calls.append(quant))
+    monkeypatch.setattr(fp8_gemm, "quant_fp8", lambda x, g, st=None: calls.append("q") or (x, x))
+    w, ws = torch.zeros(8, 256, dtype=FP8), torch.ones(1, 2)
+    static = torch.tensor(0.5)
+    for m, static_scale, plan, want in [
+        (1, None, None, [fp8_gemm.DYNAMIC]), (1, static, None, [fp8_gemm.STATIC]),
+        (2, None, None, ["q", fp8_gemm.GIVEN]), (2, static, None, ["q", fp8_gemm.GIVEN]),
+        (1, None, (16, 32, 128, 1), ["q", fp8_gemm.GIVEN]),
+        (3, None, (4, 16, 128, 1), [fp8_gemm.DYNAMIC]),
+    ]:  # fmt: skip
+        calls.clear()
+        fp8_gemm.fp8_linear(torch.zeros(m, 256), w, ws, 128, 128, 128, static_scale, plan)
+        assert calls == want, (m, static_scale is not None, plan, calls)
+    monkeypatch.setattr(dispatch.EXACT, "on", True)
+    calls.clear()
+    fp8_gemm.fp8_linear(torch.zeros(1, 256), w, ws, 128, 128, 128)
+    assert calls == ["q", fp8_gemm.GIVEN]
+
+
 BF16, TOL16 = torch.bfloat16, 2e-2
 
 
