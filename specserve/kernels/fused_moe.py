@@ -23,10 +23,11 @@ Rounding follows the transformers experts: projections, SiLU and each expert's o
 rounded to the activation dtype; the k-sum is done in fp32.
 
 Quantized experts (`ExpertWeights`) are dequantized inside the K loop of both GEMMs:
-    FP8_BLOCK  W8A8: fp8 weights with [bn x bk] block scales; each K step (BLOCK_K = bk = 128)
-               quantizes its activation rows to fp8 per row and group (s = max|x| / 448, as
-               the dense FP8 linear does), runs tl.dot on the FP8 operands and scales the
-               partial product by activation and weight scales
+    FP8_BLOCK  W8A8: fp8 weights with [bn x bk] block scales; the activation rows are
+               quantized to fp8 per row and group of bk = 128 before each GEMM (quant_fp8:
+               s = max|x| / 448, as the dense FP8 linear does; once, not again in every
+               column tile's program), each K step (BLOCK_K = bk) runs tl.dot on the FP8
+               operands and scales the partial product by activation and weight scales
     INT4       W4A16: int4 nibbles packed 8 per int32 along K with group scales (compressed-
                tensors pack-quantized), decoded and scaled in registers, tl.dot in the
                activation dtype
@@ -48,13 +49,7 @@ import torch.nn.functional as F
 from specserve.kernels import gemm_split
 from specserve.kernels.dispatch import EXACT, jit, next_power_of_2, tl, triton
 from specserve.kernels.exact_gemm import rowwise_linear
-from specserve.kernels.fp8_gemm import (
-    AMAX_EPS,
-    FP8_MAX,
-    expand_scale,
-    quant_fp8_torch,
-    quant_rows_e4m3,
-)
+from specserve.kernels.fp8_gemm import expand_scale, quant_fp8, quant_fp8_torch
 from specserve.kernels.gemm_split import fit_shared
 from specserve.kernels.w4a16_gemm import dequantize_w4, scale_mode, w4_tile
 
@@ -158,7 +153,7 @@ def moe_launch_config(num_tokens: int, n: int, k: int, num_experts: int, top_k: 
     Rows per expert (M*k/E) pick BLOCK_M: decode has ~1 row per hit expert (BLOCK_M 16, the
     smallest MMA tile; the GEMM is a weight stream, so narrow BLOCK_N gives more programs),
     prefill fills whole tiles (BLOCK_M up to 128, BLOCK_N 128, GROUP_M 8 for L2 reuse).
-    FP8 block weights step K by their block (the activations are quantized per step).
+    FP8 block weights step K by their block (the activations' scale groups).
     Exact mode (kernels/dispatch.py) takes one config whatever num_tokens is.
     """
     rows = num_tokens * top_k / max(num_experts, 1)
@@ -222,9 +217,9 @@ def align_pairs(topk_ids: torch.Tensor, block_m: int, num_experts: int) -> MoEAl
 
 @jit
 def _moe_gemm_kernel(
-    a_ptr, b_ptr, bs_ptr, gs_ptr, c_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr,
-    num_padded_ptr, n, k, num_pairs, num_rows, stride_am, stride_be, stride_bn, stride_bse,
-    stride_bsn, stride_gse, stride_cm, up_offset, up_scale_row, fp8_max, eps,
+    a_ptr, as_ptr, b_ptr, bs_ptr, gs_ptr, c_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr,
+    num_padded_ptr, n, k, num_pairs, num_rows, stride_am, stride_asm, stride_be, stride_bn,
+    stride_bse, stride_bsn, stride_gse, stride_cm, up_offset, up_scale_row,
     A_ROW_DIV: tl.constexpr, SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     WEIGHTS: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, SCALES: tl.constexpr,
     SOFT_E4M3: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -265,9 +260,9 @@ def _moe_gemm_kernel(
         k_ok = offs_k < k - k0
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b_mask = k_ok[:, None] & col_ok[None, :]
-        if WEIGHTS == FP8_BLOCK_C:  # W8A8: the rows quantized per group of BLOCK_K = GROUP_K
-            q, a_s = quant_rows_e4m3(a.to(tl.float32), fp8_max, eps)
-            a8 = q.to(b_ptr.dtype.element_ty)
+        if WEIGHTS == FP8_BLOCK_C:  # W8A8: rows quantized per group of BLOCK_K = GROUP_K
+            a8 = a  # fp8 (quant_fp8 before the launch)
+            a_s = tl.load(as_ptr + a_row * stride_asm + k0 // GROUP_K, mask=row_ok, other=0.0)
             b = tl.load(b_ptrs, mask=b_mask, other=0.0)  # [BLOCK_K, BLOCK_N] fp8
             b_s = tl.load(s_gate + k0 // GROUP_K, mask=col_ok, other=0.0)
             acc += tl.dot(a8, b) * a_s[:, None] * b_s[None, :]
@@ -327,16 +322,20 @@ def _grouped_gemm(
         scale = scale.view(torch.uint8)
     num_rows = align.sorted_ids.shape[0]
     grid = (triton.cdiv(num_rows, launch.block_m) * triton.cdiv(n, launch.block_n),)
+    precision = "ieee" if a.dtype == torch.float32 else None
+    a_scale = scale  # unused unless W8A8
+    if b.format == FP8_BLOCK:  # the rows quantized once, per group of bk (= BLOCK_K)
+        a, a_scale = quant_fp8(a, b.group_k)
     _moe_gemm_kernel[grid](
-        a, w, scale, glob, out, topk_weights if topk_weights is not None else a,
+        a, a_scale, w, scale, glob, out, topk_weights if topk_weights is not None else a,
         align.sorted_ids, align.block_expert, align.num_padded, n, k, out.shape[0], num_rows,
-        a.stride(0), w.stride(0), w.stride(1), scale.stride(0), scale.stride(1), glob.stride(0),
-        out.stride(0), n, b.rows_per_part, FP8_MAX, AMAX_EPS,
+        a.stride(0), a_scale.stride(0), w.stride(0), w.stride(1), scale.stride(0),
+        scale.stride(1), glob.stride(0), out.stride(0), n, b.rows_per_part,
         A_ROW_DIV=a_row_div, SILU_MUL=silu_mul, MUL_WEIGHT=topk_weights is not None,
         WEIGHTS=b.format, GROUP_N=b.group_n, GROUP_K=b.group_k,
         SCALES=scale_mode(b.group_k, launch.block_k), SOFT_E4M3=soft,
         BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
-        GROUP_M=launch.group_m, DOT_PRECISION="ieee" if a.dtype == torch.float32 else None,
+        GROUP_M=launch.group_m, DOT_PRECISION=precision,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
 
