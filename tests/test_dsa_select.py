@@ -29,6 +29,8 @@ from test_kernels import gpu_test  # noqa: E402
 from specserve.kernels import dsa_index as di  # noqa: E402
 from specserve.kernels import dsa_select as ds  # noqa: E402
 
+ONE_PROGRAM_MAX_WIDTH = ds.ONE_PROGRAM_MAX_WIDTH
+
 
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_scores_and_selection_against_loops(case: int) -> None:
@@ -141,11 +143,15 @@ def check_select(bs: int, max_len: int, page_size: int, k: int, kind: str, devic
     assert torch.equal(got, want), (got != want).nonzero()[:8].tolist()
 
 
-def check_backend_select(case: int, k: int) -> None:
+def check_backend_select(case: int, k: int, one_program_max_width: int | None = None) -> None:
     """TritonDSA.select (scores kernel + selection kernel) == TorchDSA.select on a decode, an
-    extend after a cached prefix and a tree-masked verify (float32: the same scores)."""
+    extend after a cached prefix and a tree-masked verify (float32: the same scores); with
+    one_program_max_width below the table's width, its torch.topk form for long limits."""
     from specserve.layers.backends.torch_ref import TorchDSA
     from specserve.layers.backends.triton_backend import TritonDSA
+
+    if one_program_max_width is not None:
+        ds.ONE_PROGRAM_MAX_WIDTH = one_program_max_width  # this interpreter process only
 
     seq_lens, q_lens, page_size, tree = CASES[case]
     gen = torch.Generator().manual_seed(30 + case)
@@ -155,6 +161,7 @@ def check_backend_select(case: int, k: int) -> None:
     q = torch.randint(-2, 3, (t, 2, 16), generator=gen).float()  # integer scores: ties
     w = torch.randint(1, 3, (t, 2), generator=gen).float()
     got = TritonDSA().select(q, w, cache, md, k)
+    ds.ONE_PROGRAM_MAX_WIDTH = ONE_PROGRAM_MAX_WIDTH
     if compiling():
         return
     want = TorchDSA().select(q, w, cache, md, k)
@@ -173,6 +180,8 @@ INTERPRETER_CHECKS = {
     "select_all_visible": lambda: check_select(2, 40, 4, 45, "normal", seed=4),
     **{f"backend_case{i}_k{k}": (lambda i=i, k=k: check_backend_select(i, k))
        for i in range(len(CASES)) for k in (3, 8)},
+    **{f"backend_case{i}_long_limit": (lambda i=i: check_backend_select(i, 8, 0))
+       for i in range(len(CASES))},
 }  # fmt: skip
 
 test_interpreter = interpreter_test(__file__, INTERPRETER_CHECKS)

@@ -30,6 +30,11 @@ from specserve.kernels.dispatch import jit, tl
 
 BLOCK = 2048  # positions per loop step (8 warps: 8 a thread)
 BINS = 256  # one key byte per radix pass
+# up to this page-table width (the context limit of a captured graph) the one-program-a-token
+# kernel selects; past it a token's scan of up to five passes over its own length runs on one
+# SM alone (at 128k, ~320 loop steps), and TritonDSA.select takes torch.topk's multi-block
+# radix select over the whole row instead (the work then follows the limit, not the length)
+ONE_PROGRAM_MAX_WIDTH = 32768
 
 
 @jit
