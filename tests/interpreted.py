@@ -15,6 +15,7 @@ import subprocess
 import sys
 import traceback
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,6 +31,18 @@ def run_interpreted(test_file: str, *argv: str, timeout: int = 600) -> dict[str,
     lines = proc.stdout.strip().splitlines()
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     return json.loads(lines[-1])
+
+
+def run_shards(test_file: str, *argv: str) -> dict[str, str]:
+    """run_interpreted in two subprocesses at once, each with every other check (the test
+    process only waits meanwhile: two CPU cores busy instead of one)."""
+    shards = max(1, min(2, os.cpu_count() or 1))
+    if shards == 1:
+        return run_interpreted(test_file, *argv)
+    with ThreadPoolExecutor(max_workers=shards) as pool:
+        parts = pool.map(lambda i: run_interpreted(test_file, *argv, f"--shard={i}/{shards}"),
+                         range(shards))  # fmt: skip
+        return {k: v for part in parts for k, v in part.items()}
 
 
 def compiling() -> bool:
@@ -54,6 +67,10 @@ def report(checks: dict[str, Callable[[], None]],
         print(json.dumps(compile_checks({**checks, **(gpu_dims or {})})))
         return
     assert os.environ.get("TRITON_INTERPRET") == "1", "run through run_interpreted"
+    shard = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--shard=")), None)
+    if shard is not None:  # "i/n": every n-th check from the i-th (a parallel share)
+        i, n = (int(v) for v in shard.split("/"))
+        checks = {k: c for j, (k, c) in enumerate(checks.items()) if j % n == i}
     results = {}
     for name, check in checks.items():
         try:
@@ -65,9 +82,10 @@ def report(checks: dict[str, Callable[[], None]],
 
 
 def interpreter_test(test_file: str, checks: dict[str, Callable[[], None]],
-                     run: Callable[[str], dict[str, str]] = run_interpreted) -> Callable:
+                     run: Callable[[str], dict[str, str]] = run_shards) -> Callable:
     """`test_interpreter = interpreter_test(__file__, CHECKS)`: one parametrized case per check,
-    every check run in one interpreter subprocess (`run(test_file)`) the first time a case
+    every check run in interpreter subprocesses (`run(test_file)`; two shards at once by
+    default) the first time a case
     asks; skipped without Triton."""
     import pytest
 

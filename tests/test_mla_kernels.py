@@ -26,7 +26,7 @@ for path in (REPO, REPO / "tests"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from interpreted import interpreter_test, report, run_interpreted  # noqa: E402
+from interpreted import interpreter_test, report, run_shards  # noqa: E402
 from test_kernels import gpu_test, row_rel_error, tree_mask  # noqa: E402
 
 from specserve.kernels import mla_attention as ma  # noqa: E402
@@ -255,13 +255,13 @@ GROUPS = {"kernels": INTERPRETER_CHECKS, "layer": LAYER_CHECKS}
 
 
 test_interpreter = interpreter_test(__file__, INTERPRETER_CHECKS,
-                                    run=lambda path: run_interpreted(path, "kernels"))
+                                    run=lambda path: run_shards(path, "kernels"))
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_layer_interpreter() -> None:
-    results = run_interpreted(__file__, "layer")
+    results = run_shards(__file__, "layer")
     assert all(v == "ok" for v in results.values()), results
 
 
