@@ -1,0 +1,156 @@
+"""Count the SASS instructions of a kernel's main loop, compiled for a GPU on a machine without
+one: how much work a thread issues per K step (the quantized GEMMs' decode, the MoE's
+activation quantization), before a GPU measures the speed.
+
+Each case launches one of our kernels in compile-only mode (tests/triton_compile.py: the
+launch is built for sm_<arch> down to a cubin and not run), disassembles the cubin with the
+nvdisasm that Triton ships, finds the longest backward branch (the K loop) and counts its
+instructions by opcode:
+
+    python scripts/sass_loop.py                       # every case, sm_90
+    python scripts/sass_loop.py w4a16-g128-m16 fp8-m1 --arch 90 --top 12
+
+A count is per thread and per loop iteration (one BLOCK_K step), so compare cases with the
+same tiles; quarter-rate instructions (I2F, F2F, MUFU) cost more issue slots than one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+for path in (REPO, REPO / "tests"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+K, N = 4096, 6144  # Llama-3.1-8B's qkv projection
+
+
+def _w4(m: int, group: int, fp4: bool):  # noqa: ANN202
+    def run() -> None:
+        import torch
+
+        from specserve.kernels import w4a16_gemm
+
+        sc = torch.ones(N, K // group)
+        w4a16_gemm.w4a16_mm(torch.zeros(m, K, dtype=torch.bfloat16),
+                            torch.zeros(N, K // 8, dtype=torch.int32),
+                            sc.to(torch.float8_e4m3fn) if fp4 else sc.bfloat16(), group, fp4,
+                            torch.ones(N) if fp4 else None)  # fmt: skip
+    return run
+
+
+def _fp8(m: int):  # noqa: ANN202
+    def run() -> None:
+        import torch
+
+        from specserve.kernels import fp8_gemm
+
+        fp8_gemm.fp8_linear(torch.zeros(m, K, dtype=torch.bfloat16),
+                            torch.zeros(N, K, dtype=torch.float8_e4m3fn),
+                            torch.ones(N // 128, K // 128), 128, 128, 128)  # fmt: skip
+    return run
+
+
+def _moe(fmt: str, tokens: int):  # noqa: ANN202
+    def run() -> None:
+        import test_fused_moe as t
+        import torch
+
+        t._poison_allocator = lambda *a: None
+        t.check_quant_fused_moe(fmt, tokens, 64, 8, 1024, 256, torch.bfloat16, "cpu", 1.0)
+    return run
+
+
+def _exact(m: int):  # noqa: ANN202
+    def run() -> None:
+        import torch
+
+        from specserve.kernels import exact_gemm
+
+        exact_gemm.exact_gemm(torch.zeros(m, K, dtype=torch.bfloat16),
+                              torch.zeros(N, K, dtype=torch.bfloat16))  # fmt: skip
+    return run
+
+
+CASES = {
+    "w4a16-g128-m16": _w4(16, 128, False), "w4a16-g128-m64": _w4(64, 128, False),
+    "w4a16-g32-m16": _w4(16, 32, False), "nvfp4-m16": _w4(16, 16, True),
+    "fp8-m1": _fp8(1), "fp8-m16": _fp8(16), "fp8-m64": _fp8(64),
+    "moe-int4-g32-decode": _moe("ct-int4-g32", 1), "moe-fp8-decode": _moe("fp8-block", 1),
+    "exact-m1": _exact(1),
+}  # fmt: skip
+
+
+def loop_counts(cubin: bytes, nvdisasm: str) -> collections.Counter:
+    """Opcode counts of the longest loop (label .. backward branch to it) of a cubin's SASS."""
+    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"sass_loop_{os.getpid()}.cubin"
+    path.write_bytes(cubin)
+    lines = subprocess.run([nvdisasm, "-c", str(path)], capture_output=True, text=True,
+                           check=True).stdout.splitlines()  # fmt: skip
+    path.unlink()
+    labels = {m.group(1): i for i, line in enumerate(lines)
+              if (m := re.match(r"^\.(L_x_\d+):", line.strip()))}  # fmt: skip
+    best = (0, 0, 0)
+    for i, line in enumerate(lines):
+        m = re.search(r"\bBRA\b.*?`\(\.(L_x_\d+)\)", line)
+        if m and m.group(1) in labels and labels[m.group(1)] < i:
+            best = max(best, (i - labels[m.group(1)], labels[m.group(1)], i))
+    ops: collections.Counter = collections.Counter()
+    for line in lines[best[1] : best[2] + 1]:
+        m = re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+        if m:
+            ops[m.group(1)] += 1
+    return ops
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("cases", nargs="*", help=f"any of {', '.join(CASES)} (default: all)")
+    p.add_argument("--arch", default="90")
+    p.add_argument("--top", type=int, default=10, help="opcodes listed per kernel")
+    args = p.parse_args(argv)
+    unknown = [c for c in args.cases if c not in CASES]
+    if unknown:
+        p.error(f"unknown case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
+    os.environ["SPECSERVE_TRITON_COMPILE_ONLY"] = args.arch
+    import triton
+    import triton_compile
+    from triton.runtime.jit import JITFunction
+
+    triton_compile._install(args.arch)
+    nvdisasm = str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm")
+    launched: list = []
+    compile_only = JITFunction.run
+
+    def grab(self, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        kernel = compile_only(self, *a, **kw)
+        launched.append((self.fn.__name__, kernel))
+        return kernel
+
+    JITFunction.run = grab
+    report = {}
+    for name in args.cases or CASES:
+        launched.clear()
+        try:
+            CASES[name]()
+        except Exception:  # noqa: BLE001  (outputs are never written: value checks fail)
+            pass
+        for kernel_name, kernel in launched:
+            if kernel_name.startswith("_quant"):
+                continue  # the activation quantization launch: no K loop
+            ops = loop_counts(kernel.asm["cubin"], nvdisasm)
+            report[f"{name} {kernel_name}"] = dict(ops)
+            top = ", ".join(f"{op} {n}" for op, n in ops.most_common(args.top))
+            print(f"{name:22s} {kernel_name:22s} {sum(ops.values()):5d}  {top}", flush=True)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""scripts/sass_loop.py: a kernel's K loop found in its sm_90 SASS and counted (compile-only,
+no GPU, in a subprocess: compile-only mode replaces Triton's driver for the process): the exact
+GEMM's loop holds its wgmma and its cp.async loads."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_exact_gemm_loop_counts() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(REPO)
+    out = subprocess.run([sys.executable, "scripts/sass_loop.py", "exact-m1", "--top", "40"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = next(x for x in out.stdout.splitlines() if x.startswith("exact-m1"))
+    total = int(line.split()[2])
+    ops = dict(item.rsplit(" ", 1) for item in line.split(None, 3)[3].split(", "))
+    assert "HGMMA" in ops and "LDGSTS" in ops and 20 < total < 1000, line
+    bad = subprocess.run([sys.executable, "scripts/sass_loop.py", "no-such-case"], cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown case" in bad.stderr
