@@ -16,7 +16,8 @@ def measure_default(
     config: EngineConfig, grid: list[tuple[int, int]], modes: list[str], args: Any
 ) -> dict[tuple[int, int], dict[str, float]]:
     """{(context, batch): {mode: tok/s}} of the default (non-exact) engine."""
-    from specserve.bench.latency import bench_point, make_prompts
+    from specserve.bench.latency import bench_point
+    from specserve.bench.prompts import make_prompts
     from specserve.llm import LLM
 
     llm = LLM(config.replace(exact=False))

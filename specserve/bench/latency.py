@@ -18,12 +18,10 @@ With a synthetic accept length every number is a cost-only measurement and says 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import logging
 import math
 import os
-import random
 import sys
 import time
 from collections.abc import Callable
@@ -36,6 +34,7 @@ from specserve.bench.exact_cost import cost_rows, format_cost, measure_default
 from specserve.bench.floor import sync, touched_experts
 from specserve.bench.latency_report import BASELINE, SYNTHETIC, format_report, write_log
 from specserve.bench.log import environment_info
+from specserve.bench.prompts import make_prompts
 from specserve.bench.stats import (
     Summary,
     summarize,
@@ -167,28 +166,6 @@ def efficiency(spec: ModeResult, plain: ModeResult) -> float:
     """spec tok/s / (accept length x plain tok/s), on the means."""
     assert spec.accept_length is not None
     return spec.tok_s.mean / (spec.accept_length.mean * plain.tok_s.mean)
-
-
-def make_prompts(engine: Any, source: str | None, batch_size: int, context_len: int,
-                 seed: int) -> list[list[int]]:
-    """`batch_size` prompts of exactly `context_len` tokens: random ids by default; from a prompt
-    set, request j concatenates the set's prompts from the j-th on (cycling) and cuts."""
-    if source is None:
-        rng = random.Random(f"{seed}-{batch_size}-{context_len}")
-        vocab = engine.model_config.vocab_size
-        return [[rng.randrange(vocab) for _ in range(context_len)] for _ in range(batch_size)]
-    from specserve.bench.prompts import load_prompts
-
-    if engine.tokenizer is None:
-        raise ValueError("--prompts needs a model with a tokenizer (random-weight presets have "
-                         "none); leave --prompts out to use random token ids")
-    encoded = [engine.tokenizer.encode(p.as_text()) for p in load_prompts(source)]
-    flat = [t for ids in encoded for t in ids]
-    if not flat:
-        raise ValueError(f"prompt set {source!r} encodes to no tokens")
-    starts = list(itertools.accumulate((len(ids) for ids in encoded), initial=0))
-    stream = flat * (context_len // len(flat) + 2)  # any start still has context_len after it
-    return [stream[starts[j % len(encoded)]:][:context_len] for j in range(batch_size)]
 
 
 def check_point(config: EngineConfig, max_model_len: int, kv_capacity: int | None,

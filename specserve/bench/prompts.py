@@ -6,8 +6,10 @@ A .jsonl prompt file holds one object per line, either {"prompt": "..."} (plain 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import random
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,3 +175,23 @@ def load_prompts(name_or_path: str) -> list[Prompt]:
     if not name_or_path.endswith(".jsonl"):
         raise ValueError(f"{name_or_path}: prompt files must be .jsonl (one JSON object a line)")
     return _load_jsonl(name_or_path)
+
+
+def make_prompts(engine: Any, source: str | None, batch_size: int, context_len: int,
+                 seed: int) -> list[list[int]]:
+    """`batch_size` prompts of exactly `context_len` tokens: random ids by default; from a prompt
+    set, request j concatenates the set's prompts from the j-th on (cycling) and cuts."""
+    if source is None:
+        rng = random.Random(f"{seed}-{batch_size}-{context_len}")
+        vocab = engine.model_config.vocab_size
+        return [[rng.randrange(vocab) for _ in range(context_len)] for _ in range(batch_size)]
+    if engine.tokenizer is None:
+        raise ValueError("--prompts needs a model with a tokenizer (random-weight presets have "
+                         "none); leave --prompts out to use random token ids")
+    encoded = [engine.tokenizer.encode(p.as_text()) for p in load_prompts(source)]
+    flat = [t for ids in encoded for t in ids]
+    if not flat:
+        raise ValueError(f"prompt set {source!r} encodes to no tokens")
+    starts = list(itertools.accumulate((len(ids) for ids in encoded), initial=0))
+    stream = flat * (context_len // len(flat) + 2)  # any start still has context_len after it
+    return [stream[starts[j % len(encoded)]:][:context_len] for j in range(batch_size)]

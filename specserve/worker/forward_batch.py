@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from specserve.layers.attention_metadata import AttentionMetadata
@@ -68,3 +71,28 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> t
     if torch.device(device).type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
+
+
+@dataclass
+class BatchInputs:
+    """Device tensors for one forward over a set of scheduled requests."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    md: AttentionMetadata
+    sample_rows: torch.Tensor  # [n_sample] rows of the hidden states to turn into logits
+    sample_index: list[int]  # which scheduled entries sample, in sample_rows order
+
+
+def prepare_batch(step, page_size: int, device: torch.device) -> BatchInputs:  # noqa: ANN001
+    """A StepInput's arrays as the device tensors of one forward (step: StepInput)."""
+    sample_index = np.flatnonzero(step.samples)
+    md = build_attention_metadata(step.num_new_tokens.tolist(), step.seq_lens.tolist(),
+                                  step.page_lists(), page_size, device)  # fmt: skip
+    return BatchInputs(
+        input_ids=to_device(step.token_ids, torch.long, device),
+        positions=to_device(step.positions(), torch.long, device),
+        md=md,
+        sample_rows=to_device(step.tok_off[1:][sample_index] - 1, torch.long, device),
+        sample_index=sample_index.tolist(),
+    )

@@ -39,22 +39,18 @@ from specserve.models.loader import build_model, load_model
 from specserve.models.presets import random_init
 from specserve.worker.cuda_graph import BatchGraphs, comm_message_rows
 from specserve.worker.device import resolve_device, resolve_dtype, select_backend
-from specserve.worker.forward_batch import build_attention_metadata, to_device
+from specserve.worker.forward_batch import (
+    BatchInputs,
+    build_attention_metadata,
+    prepare_batch,
+    to_device,
+)
 from specserve.worker.logits import logprob_lists, prompt_logprobs, sample_logits
 from specserve.worker.step_input import StepInput, StepOutput
 
 log = logging.getLogger(__name__)
 
 DECODE_MODES = ("greedy", "sample")
-@dataclass
-class BatchInputs:
-    """Device tensors for one forward over a set of scheduled requests."""
-
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    md: AttentionMetadata
-    sample_rows: torch.Tensor  # [n_sample] rows of the hidden states to turn into logits
-    sample_index: list[int]  # which scheduled entries sample, in sample_rows order
 
 
 @dataclass
@@ -205,16 +201,7 @@ class ModelRunner:
 
     # -- one forward -------------------------------------------------------------------------
     def prepare(self, step: StepInput) -> BatchInputs:
-        sample_index = np.flatnonzero(step.samples)
-        md = build_attention_metadata(step.num_new_tokens.tolist(), step.seq_lens.tolist(),
-                                      step.page_lists(), self.page_size, self.device)
-        return BatchInputs(
-            input_ids=self.tensor(step.token_ids),
-            positions=self.tensor(step.positions()),
-            md=md,
-            sample_rows=self.tensor(step.tok_off[1:][sample_index] - 1),
-            sample_index=sample_index.tolist(),
-        )
+        return prepare_batch(step, self.page_size, self.device)
 
     def tensor(self, values: list[int] | np.ndarray) -> torch.Tensor:
         return to_device(values, torch.long, self.device)
