@@ -109,6 +109,16 @@ def index_scores_ref(
 
 
 @jit
+def token_length(req_ptr, seq_lens_ptr, t, bs):
+    """(request, sequence length) of the batch's token t; a padding token (request bs, past
+    the last one) gets the last request and length 0: it sees nothing."""
+    req = tl.load(req_ptr + t)
+    live = tl.where(req < bs, 1, 0)
+    req = tl.minimum(req, bs - 1)
+    return req, tl.load(seq_lens_ptr + req) * live
+
+
+@jit
 def _index_scores_kernel(
     q_ptr, w_ptr, cache_ptr, out_ptr, req_ptr, qsl_ptr, seq_lens_ptr, page_table_ptr, mask_ptr,
     num_heads, head_dim, bs, mask_width, first_token, num_programs,
@@ -121,13 +131,10 @@ def _index_scores_kernel(
     # token's request length (none past it: those columns are not written): all heads in one
     # dot, relu, weighted sum over heads, the attention mask; -inf where not visible
     t = tl.program_id(0).to(tl.int64)
-    req = tl.load(req_ptr + t)
-    live = tl.where(req < bs, 1, 0)  # 0: a padding token past the last request
-    req = tl.minimum(req, bs - 1)
+    req, seq_len = token_length(req_ptr, seq_lens_ptr, t, bs)
     q_start = tl.load(qsl_ptr + req)
     q_len = tl.load(qsl_ptr + req + 1) - q_start
     qi = first_token + t - q_start
-    seq_len = tl.load(seq_lens_ptr + req) * live  # a padding token sees nothing
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     q = tl.load(

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from specserve.kernels.dispatch import jit, tl
+from specserve.kernels.dsa_index import token_length
 
 BLOCK = 2048  # positions per loop step (8 warps: 8 a thread)
 BINS = 256  # one key byte per radix pass
@@ -63,10 +64,7 @@ def _select_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_P: tl.constexpr, NUM_BINS: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
-    req = tl.load(req_ptr + t)
-    live = tl.where(req < bs, 1, 0)  # 0: a padding token past the last request
-    req = tl.minimum(req, bs - 1)
-    n = tl.load(seq_lens_ptr + req) * live  # no visible position at or past the request's length
+    req, n = token_length(req_ptr, seq_lens_ptr, t, bs)  # nothing visible at or past n
     row = scores_ptr + t * stride_s
     offs = tl.arange(0, BLOCK_P)
     bins = tl.arange(0, NUM_BINS)
