@@ -277,6 +277,11 @@ if has glm; then
       --json-out "$out/$preset.json" > "$out/$preset.log" 2>&1
     echo "$preset rc=$?"; tail -12 "$out/$preset.log"
   done
+  # the DSA top-k alone: the one-launch kernel vs torch.topk over the row, 1k-128k positions
+  # (the measurement dsa_select.ONE_PROGRAM_MAX_WIDTH, now 32k, should come from)
+  timeout 120 python scripts/bench_dsa_select.py --out "$out/dsa_select.json" \
+    > "$out/dsa_select.log" 2>&1
+  echo "dsa select rc=$?"; tail -16 "$out/dsa_select.log"
   # where GLM-5's bs-1 step goes (2026-12-05: 1.91 ms at 1k and 8k context alike, 1.60 ms with
   # dense MLA at 8k: the indexer and torch.topk selection cost ~0.1 ms a layer whatever the
   # context; since then one selection launch whose work follows the lengths, unmeasured)
