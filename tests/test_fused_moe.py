@@ -261,6 +261,10 @@ INTERPRETER_CHECKS = {
     "qmoe_int4_g32_fp16_magic": lambda: check_quant_fused_moe(
         "ct-int4-g32", 12, 4, 3, 72, 40, torch.float16, CPU, 2e-3, seed=9, launch=K64
     ),
+    # dims that the launch's tiles divide: the 4-bit words load without masks (EVEN)
+    "qmoe_int4_g32_even": lambda: check_quant_fused_moe(
+        "ct-int4-g32", 12, 4, 3, 128, 64, torch.float16, CPU, 2e-3, seed=10, launch=K64
+    ),
     "qmoe_int4_g128_decode": lambda: check_quant_fused_moe(
         "ct-int4-g128", 2, 16, 2, 256, 136, F32, CPU, TOL32, seed=10
     ),

@@ -271,6 +271,14 @@ INTERPRETER_CHECKS = {
     "int4_magic_fp16_column_scales": lambda: check_w4(
         3, 40, 200, 24, False, (16, 32, 64, 1), torch.float16, CPU, 1e-3
     ),
+    # N and K that the tiles divide: the packed words load without masks (EVEN), fp32 and fp16
+    "int4_even_fp32": lambda: check_w4(5, 64, 256, 32, False, (16, 32, 64, 2), F32, CPU, TOL32),
+    "int4_even_fp16": lambda: check_w4(
+        20, 64, 256, 128, False, (16, 32, 64, 2), torch.float16, CPU, 1e-3
+    ),
+    "nvfp4_even_fp16": lambda: check_w4(
+        3, 64, 256, 16, True, (16, 32, 64, 1), torch.float16, CPU, 1e-3
+    ),
     "nvfp4_fp16_groups": lambda: check_w4(
         3, 40, 208, 16, True, (16, 32, 64, 2), torch.float16, CPU, 1e-3
     ),

@@ -224,7 +224,9 @@ def _moe_gemm_kernel(
     WEIGHTS: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, SCALES: tl.constexpr,
     SOFT_E4M3: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN: tl.constexpr = False,
 ):  # fmt: skip
+    # EVEN: n and k are multiples of BLOCK_N and BLOCK_K (4-bit weights load without masks)
     # c[p, cols] = f(a[p // A_ROW_DIV] @ b[e, cols]^T) for the BLOCK_M pairs p of this block
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(num_rows, BLOCK_M)
@@ -273,12 +275,12 @@ def _moe_gemm_kernel(
         elif WEIGHTS == INT4_C or WEIGHTS == NVFP4_C:  # W4A16: decoded and scaled in registers
             fp4: tl.constexpr = WEIGHTS == NVFP4_C
             w = w4_tile(w_rows, s_rows, col_ok, k0, k, GROUP_K, SCALES, fp4, BLOCK_N, BLOCK_K,
-                        SOFT_E4M3, DTYPE=a_ptr.dtype.element_ty)  # fmt: skip
+                        SOFT_E4M3, DTYPE=a_ptr.dtype.element_ty, EVEN=EVEN)  # fmt: skip
             acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc, input_precision=DOT_PRECISION)
             if SILU_MUL:
                 w_up = w4_tile(w_rows + up_offset * stride_bn, s_rows + up_scale_row * stride_bsn,
                                col_ok, k0, k, GROUP_K, SCALES, fp4, BLOCK_N, BLOCK_K,
-                               SOFT_E4M3, DTYPE=a_ptr.dtype.element_ty)  # fmt: skip
+                               SOFT_E4M3, DTYPE=a_ptr.dtype.element_ty, EVEN=EVEN)  # fmt: skip
                 acc_up = tl.dot(a, tl.trans(w_up.to(a.dtype)), acc_up,
                                 input_precision=DOT_PRECISION)  # fmt: skip
         else:
@@ -336,6 +338,7 @@ def _grouped_gemm(
         SCALES=scale_mode(b.group_k, launch.block_k), SOFT_E4M3=soft,
         BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
         GROUP_M=launch.group_m, DOT_PRECISION=precision,
+        EVEN=n % launch.block_n == 0 and k % launch.block_k == 0,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
 

@@ -142,7 +142,7 @@ def scale_mode(group: int, block_k: int) -> int:
 def w4_tile(
     w_rows, s_rows, n_ok, k0, K, GROUP: tl.constexpr, SCALES: tl.constexpr, FP4: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_E4M3: tl.constexpr = False,
-    APPLY_SCALE: tl.constexpr = True, DTYPE: tl.constexpr = None,
+    APPLY_SCALE: tl.constexpr = True, DTYPE: tl.constexpr = None, EVEN: tl.constexpr = False,
 ):  # fmt: skip
     """The fp32 weight tile [BLOCK_N, BLOCK_K] of columns k0 .. k0 + BLOCK_K - 1 (k0 a multiple
     of 8): w_rows / s_rows [BLOCK_N, 1] point at each row's packed words and scales; rows past
@@ -152,21 +152,21 @@ def w4_tile(
     (the activations' 16-bit float type): the codes decoded straight to it (w4_codes16) and
     scaled in it, for NVFP4 and for INT4 with scales of that type; the same values as the fp32
     tile rounded to DTYPE (an NVFP4 value times its e4m3 scale is exact in 16 bits; an INT4
-    code times a 16-bit scale is exact in fp32, rounded once either way)."""
+    code times a 16-bit scale is exact in fp32, rounded once either way). EVEN: every row of
+    the tile is below the matrix's N and every column below K (the caller knows from N %
+    BLOCK_N and K % BLOCK_K): the packed words load without a mask."""
     k = k0 + tl.arange(0, BLOCK_K)
     FAST: tl.constexpr = (DTYPE is not None and (DTYPE == tl.bfloat16 or DTYPE == tl.float16)
                           and (FP4 or not APPLY_SCALE or s_rows.dtype.element_ty == DTYPE))
     if FAST:
         bf16: tl.constexpr = DTYPE == tl.bfloat16
-        val = w4_codes16(w_rows, n_ok, k0, K, FP4, bf16, BLOCK_N, BLOCK_K).to(DTYPE, bitcast=True)
+        val = w4_codes16(w_rows, n_ok, k0, K, FP4, bf16, BLOCK_N, BLOCK_K, EVEN)
+        val = val.to(DTYPE, bitcast=True)
         if not FP4:
             offset: tl.constexpr = OFFSET_BF16 if bf16 else OFFSET_FP16
             val = val - tl.full((1, 1), offset, DTYPE)  # exact
     else:
-        word = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        packed = tl.load(
-            w_rows + word[None, :], mask=n_ok[:, None] & (word * 8 < K)[None, :], other=0
-        )  # [BN, BK/8]
+        packed = _packed_words(w_rows, n_ok, k0, K, BLOCK_K, EVEN)  # [BN, BK/8]
         nib = (packed[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
         nib = tl.reshape(nib, (BLOCK_N, BLOCK_K))  # [BN, BK/8, 8] -> [BN, BK]
         if FP4:
@@ -201,6 +201,19 @@ MAGIC_BF16, MAGIC_FP16, OFFSET_BF16, OFFSET_FP16 = (
 
 
 @jit
+def _packed_words(w_rows, n_ok, k0, K, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+    """The [BN, BK/8] packed words of columns k0 .. k0 + BLOCK_K - 1 (0 past N or K, masked
+    unless EVEN: sm_90 code of a 16-row INT4 step 389 -> 325 instructions without the mask)."""
+    word = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    if EVEN:
+        packed = tl.load(w_rows + word[None, :])
+    else:
+        packed = tl.load(w_rows + word[None, :], mask=n_ok[:, None] & (word * 8 < K)[None, :],
+                         other=0)  # fmt: skip
+    return packed
+
+
+@jit
 def _code_bits16(packed, SHIFT: tl.constexpr, FP4: tl.constexpr, BF16: tl.constexpr):
     """The nibbles at SHIFT of packed words as 16-bit float bits (int16): INT4 magic + nibble;
     NVFP4 the e2m1 value itself: magnitude c = e1e0m, c >= 2 is 2^(e - 1) (1 + m / 2), i.e.
@@ -219,17 +232,14 @@ def _code_bits16(packed, SHIFT: tl.constexpr, FP4: tl.constexpr, BF16: tl.conste
 
 @jit
 def w4_codes16(w_rows, n_ok, k0, K, FP4: tl.constexpr, BF16: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr = False):  # fmt: skip
     """The codes of columns k0 .. k0 + BLOCK_K - 1 as the bits [BLOCK_N, BLOCK_K] int16 of 16-bit
     floats (bf16 or fp16; _code_bits16): NVFP4 their values, INT4 code + offset (MAGIC_* /
     OFFSET_*: bitcast and subtract the offset in that type, one packed HADD2 per two values on
     sm_90, exactly). No int-to-float conversion, and each word's eight values stay in one
     thread (joined, not broadcast and reshaped through shared memory). Rows past n_ok and
     columns past K decode as nibble 0 (zero scales or activations meet them)."""
-    word = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    packed = tl.load(
-        w_rows + word[None, :], mask=n_ok[:, None] & (word * 8 < K)[None, :], other=0
-    )  # [BN, BK/8]
+    packed = _packed_words(w_rows, n_ok, k0, K, BLOCK_K, EVEN)  # [BN, BK/8]
     # join adds its axis last, so three joins index nibble 4i + 2j + k at [.., i, j, k]: the
     # innermost pairs are nibbles (0, 4), (2, 6), (1, 5), (3, 7)
     a = tl.join(tl.join(_code_bits16(packed, 0, FP4, BF16), _code_bits16(packed, 16, FP4, BF16)),
@@ -245,9 +255,10 @@ def _w4a16_kernel(
     stride_xm, stride_wn, stride_sn, stride_cm,
     GROUP: tl.constexpr, SCALES: tl.constexpr, FP4: tl.constexpr,
     HAS_ROW_SCALE: tl.constexpr, SPLIT: tl.constexpr, SOFT_E4M3: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
 ):  # fmt: skip
-    # program (m tile, n tile, K split); BLOCK_K is a multiple of 8 (whole packed words)
+    # program (m tile, n tile, K split); BLOCK_K is a multiple of 8 (whole packed words); EVEN:
+    # N and K are multiples of BLOCK_N and BLOCK_K
     pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -280,7 +291,7 @@ def _w4a16_kernel(
             # ([BN] scales in the accumulator's layout, not broadcast over the decoded tile; the
             # codes' values are exact in the activation dtype)
             w = w4_tile(w_rows, s_rows, n_ok, k0, K, GROUP, SCALES, FP4, BLOCK_N, BLOCK_K,
-                        SOFT_E4M3, APPLY_SCALE=False, DTYPE=DTYPE).to(x.dtype)
+                        SOFT_E4M3, APPLY_SCALE=False, DTYPE=DTYPE, EVEN=EVEN).to(x.dtype)
             sc = _scales(s_ptr + rn.to(tl.int64) * stride_sn + k0 // GROUP, n_ok, SOFT_E4M3)
             if TRANSPOSED:
                 acc += tl.dot(w, tl.trans(x)) * sc[:, None]
@@ -289,7 +300,7 @@ def _w4a16_kernel(
                                      BLOCK_M)
         else:
             w = w4_tile(w_rows, s_rows, n_ok, k0, K, GROUP, SCALES, FP4, BLOCK_N, BLOCK_K,
-                        SOFT_E4M3, DTYPE=DTYPE).to(x.dtype)
+                        SOFT_E4M3, DTYPE=DTYPE, EVEN=EVEN).to(x.dtype)
             acc = acc_add(acc, x, w, BLOCK_M)
     if TRANSPOSED:
         acc = tl.trans(acc)
@@ -393,7 +404,7 @@ def w4a16_mm(
             counters, m, n, k, k_per_split, splits, x.stride(0), packed.stride(0),
             scales.stride(0), out.stride(0), GROUP=group, SCALES=scale_mode(group, bk), FP4=fp4,
             HAS_ROW_SCALE=row_scale is not None, SPLIT=splits > 1, SOFT_E4M3=soft, BLOCK_M=bm,
-            BLOCK_N=bn,
-            BLOCK_K=bk, num_warps=plan.num_warps, num_stages=plan.num_stages,
+            BLOCK_N=bn, BLOCK_K=bk, EVEN=n % bn == 0 and k % bk == 0, num_warps=plan.num_warps,
+            num_stages=plan.num_stages,
         )  # fmt: skip
     return out
