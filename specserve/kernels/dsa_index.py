@@ -20,10 +20,10 @@ columns * page_size (a captured graph's fixed table), so every function here is 
 safe (no host sync, no data-dependent shape). The Triton kernels' work still follows the
 requests' lengths: the scores kernel loops over each token's own positions and leaves the
 columns past its request's length unwritten, and the selection (kernels/dsa_select.py) reads
-no further; the torch forms fill them with -inf and rank the whole row. A long prefill is scored in chunks of its tokens
-(`first_token`), keeping [chunk, width] bounded. The batch layout comes as attention metadata's
-tensors: query_start_loc [bs + 1], seq_lens [bs], page_table [bs, pages], custom_mask
-[bs, max_q, W] bool or None.
+no further; the torch forms fill them with -inf and rank the whole row. A long prefill is
+scored in chunks of its tokens (`first_token`), keeping [chunk, width] bounded. The batch
+layout comes as attention metadata's tensors: query_start_loc [bs + 1], seq_lens [bs],
+page_table [bs, pages], custom_mask [bs, max_q, W] bool or None.
 """
 
 from __future__ import annotations

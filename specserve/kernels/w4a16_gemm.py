@@ -144,11 +144,11 @@ def w4_tile(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_E4M3: tl.constexpr = False,
     APPLY_SCALE: tl.constexpr = True, DTYPE: tl.constexpr = None, EVEN: tl.constexpr = False,
 ):  # fmt: skip
-    """The fp32 weight tile [BLOCK_N, BLOCK_K] of columns k0 .. k0 + BLOCK_K - 1 (k0 a multiple
-    of 8): w_rows / s_rows [BLOCK_N, 1] point at each row's packed words and scales; rows past
-    n_ok and columns past K decode as zero codes (their scales are not read). SOFT_E4M3: the
-    scales are e4m3 bytes decoded here (NVFP4 on GPUs without the e4m3 type). Without
-    APPLY_SCALE the codes' values alone (the caller scales a PER_STEP tile's product). DTYPE
+    """The weight tile [BLOCK_N, BLOCK_K] (fp32, or DTYPE) of columns k0 .. k0 + BLOCK_K - 1
+    (k0 a multiple of 8): w_rows / s_rows [BLOCK_N, 1] point at each row's packed words and
+    scales; rows past n_ok and columns past K decode as zero codes (their scales are not read).
+    SOFT_E4M3: the scales are e4m3 bytes decoded here (NVFP4 on GPUs without the e4m3 type).
+    Without APPLY_SCALE the codes' values alone (the caller scales a PER_STEP tile's product). DTYPE
     (the activations' 16-bit float type): the codes decoded straight to it (w4_codes16) and
     scaled in it, for NVFP4 and for INT4 with scales of that type; the same values as the fp32
     tile rounded to DTYPE (an NVFP4 value times its e4m3 scale is exact in 16 bits; an INT4
@@ -187,7 +187,8 @@ def w4_tile(
             (BLOCK_N, BLOCK_K),
         )
     else:  # groups that do not tile the step: each column's scale
-        sc = _scales(s_rows + (k // GROUP)[None, :], n_ok[:, None] & (k < K)[None, :], SOFT_E4M3, FAST, DTYPE)
+        sc = _scales(s_rows + (k // GROUP)[None, :], n_ok[:, None] & (k < K)[None, :],
+                     SOFT_E4M3, FAST, DTYPE)  # fmt: skip
         w = val * sc
     return w
 
@@ -231,8 +232,10 @@ def _code_bits16(packed, SHIFT: tl.constexpr, FP4: tl.constexpr, BF16: tl.conste
 
 
 @jit
-def w4_codes16(w_rows, n_ok, k0, K, FP4: tl.constexpr, BF16: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr = False):  # fmt: skip
+def w4_codes16(
+    w_rows, n_ok, k0, K, FP4: tl.constexpr, BF16: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN: tl.constexpr = False,
+):  # fmt: skip
     """The codes of columns k0 .. k0 + BLOCK_K - 1 as the bits [BLOCK_N, BLOCK_K] int16 of 16-bit
     floats (bf16 or fp16; _code_bits16): NVFP4 their values, INT4 code + offset (MAGIC_* /
     OFFSET_*: bitcast and subtract the offset in that type, one packed HADD2 per two values on
