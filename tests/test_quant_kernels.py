@@ -7,11 +7,9 @@ Llama-3.1-8B shapes). Shapes include K and N that are not multiples of the tiles
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -271,7 +269,11 @@ INTERPRETER_CHECKS = {
     "int4_magic_fp16_column_scales": lambda: check_w4(
         3, 40, 200, 24, False, (16, 32, 64, 1), torch.float16, CPU, 1e-3
     ),
-    # N and K that the tiles divide: the packed words load without masks (EVEN), fp32 and fp16
+    # N and K that the tiles divide: the weights load without masks (EVEN), FP8 and 4-bit
+    "fp8_even_split2": lambda: check_fp8_mm(3, 64, 256, "block", (16, 32, 64, 2), F32, CPU, TOL32),
+    "gemv_fp8_even_in_loop_quant": lambda: check_fp8_linear(
+        1, 64, 256, False, (1, 32, 128, 2), F32, CPU, TOL32
+    ),
     "int4_even_fp32": lambda: check_w4(5, 64, 256, 32, False, (16, 32, 64, 2), F32, CPU, TOL32),
     "int4_even_fp16": lambda: check_w4(
         20, 64, 256, 128, False, (16, 32, 64, 2), torch.float16, CPU, 1e-3
@@ -338,45 +340,6 @@ INTERPRETER_CHECKS = {
 
 
 test_interpreter = interpreter_test(__file__, INTERPRETER_CHECKS)
-
-
-def test_one_row_plans() -> None:
-    """The measured choice (gemm_split.GEMV_MAX_ROWS): one FP8 row runs as a GEMV, W4A16 and
-    two or more rows on tensor-core tiles; the GEMV is checked above for 1-4 rows."""
-    from specserve.kernels.gemm_split import launch_plan
-
-    if os.environ.get("SPECSERVE_GEMV_MAX_ROWS"):
-        pytest.skip("the GEMV row limit is set by the environment")
-    cpu = torch.device("cpu")
-    assert launch_plan(1, 6144, 4096, cpu).block_m == 1
-    assert launch_plan(2, 6144, 4096, cpu).block_m == 16
-    assert launch_plan(1, 6144, 4096, cpu, gemv_rows=0).block_m == 16
-
-
-def test_fp8_activations_quantized_in_the_loop_only_for_gemv_plans(monkeypatch) -> None:
-    """fp8_linear quantizes in the K loop for a GEMV plan (one row) and with quant_fp8 first
-    for tensor-core plans (more rows, an explicit 16-row plan, exact mode's tiles)."""
-    from specserve.kernels import dispatch, gemm_split
-
-    calls = []
-    monkeypatch.setattr(gemm_split, "GEMV_MAX_ROWS", 1)
-    monkeypatch.setattr(fp8_gemm, "_launch", lambda a, s, quant, *rest: calls.append(quant))
-    monkeypatch.setattr(fp8_gemm, "quant_fp8", lambda x, g, st=None: calls.append("q") or (x, x))
-    w, ws = torch.zeros(8, 256, dtype=FP8), torch.ones(1, 2)
-    static = torch.tensor(0.5)
-    for m, static_scale, plan, want in [
-        (1, None, None, [fp8_gemm.DYNAMIC]), (1, static, None, [fp8_gemm.STATIC]),
-        (2, None, None, ["q", fp8_gemm.GIVEN]), (2, static, None, ["q", fp8_gemm.GIVEN]),
-        (1, None, (16, 32, 128, 1), ["q", fp8_gemm.GIVEN]),
-        (3, None, (4, 16, 128, 1), [fp8_gemm.DYNAMIC]),
-    ]:  # fmt: skip
-        calls.clear()
-        fp8_gemm.fp8_linear(torch.zeros(m, 256), w, ws, 128, 128, 128, static_scale, plan)
-        assert calls == want, (m, static_scale is not None, plan, calls)
-    monkeypatch.setattr(dispatch.EXACT, "on", True)
-    calls.clear()
-    fp8_gemm.fp8_linear(torch.zeros(1, 256), w, ws, 128, 128, 128)
-    assert calls == ["q", fp8_gemm.GIVEN]
 
 
 BF16, TOL16 = torch.bfloat16, 2e-2

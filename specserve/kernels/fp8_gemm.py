@@ -176,8 +176,11 @@ def _fp8_mm_kernel(
     QUANT_A: tl.constexpr, A_GROUP: tl.constexpr, B_GROUP_N: tl.constexpr,
     B_GROUP_K: tl.constexpr, SCALE_AT_END: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN: tl.constexpr = False,
 ):  # fmt: skip
-    # program (m tile, n tile, K split): acc [BM, BN] over K in [split * kps, (split+1) * kps)
+    # program (m tile, n tile, K split): acc [BM, BN] over K in [split * kps, (split+1) * kps);
+    # EVEN: N and K are multiples of BLOCK_N and BLOCK_K (each split a whole number of steps):
+    # the weight tiles load without a mask
     pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -206,7 +209,10 @@ def _fp8_mm_kernel(
             a_s = tl.load(as_rows, mask=m_ok, other=0.0)
             q = tl.clamp(tl.math.div_rn(a.to(tl.float32), a_s[:, None]), -fp8_max, fp8_max)
             a = _round_to_e4m3(q).to(b_ptr.dtype.element_ty)
-        b = tl.load(b_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if EVEN:
+            b = tl.load(b_rows + k[None, :])
+        else:
+            b = tl.load(b_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if SCALE_AT_END:
             acc = acc_add(acc, a, b, BLOCK_M)
         else:
@@ -262,7 +268,8 @@ def _launch(
             a.stride(0), sam, sak, w.stride(0), sbn, sbk, out.stride(0), FP8_MAX, AMAX_EPS,
             QUANT_A=quant, A_GROUP=act_group if sak else 1, B_GROUP_N=block_n if sbn else 1,
             B_GROUP_K=block_k if sbk else 1, SCALE_AT_END=scale_at_end, SPLIT=splits > 1,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=plan.num_warps,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN=n % bn == 0 and k % bk == 0,
+            num_warps=plan.num_warps,
             num_stages=plan.num_stages,
         )  # fmt: skip
     return out
