@@ -18,7 +18,7 @@ if str(REPO) not in sys.path:
 
 from interpreted import compiling, interpreter_test, report  # noqa: E402
 
-from specserve.kernels import fp8_gemm, w4a16_gemm  # noqa: E402
+from specserve.kernels import fp8_gemm, w4_decode, w4a16_gemm  # noqa: E402
 from specserve.kernels.split_kv import split_counters  # noqa: E402
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -181,7 +181,7 @@ def check_e4m3_decode() -> None:
     @triton.jit
     def decode(src, dst):
         i = tl.arange(0, 256)
-        tl.store(dst + i, w4a16_gemm._decode_e4m3(tl.load(src + i)))
+        tl.store(dst + i, w4_decode._decode_e4m3(tl.load(src + i)))
 
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     out = torch.empty(256)
@@ -199,7 +199,7 @@ def check_e2m1_decode() -> None:
     @triton.jit
     def decode(src, dst):
         i = tl.arange(0, 16)
-        tl.store(dst + i, w4a16_gemm._decode_e2m1(tl.load(src + i)))
+        tl.store(dst + i, w4_decode._decode_e2m1(tl.load(src + i)))
 
     nib = torch.arange(16, dtype=torch.int32)
     out = torch.empty(16)
@@ -218,7 +218,7 @@ def check_codes16_decode() -> None:
     @triton.jit
     def decode(src, dst, FP4: tl.constexpr, BF16: tl.constexpr):
         rows = tl.arange(0, 16)
-        codes = w4a16_gemm.w4_codes16(src + rows[:, None] * 2, rows < 16, 0, 16, FP4, BF16, 16,
+        codes = w4_decode.w4_codes16(src + rows[:, None] * 2, rows < 16, 0, 16, FP4, BF16, 16,
                                       16)  # fmt: skip
         val = codes.to(tl.bfloat16 if BF16 else tl.float16, bitcast=True).to(tl.float32)
         tl.store(dst + rows[:, None] * 16 + tl.arange(0, 16)[None, :], val)

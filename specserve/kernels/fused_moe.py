@@ -23,11 +23,9 @@ Rounding follows the transformers experts: projections, SiLU and each expert's o
 rounded to the activation dtype; the k-sum is done in fp32.
 
 Quantized experts (`ExpertWeights`) are dequantized inside the K loop of both GEMMs:
-    FP8_BLOCK  W8A8: fp8 weights with [bn x bk] block scales; the activation rows are
-               quantized to fp8 per row and group of bk = 128 before each GEMM (quant_fp8:
-               s = max|x| / 448, as the dense FP8 linear does; once, not again in every
-               column tile's program), each K step (BLOCK_K = bk) runs tl.dot on the FP8
-               operands and scales the partial product by activation and weight scales
+    FP8_BLOCK  W8A8: fp8 weights with [bn x bk] block scales; activation rows quantized per
+               row and group of bk = 128 once before each GEMM (quant_fp8, as the dense FP8
+               linear), tl.dot on FP8 operands per K step (BLOCK_K = bk), scaled by both
     INT4       W4A16: int4 nibbles packed 8 per int32 along K with group scales (compressed-
                tensors pack-quantized), decoded and scaled in registers, tl.dot in the
                activation dtype

@@ -1,0 +1,90 @@
+"""4-bit weight decoding inside the kernels (kernels/w4a16_gemm.py, kernels/fused_moe.py): the
+packed words of a tile, their nibbles as 16-bit float bits (INT4 by the magic number, NVFP4's
+e2m1 built from its bits), and the fp32 decodes of e2m1 codes and e4m3 scales. No int-to-float
+conversion in any of them; every value exact."""
+
+from __future__ import annotations
+
+from specserve.kernels.dispatch import jit, tl
+
+
+@jit
+def _decode_e2m1(nib):
+    # the fp32 value built from its bits: e2m1 s.e1e0.m is 2^(e - 1) * (1 + m / 2) for e > 0
+    # (fp32 exponent e + 126, mantissa's top bit m) and m / 2 for e = 0 (0.5: exponent 126);
+    # the sign to bit 31
+    e = (nib >> 1) & 3
+    m = nib & 1
+    bits = tl.where(e > 0, ((e + 126) << 23) | (m << 22), m * (126 << 23))
+    return (bits | ((nib & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@jit
+def _decode_e4m3(bits):
+    """float8 e4m3 codes (uint8) -> fp32, exactly, without the GPU's e4m3 type (Ampere lacks
+    it): normals 2^(e - 7) * (1 + m / 8) built as fp32 bits, subnormals m * 2^-9."""
+    b = bits.to(tl.int32)
+    e = (b >> 3) & 0xF
+    m = b & 0x7
+    normal = ((e + 120) << 23 | (m << 20)).to(tl.float32, bitcast=True)
+    mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+    return tl.where((b & 0x80) != 0, -mag, mag)
+
+
+# INT4 by the magic number: the 16-bit float whose mantissa's last ulp is 1 (bf16: 128, 7
+# mantissa bits; fp16: 1024, 10 bits): (nibble | its bits) is it + nibble exactly; subtracting
+# the offset (it + INT4's zero point 8) leaves the code's value, exactly. constexpr globals
+# (@jit code reads only those)
+MAGIC_BF16, MAGIC_FP16, OFFSET_BF16, OFFSET_FP16 = (
+    (tl.constexpr(v) if tl is not None else v) for v in (0x4300, 0x6400, 136.0, 1032.0))
+
+
+@jit
+def _packed_words(w_rows, n_ok, k0, K, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+    """The [BN, BK/8] packed words of columns k0 .. k0 + BLOCK_K - 1 (0 past N or K, masked
+    unless EVEN: sm_90 code of a 16-row INT4 step 389 -> 325 instructions without the mask)."""
+    word = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    if EVEN:
+        packed = tl.load(w_rows + word[None, :])
+    else:
+        packed = tl.load(w_rows + word[None, :], mask=n_ok[:, None] & (word * 8 < K)[None, :],
+                         other=0)  # fmt: skip
+    return packed
+
+
+@jit
+def _code_bits16(packed, SHIFT: tl.constexpr, FP4: tl.constexpr, BF16: tl.constexpr):
+    """The nibbles at SHIFT of packed words as 16-bit float bits (int16): INT4 magic + nibble;
+    NVFP4 the e2m1 value itself: magnitude c = e1e0m, c >= 2 is 2^(e - 1) (1 + m / 2), i.e.
+    the bits (c << mantissa bits - 1) + those of 0.5 (the exponent's bias moved by 126 (bf16) /
+    14 (fp16)); c = 1 is 0.5 and c = 0 is 0: c times 0.5's bits; the sign to bit 15."""
+    nib = (packed >> SHIFT) & 0xF
+    if FP4:
+        c = nib & 7
+        half: tl.constexpr = 0x3F00 if BF16 else 0x3800  # 0.5
+        step: tl.constexpr = 64 if BF16 else 512  # c's position: e1e0 at the exponent's foot
+        bits = tl.where(c >= 2, c * step + half, c * half) | ((nib & 8) << 12)
+    else:
+        bits = nib | (MAGIC_BF16 if BF16 else MAGIC_FP16)
+    return bits.to(tl.int16)
+
+
+@jit
+def w4_codes16(
+    w_rows, n_ok, k0, K, FP4: tl.constexpr, BF16: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN: tl.constexpr = False,
+):  # fmt: skip
+    """The codes of columns k0 .. k0 + BLOCK_K - 1 as the bits [BLOCK_N, BLOCK_K] int16 of 16-bit
+    floats (bf16 or fp16; _code_bits16): NVFP4 their values, INT4 code + offset (MAGIC_* /
+    OFFSET_*: bitcast and subtract the offset in that type, one packed HADD2 per two values on
+    sm_90, exactly). No int-to-float conversion, and each word's eight values stay in one
+    thread (joined, not broadcast and reshaped through shared memory). Rows past n_ok and
+    columns past K decode as nibble 0 (zero scales or activations meet them)."""
+    packed = _packed_words(w_rows, n_ok, k0, K, BLOCK_K, EVEN)  # [BN, BK/8]
+    # join adds its axis last, so three joins index nibble 4i + 2j + k at [.., i, j, k]: the
+    # innermost pairs are nibbles (0, 4), (2, 6), (1, 5), (3, 7)
+    a = tl.join(tl.join(_code_bits16(packed, 0, FP4, BF16), _code_bits16(packed, 16, FP4, BF16)),
+                tl.join(_code_bits16(packed, 8, FP4, BF16), _code_bits16(packed, 24, FP4, BF16)))
+    b = tl.join(tl.join(_code_bits16(packed, 4, FP4, BF16), _code_bits16(packed, 20, FP4, BF16)),
+                tl.join(_code_bits16(packed, 12, FP4, BF16), _code_bits16(packed, 28, FP4, BF16)))
+    return tl.reshape(tl.join(a, b), (BLOCK_N, BLOCK_K))  # word-major, nibble 0 first
