@@ -285,14 +285,19 @@ if has glm; then
       --json-out "$out/$preset.json" > "$out/$preset.log" 2>&1
     echo "$preset rc=$?"; tail -12 "$out/$preset.log"
   done
-  # the DSA top-k alone: the one-launch kernel vs torch.topk over the row, 1k-128k positions
-  # (the measurement dsa_select.ONE_PROGRAM_MAX_WIDTH, now 32k, should come from)
+  # the DSA top-k alone: the one-program kernel and the split form vs torch.topk over the row,
+  # 1k-128k positions, rows as wide as their length, then as wide as GLM-5's context limit
+  # (the measurement dsa_select.ONE_PROGRAM_MAX_WIDTH, now 32k, should come from; 2026-12-05,
+  # H100: one program 0.006 ms at 1k, 0.60 ms at 128k, torch.topk 0.12-0.20 ms)
   timeout 120 python scripts/bench_dsa_select.py --out "$out/dsa_select.json" \
     > "$out/dsa_select.log" 2>&1
   echo "dsa select rc=$?"; tail -16 "$out/dsa_select.log"
-  # where GLM-5's bs-1 step goes (2026-12-05: 1.91 ms at 1k and 8k context alike, 1.60 ms with
-  # dense MLA at 8k: the indexer and torch.topk selection cost ~0.1 ms a layer whatever the
-  # context; since then one selection launch whose work follows the lengths, unmeasured)
+  timeout 120 python scripts/bench_dsa_select.py --width 202752 --tokens 1,16 \
+    --out "$out/dsa_select_wide.json" > "$out/dsa_select_wide.log" 2>&1
+  echo "dsa select at a 202752 limit rc=$?"; tail -10 "$out/dsa_select_wide.log"
+  # where GLM-5's bs-1 step goes (baf78da, H200: 1.91 ms at 1k and 8k context alike, the
+  # indexer and torch.topk selection ~0.1 ms a layer; 6331032, H100: 2.09 ms at 1k, 0.920 of
+  # the floor)
   timeout 150 python scripts/profile_decode.py --model glm-5-3l --batch-sizes 1 \
     --out "$out/profile-glm5" > "$out/profile-glm5.log" 2>&1
   echo "profile glm-5-3l rc=$?"; grep -v "^ *$" "$out/profile-glm5.log" | tail -20

@@ -1,5 +1,6 @@
 """DeepSeek sparse attention's top-k choice: select_slots (torch) against per-token Python
-loops, and the one-launch Triton selection (kernels/dsa_select.py) against select_slots.
+loops, and the Triton selection (kernels/dsa_select.py: one program a token, or the split form
+over several) against select_slots.
 
 The kernel reads each token's scores below its request's length only and writes the chosen
 slots in ascending position order; select_slots ranks the whole row and sorts its choice the
@@ -128,7 +129,9 @@ def random_rows(bs: int, max_len: int, page_size: int, kind: str, gen: torch.Gen
 
 
 def check_select(bs: int, max_len: int, page_size: int, k: int, kind: str, device: str = "cpu",
-                 seed: int = 0) -> None:  # fmt: skip
+                 seed: int = 0, split: int | None = None, block: int = 256) -> None:  # fmt: skip
+    """The kernel (split: the split form over that many programs a token, chunks in steps of
+    `block` positions) against select_slots, with the scores past each length poisoned."""
     gen = torch.Generator().manual_seed(seed)
     scores, token_req, seq, table, qsl = random_rows(bs, max_len, page_size, kind, gen, device)
     want = di.select_slots(scores, k, qsl, table, page_size)
@@ -137,7 +140,10 @@ def check_select(bs: int, max_len: int, page_size: int, k: int, kind: str, devic
     lens = torch.cat([seq.long(), torch.zeros(1, dtype=torch.long, device=seq.device)])
     past = torch.arange(scores.shape[1], device=scores.device)[None, :] >= lens[token_req][:, None]
     poisoned[past] = float("nan")
-    got = ds.select_slots_fast(poisoned, k, token_req, seq, table, page_size)
+    if split:
+        got = ds.select_slots_split(poisoned, k, token_req, seq, table, page_size, split, block)
+    else:
+        got = ds.select_slots_fast(poisoned, k, token_req, seq, table, page_size)
     if compiling():
         return
     assert torch.equal(got, want), (got != want).nonzero()[:8].tolist()
@@ -146,7 +152,7 @@ def check_select(bs: int, max_len: int, page_size: int, k: int, kind: str, devic
 def check_backend_select(case: int, k: int, one_program_max_width: int | None = None) -> None:
     """TritonDSA.select (scores kernel + selection kernel) == TorchDSA.select on a decode, an
     extend after a cached prefix and a tree-masked verify (float32: the same scores); with
-    one_program_max_width below the table's width, its torch.topk form for long limits."""
+    one_program_max_width below the table's width, the split form (kernels/dsa_select.py)."""
     from specserve.layers.backends.torch_ref import TorchDSA
     from specserve.layers.backends.triton_backend import TritonDSA
 
@@ -178,6 +184,14 @@ INTERPRETER_CHECKS = {
     "select_bytes_k7": lambda: check_select(3, 2000, 16, 7, "bytes", seed=6),
     "select_bytes_k2048": lambda: check_select(3, 4000, 16, 2048, "bytes", seed=7),
     "select_all_visible": lambda: check_select(2, 40, 4, 45, "normal", seed=4),
+    # the split form: up to 12 programs a token over 256-position steps (rows of 37 to ~3000
+    # positions: one to all programs busy, empty ones past each length)
+    "split_random_k100": lambda: check_select(3, 3000, 16, 100, "normal", seed=11, split=5),
+    "split_ties_k1000": lambda: check_select(3, 3000, 16, 1000, "ties", seed=12, split=12),
+    "split_ties_k1": lambda: check_select(2, 900, 8, 1, "ties", seed=13, split=3),
+    "split_bytes_k300": lambda: check_select(3, 3000, 16, 300, "bytes", seed=15, split=7),
+    "split_bytes_k2048": lambda: check_select(3, 4000, 16, 2048, "bytes", seed=17, split=4),
+    "split_all_visible": lambda: check_select(2, 40, 4, 45, "normal", seed=14, split=2),
     **{f"backend_case{i}_k{k}": (lambda i=i, k=k: check_backend_select(i, k))
        for i in range(len(CASES)) for k in (3, 8)},
     **{f"backend_case{i}_long_limit": (lambda i=i: check_backend_select(i, 8, 0))
@@ -191,12 +205,20 @@ test_interpreter = interpreter_test(__file__, INTERPRETER_CHECKS)
 @pytest.mark.parametrize("max_len,kind", [(8192, "normal"), (65536, "ties"),
                                           (202752, "normal"), (32768, "bytes")])  # fmt: skip
 def test_select_gpu(max_len: int, kind: str) -> None:
-    """GLM-5's k (2048) over rows of thousands to 200k positions, 16 decode tokens."""
+    """GLM-5's k (2048) over rows of thousands to 200k positions, 16 decode tokens: the
+    one-program kernel and the split form (as many programs as it takes at that width)."""
     check_select(16, max_len, 64, 2048, kind, "cuda", seed=max_len)
+    width = (max_len // 64 + 2) * 64
+    check_select(16, max_len, 64, 2048, kind, "cuda", seed=max_len,
+                 split=ds.split_programs(width), block=ds.BLOCK)
 
 
 # compile-only (tests/triton_compile.py): GLM-5's k and page size
-GPU_DIM_CHECKS = {"select_k2048_page64": lambda: check_select(4, 5000, 64, 2048, "normal")}
+GPU_DIM_CHECKS = {
+    "select_k2048_page64": lambda: check_select(4, 5000, 64, 2048, "normal"),
+    "split_k2048_page64": lambda: check_select(4, 5000, 64, 2048, "normal", split=50,
+                                               block=ds.BLOCK),
+}
 
 
 if __name__ == "__main__":

@@ -104,16 +104,13 @@ class TritonDSA:
         token_req = self._index.token_requests(md.query_start_loc, q.shape[0], first_token)
         scores = self.index_scores(q, w, index_cache, md, first_token, token_req)
         page_size = index_cache.shape[1]
+        # one program a token up to a 32k context limit; past it each token's positions are
+        # spread over programs (the one-program scan of a 128k row alone is ~3x torch.topk)
         if scores.shape[1] <= self._select.ONE_PROGRAM_MAX_WIDTH:
-            return self._select.select_slots_fast(scores, k, token_req, md.seq_lens,
-                                                  md.page_table, page_size)  # fmt: skip
-        # a longer context limit: one program a token would scan up to it alone; torch.topk's
-        # multi-block select over the row, the columns past each length set to -inf first
-        lens = torch.cat([md.seq_lens, md.seq_lens.new_zeros(1)])[token_req]
-        cols = torch.arange(scores.shape[1], device=scores.device)
-        scores.masked_fill_(cols[None, :] >= lens[:, None], float("-inf"))
-        return self._index.select_slots(scores, k, md.query_start_loc, md.page_table, page_size,
-                                        first_token)  # fmt: skip
+            select = self._select.select_slots_fast
+        else:
+            select = self._select.select_slots_split
+        return select(scores, k, token_req, md.seq_lens, md.page_table, page_size)
 
     def sparse_absorbed(self, q_lat: torch.Tensor, q_pe: torch.Tensor,
                         latent_cache: torch.Tensor, slots: torch.Tensor,
