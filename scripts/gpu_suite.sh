@@ -317,12 +317,16 @@ if has longctx; then
   # then the roofline plot (experiments/)
   lc=(--model llama-3.1-8b --load-format dummy --output-len 64 --runs 2 --warmup 1 --floor
       --log --exp-dir experiments)
-  timeout 500 "${ss[@]}" bench latency "${lc[@]}" --context-len 1024,8192 --batch-sizes 1,16,32,64 \
-    --max-num-seqs 64 --max-model-len 8448 --label "llama-3.1-8b long-context" \
+  # an 80 GB card holds the weights and ~32 requests of 8k (bs 64: ~71 GB of KV) or 8 of 32k
+  bs8=1,16,32,64 n8=64 bs32=1,16 n32=16
+  mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+  if [[ "$mib" =~ ^[0-9]+$ ]] && (( mib < 100000 )); then bs8=1,16,32 n8=32 bs32=1,8 n32=8; fi
+  timeout 500 "${ss[@]}" bench latency "${lc[@]}" --context-len 1024,8192 --batch-sizes $bs8 \
+    --max-num-seqs $n8 --max-model-len 8448 --label "llama-3.1-8b long-context" \
     --json-out "$out/longctx-8k.json" > "$out/longctx-8k.log" 2>&1
   echo "longctx 1k/8k rc=$?"; grep -E "^ +[0-9]+ +[0-9]+ baseline" "$out/longctx-8k.log"
-  timeout 400 "${ss[@]}" bench latency "${lc[@]}" --context-len 32768 --batch-sizes 1,16 \
-    --max-num-seqs 16 --max-model-len 33024 --label "llama-3.1-8b long-context 32k" \
+  timeout 400 "${ss[@]}" bench latency "${lc[@]}" --context-len 32768 --batch-sizes $bs32 \
+    --max-num-seqs $n32 --max-model-len 33024 --label "llama-3.1-8b long-context 32k" \
     --json-out "$out/longctx-32k.json" > "$out/longctx-32k.log" 2>&1
   echo "longctx 32k rc=$?"; grep -E "^ +[0-9]+ +[0-9]+ baseline" "$out/longctx-32k.log"
   timeout 300 "${ss[@]}" bench latency "${lc[@]}" --context-len 8192 --batch-sizes 1,16 \

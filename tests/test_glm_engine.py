@@ -95,19 +95,19 @@ def test_cuda_graphs_equal_eager(targets, heads, name: str, spec: str | None) ->
     """fp32 on the GPU (Triton backend): decode and speculative-cycle CUDA graphs (GLM-5's
     holding the sparse path: the graphs' position bound exceeds index_topk) give the eager
     engine's tokens, and speculation gives plain decoding's."""
-    prompts = _prompts(8, 0)[:6]
+    prompts = _prompts(8, 0)[:6]  # graphs up to batch 8: the 6 prompts need no larger
     spec_config = spec and dict(algorithm="eagle3", draft_model=heads[name], **SPEC[spec])
     outs = {}
     for eager in (True, False):
         llm = LLM(targets[name], device="cuda", dtype="float32", enforce_eager=eager,
-                  cache=CacheConfig(page_size=16, num_pages=256),
+                  cache=CacheConfig(page_size=16, num_pages=256), cuda_graph_max_bs=8,
                   speculative_config=spec_config)  # fmt: skip
         assert (llm.engine.runner.decode_graphs is None) == eager
         outs[eager] = [o.token_ids for o in llm.generate(prompts, GREEDY)]
         llm.close()
     assert outs[True] == outs[False]
     if spec is not None:
-        plain = LLM(targets[name], device="cuda", dtype="float32",
+        plain = LLM(targets[name], device="cuda", dtype="float32", cuda_graph_max_bs=8,
                     cache=CacheConfig(page_size=16, num_pages=256))  # fmt: skip
         assert [o.token_ids for o in plain.generate(prompts, GREEDY)] == outs[False]
         plain.close()
