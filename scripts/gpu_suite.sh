@@ -335,6 +335,12 @@ if has longctx; then
     --label "llama-3.1-8b chain3 synthetic AL3 ctx8k" --json-out "$out/longctx-chain3.json" \
     > "$out/longctx-chain3.log" 2>&1
   echo "longctx chain3 8k rc=$?"; grep -E "^ +8192" "$out/longctx-chain3.log"
+  # the attention kernel alone against torch's fused kernels (cuDNN, FlashAttention-2,
+  # memory-efficient) on the same K/V: 1k-32k context, bs 1-64, Llama-3.1-8B's heads
+  timeout 300 python scripts/bench_decode_vs_sdpa.py --json-out "$out/decode_vs_sdpa.json" \
+    > "$out/decode_vs_sdpa.log" 2>&1
+  echo "decode vs sdpa rc=$?"; tail -13 "$out/decode_vs_sdpa.log"
+  cp "$out/decode_vs_sdpa.json" "experiments/$(date +%F)-decode-vs-sdpa.json" 2>/dev/null
   python scripts/plot_roofline.py "$out"/longctx-8k.json "$out"/longctx-32k.json --goal 0.9 \
     --goal-context 8192 --out experiments/llama-3.1-8b-long-context-roofline.png
 fi
