@@ -7,8 +7,13 @@ the host's launch cost is left out, as in the engine's decode graphs), next to t
 F.linear of the same shape. Prints one line per case and writes the full table as JSON:
 
     python scripts/bench_quant_gemm.py --out quant_gemm.json [--m 1,64] [--quick]
+    python scripts/bench_quant_gemm.py --out quant_gemm.json --m 1,16,64 --write-table
 
-GB/s counts the weight bytes the format streams (codes + scales), as the floor does.
+GB/s counts the weight bytes the format streams (codes + scales), as the floor does. The
+default is the plan without a measured one (each kernel's rule_plan). --write-table stores, for
+this GPU, each case's fastest plan where it beat the default by more than --min-gain
+(kernels/plan_tables/<GPU>.json, merged into what is there; a case where the default was as
+good drops its entry), which fp8_linear and w4a16_mm then use (kernels/plan_table.py).
 """
 
 from __future__ import annotations
@@ -23,8 +28,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specserve.kernels import fp8_gemm, w4a16_gemm  # noqa: E402
-from specserve.kernels.gemm_split import GemmPlan, launch_plan  # noqa: E402
+from specserve.kernels import fp8_gemm, plan_table, w4a16_gemm  # noqa: E402
+from specserve.kernels.gemm_split import GemmPlan  # noqa: E402
 
 SHAPES = {
     "qkv": (6144, 4096),
@@ -33,6 +38,31 @@ SHAPES = {
     "down": (4096, 14336),
 }  # name -> (N, K)
 FORMATS = ("fp8", "int4", "nvfp4")
+TABLE_FORMAT = {"fp8": "fp8", "int4": "int4-g128", "nvfp4": "nvfp4"}  # plan_table's names
+
+
+def rule_plan(fmt: str, m: int, n: int, k: int) -> GemmPlan:
+    """The plan the kernel takes without a measured one."""
+    dev = torch.device("cuda")
+    if fmt == "fp8":  # bf16 rows quantized in a GEMV's loop, else FP8 rows
+        gemv = 0 < m <= fp8_gemm.gemm_split.GEMV_MAX_ROWS
+        return fp8_gemm.rule_plan(m, n, k, dev, 128, 2 if gemv else 1)
+    return w4a16_gemm.rule_plan(m, n, k, dev)
+
+
+def merge_table(table: dict, rows: list[dict], min_gain: float) -> dict:
+    """table (plan_table's form) with each row's case set to its best plan where that beat
+    the default by more than min_gain (a fraction of the default's time), else removed."""
+    for r in rows:
+        shapes = table.setdefault(TABLE_FORMAT[r["format"]], {})
+        by_m = shapes.setdefault(f"{r['n']}x{r['k']}", {})
+        if r["best_ms"] < r["default_ms"] * (1 - min_gain):
+            by_m[str(r["m"])] = r["best_plan"]
+        else:
+            by_m.pop(str(r["m"]), None)
+    out = {f: {s: dict(sorted(b.items(), key=lambda kv: int(kv[0]))) for s, b in sh.items() if b}
+           for f, sh in table.items()}  # fmt: skip
+    return {f: shapes for f, shapes in out.items() if shapes}
 
 
 def make_case(fmt: str, m: int, n: int, k: int):
@@ -97,6 +127,10 @@ def main() -> int:
     p.add_argument("--m", default="1,64", help="row counts (decode batch sizes)")
     p.add_argument("--formats", default=",".join(FORMATS))
     p.add_argument("--quick", action="store_true", help="a small grid")
+    p.add_argument("--write-table", nargs="?", const="", default=None, metavar="PATH",
+                   help="store the winning plans (default path: this GPU's plan table)")
+    p.add_argument("--min-gain", type=float, default=0.03,
+                   help="a plan replaces the default only if this much faster (fraction)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -109,7 +143,7 @@ def main() -> int:
                 dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 bf16_ms = do_bench(lambda x=x, w=dense: torch.nn.functional.linear(x, w))
-                default = launch_plan(m, n, k, torch.device("cuda"))
+                default = rule_plan(fmt, m, n, k)
                 times = {}
                 for plan in [default, *plans(fmt, m, args.quick)]:
                     try:
@@ -143,6 +177,12 @@ def main() -> int:
                 )
                 del dense
     Path(args.out).write_text(json.dumps(rows, indent=1))
+    if args.write_table is not None:
+        path = Path(args.write_table or plan_table.table_file(torch.cuda.get_device_name()))
+        old = json.loads(path.read_text()) if path.is_file() else {}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(merge_table(old, rows, args.min_gain), indent=1) + "\n")
+        print(f"plan table: {path}")
     return 0
 
 

@@ -144,10 +144,12 @@ for q in ("w4a16", "fp8", "nvfp4"):
         print(f"kimi-k2-3l {q:5} bs {bs:3}: {tok:8.1f} tok/s, floor ratio "
               f"{p['floor_ratio'] or 0:.2f}, {vs:.2f}x bf16")
 PY
-  # quantized GEMMs over launch plans, then bs 1 / 64 decode per format vs its floor and bf16
-  timeout 240 python scripts/bench_quant_gemm.py --quick --m 1,64 --out "$out/quant_gemm.json" \
-    > "$out/quant_gemm.log" 2>&1
-  echo "quant gemm rc=$?"; tail -24 "$out/quant_gemm.log"
+  # quantized GEMMs over launch plans; the winners go to this GPU's plan table (kernels/
+  # plan_tables/, copied to OUT: commit it), which the decode runs below already use
+  timeout 540 python scripts/bench_quant_gemm.py --quick --m 1,16,64 --out "$out/quant_gemm.json" \
+    --write-table > "$out/quant_gemm.log" 2>&1
+  echo "quant gemm rc=$?"; tail -36 "$out/quant_gemm.log"
+  cp specserve/kernels/plan_tables/*.json "$out/" 2>/dev/null
   for q in none fp8 w4a16 nvfp4; do
     qflag=(); [ "$q" != none ] && qflag=(--quantization "$q")
     timeout 150 "${ss[@]}" bench latency "${common[@]}" "${qflag[@]}" --batch-sizes 1,64 \

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.kernels import gemm_split
+from specserve.kernels import gemm_split, plan_table
 from specserve.kernels.dispatch import EXACT, jit, next_power_of_2, tl, triton
 from specserve.kernels.exact_gemm import rowwise_linear
 from specserve.kernels.gemm_split import (
@@ -234,6 +234,13 @@ def _scale_strides(s: torch.Tensor) -> tuple[int, int]:
     return (s2.stride(0) if s2.shape[0] > 1 else 0), (s2.stride(1) if s2.shape[1] > 1 else 0)
 
 
+def rule_plan(m: int, n: int, k: int, device: torch.device, max_block_k: int = 128,
+              a_bytes: int = 1) -> GemmPlan:
+    """The plan without a measured one (plan_table); a_bytes: 2 where the GEMM quantizes bf16
+    rows in its loop (a GEMV plan), 1 on FP8 rows."""
+    return launch_plan(m, n, k, device, max_block_k=max_block_k, a_bytes=a_bytes, b_bytes=1)
+
+
 def _launch(
     a: torch.Tensor,
     a_scale: torch.Tensor,
@@ -253,8 +260,8 @@ def _launch(
     sbn, sbk = _scale_strides(ws)
     scale_at_end = sak == 0 and sbk == 0
     groups_k = [g for g, stride in ((act_group, sak), (block_k, sbk)) if stride]
-    plan = as_plan(plan) or launch_plan(m, n, k, a.device, max_block_k=min(groups_k or [128]),
-                                        a_bytes=a.element_size(), b_bytes=w.element_size())
+    plan = as_plan(plan) or rule_plan(m, n, k, a.device, min(groups_k or [128]),
+                                      a.element_size())  # fmt: skip
     bm, bn, bk = plan.block_m, plan.block_n, plan.block_k
     assert all(g % bk == 0 for g in groups_k), "BLOCK_K must divide the scale groups along K"
     assert quant != DYNAMIC or bk == act_group, "in-loop quantization: BLOCK_K = the group"
@@ -306,9 +313,13 @@ def fp8_linear(
     first (one launch more). Quantizing in the loop repeats the work in every column tile's
     program: on sm_90 a 16-row tensor-core step took 733 instructions a thread with it and 183
     on pre-quantized rows (2171 and 265 at 64 rows, where the dot also runs on FP8 wgmma), while
-    the one-row GEMV step differs little (473 and 417). The same numerics either way."""
+    the one-row GEMV step differs little (473 and 417). The same numerics either way. Without
+    a plan, 128x128-block weights take this GPU's measured plan (kernels/plan_table.py) if
+    there is one."""
     m, k = x.shape
     plan = as_plan(plan)
+    if plan is None and static_scale is None and act_group == block_n == block_k == 128:
+        plan = plan_table.tuned_plan("fp8", m, w.shape[0], k, x.device)
     gemv = plan.block_m < 16 if plan is not None else (
         not EXACT.on and 0 < m <= gemm_split.GEMV_MAX_ROWS)
     if gemv and static_scale is not None:

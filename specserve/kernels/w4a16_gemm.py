@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.kernels import gemm_split
+from specserve.kernels import gemm_split, plan_table
 from specserve.kernels.dispatch import EXACT, jit, tl, triton
 from specserve.kernels.exact_gemm import rowwise_linear
 from specserve.kernels.gemm_split import (
@@ -287,6 +287,12 @@ def _w4_gemv_kernel(
                SPLIT)  # fmt: skip
 
 
+def rule_plan(m: int, n: int, k: int, device: torch.device, x_bytes: int = 2) -> GemmPlan:
+    """The plan without a measured one (plan_table): tensor-core tiles at every row count."""
+    return launch_plan(m, n, k, device, max_block_k=128 if m <= 64 else 64, a_bytes=x_bytes,
+                       b_bytes=0.5, gemv_rows=0)  # fmt: skip
+
+
 def w4a16_mm(
     x: torch.Tensor,
     packed: torch.Tensor,
@@ -307,8 +313,9 @@ def w4a16_mm(
     # prefill tiles decode 64 columns per step: the decoded tile stays in registers
     # (the one-row GEMV kernel runs for a plan with block_m 1; not the default: see
     # gemm_split.GEMV_MAX_ROWS)
-    plan = as_plan(plan) or launch_plan(m, n, k, x.device, max_block_k=128 if m <= 64 else 64,
-                                        a_bytes=x.element_size(), b_bytes=0.5, gemv_rows=0)
+    plan = (as_plan(plan) or plan_table.tuned_plan(plan_table.w4_format(group, fp4), m, n, k,
+                                                   x.device)
+            or rule_plan(m, n, k, x.device, x.element_size()))  # fmt: skip
     bm, bn, bk = plan.block_m, plan.block_n, plan.block_k
     assert bk % 8 == 0
     k_per_split, splits = plan.k_per_split(k)
