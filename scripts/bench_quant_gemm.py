@@ -37,6 +37,13 @@ SHAPES = {
     "gate_up": (28672, 4096),
     "down": (4096, 14336),
 }  # name -> (N, K)
+ROW_PARALLEL = ("o", "down")  # under tensor parallelism K is split; the others split N
+
+
+def shapes_at(tp: int) -> dict[str, tuple[int, int]]:
+    """Each linear's [N, K] on one rank of tensor parallelism tp."""
+    return {name: (n, k // tp) if name in ROW_PARALLEL else (n // tp, k)
+            for name, (n, k) in SHAPES.items()}  # fmt: skip
 FORMATS = ("fp8", "int4", "nvfp4")
 TABLE_FORMAT = {"fp8": "fp8", "int4": "int4-g128", "nvfp4": "nvfp4"}  # plan_table's names
 
@@ -127,6 +134,7 @@ def main() -> int:
     p.add_argument("--m", default="1,64", help="row counts (decode batch sizes)")
     p.add_argument("--formats", default=",".join(FORMATS))
     p.add_argument("--quick", action="store_true", help="a small grid")
+    p.add_argument("--tp", default="1", help="tensor-parallel sizes whose shard shapes to time")
     p.add_argument("--write-table", nargs="?", const="", default=None, metavar="PATH",
                    help="store the winning plans (default path: this GPU's plan table)")
     p.add_argument("--min-gain", type=float, default=0.03,
@@ -137,7 +145,10 @@ def main() -> int:
         return 1
     rows = []
     for fmt in args.formats.split(","):
-        for name, (n, k) in SHAPES.items():
+        cases = [(f"{name}/tp{tp}" if tp > 1 else name, n, k)
+                 for tp in map(int, args.tp.split(","))
+                 for name, (n, k) in shapes_at(tp).items()]  # fmt: skip
+        for name, n, k in cases:
             for m in map(int, args.m.split(",")):
                 fn, nbytes = make_case(fmt, m, n, k)
                 dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
@@ -169,7 +180,7 @@ def main() -> int:
                 }
                 rows.append(row)
                 print(
-                    f"{fmt:5} {name:7} M {m:3}: default {row['default_ms'] * 1e3:7.1f} us "
+                    f"{fmt:5} {name:11} M {m:3}: default {row['default_ms'] * 1e3:7.1f} us "
                     f"({row['default_gbs']:5.0f} GB/s), best {row['best_ms'] * 1e3:7.1f} us "
                     f"({row['best_gbs']:5.0f} GB/s) {best}, bf16 {bf16_ms * 1e3:7.1f} us "
                     f"({row['bf16_gbs']:5.0f} GB/s)",
