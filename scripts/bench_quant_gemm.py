@@ -105,9 +105,11 @@ def make_case(fmt: str, m: int, n: int, k: int):
 def plans(fmt: str, m: int, quick: bool) -> list[GemmPlan]:
     bm = 16 if m <= 16 else (64 if m <= 64 else 128)
     bns = (32, 64, 128) if not quick else (64,)
-    bks = (128,) if fmt == "fp8" else ((64, 128, 256) if not quick else (128,))
+    # 4-bit tiles of 128 columns are 4 KB a step: at decode sizes the wider K step and the
+    # deeper pipeline put more bytes in flight per SM (the quick grid keeps both for m <= 16)
+    bks = (128,) if fmt == "fp8" else (64, 128, 256) if not quick else (128, 256)[: 2 if m <= 16 else 1]
     splits = (1, 2, 4, 8)
-    stages = (3, 4) if not quick else (3,)
+    stages = (3, 4) if not quick or (fmt != "fp8" and m <= 16) else (3,)
     grid = [
         GemmPlan(bm, bn, bk, s, 4, st)
         for bn, bk, s, st in itertools.product(bns, bks, splits, stages)
