@@ -9,10 +9,17 @@ the run is timed from the first request to the last token. Acceptance is random 
 point): a cost-only benchmark on dummy weights. Configurations are interleaved per
 concurrency (plain, forced off, static modes, adaptive) and each run starts from an idle
 engine; the adaptive policy starts from the engine's start-up cost table each run (its
-acceptance estimates fresh).
+acceptance estimates fresh). --accept-rate 0 keeps the drafter's real acceptance (a trained
+pair, with --prompts for text it can predict); --emulate-comm makes every all-reduce of an
+--emulate-tp model cost that table's latency (the comm-bound regime on one GPU, as `bench
+latency --emulate-comm`), so the policy's start-up costs see the expensive verify too.
 
     python scripts/bench_spec_policy.py --model llama-3.1-8b --concurrency 1,2,4,...,256 \
         --modes chain3,chain1,chain2,tree4x3x8 --accept-rate 0.65 --out OUT [--log]
+    python scripts/bench_spec_policy.py ... --emulate-comm pcie-nccl-8gpu --emulate-compute shard
+    python scripts/bench_spec_policy.py --model specserve/assets/tiny-code --load-format auto \
+        --draft-model specserve/assets/tiny-code-eagle3 --accept-rate 0 --prompts code \
+        --concurrency 1,16,64 --out OUT
 """
 
 from __future__ import annotations
@@ -70,7 +77,14 @@ def main() -> int:
                     help="draft modes; the first is the engine's configured shape")
     ap.add_argument("--accept-rate", type=float, default=0.65,
                     help="mean synthetic acceptance per draft (0.65: AL ~2.5 at chain 3, "
-                         "0.3: ~1.5)")
+                         "0.3: ~1.5); 0: the drafter's real acceptance")
+    ap.add_argument("--prompts", default=None,
+                    help="a prompt set (chat, code, shared or a .jsonl file) cut to "
+                         "--prompt-len tokens; default: random token ids")
+    ap.add_argument("--emulate-comm", default="",
+                    help="a comm latency table (distributed/comm_tables) for every all-reduce")
+    ap.add_argument("--emulate-tp", type=int, default=8)
+    ap.add_argument("--emulate-compute", default="full", choices=("full", "shard"))
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--requests-per-slot", type=int, default=2)
@@ -81,6 +95,25 @@ def main() -> int:
     ap.add_argument("--label", default="")
     args = ap.parse_args()
     levels = parse_positive_list(args.concurrency, int, "--concurrency")
+    if not 0.0 <= args.accept_rate < 1.0:
+        ap.error(f"--accept-rate must be in [0, 1) (0: real acceptance), got {args.accept_rate}")
+    if args.prompts is not None:
+        from specserve.bench.prompts import load_prompts
+
+        try:
+            load_prompts(args.prompts)
+        except ValueError as err:
+            ap.error(f"--prompts: {err}")
+    comm = {}
+    if args.emulate_comm:
+        from specserve.distributed.emulator import LatencyTable
+
+        try:
+            LatencyTable.load(args.emulate_comm)
+        except (OSError, ValueError) as err:
+            ap.error(f"--emulate-comm: {err}")
+        comm = dict(emulate_comm=args.emulate_comm, emulate_tp=args.emulate_tp,
+                    emulate_compute=args.emulate_compute)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     from specserve.speculative.proposer import DraftShape
 
@@ -91,18 +124,17 @@ def main() -> int:
                 synthetic_accept_rate=args.accept_rate)
     top = max(levels)
     llm = LLM(args.model, speculative_config=spec, load_format=args.load_format, device=args.device,
-              cuda_graph_max_bs=top,
+              cuda_graph_max_bs=top, comm=comm,
               scheduler={"max_model_len": args.prompt_len + args.output_len + 64,
                          "max_num_seqs": top,
                          "max_num_batched_tokens": max(2048, args.prompt_len * 4)})
     engine = llm.engine
     table = engine.spec_cost_table
     shapes = {n: (m.shape.topk, m.shape.num_steps) for n, m in engine.drafter.modes.items()}
-    vocab = engine.model_config.vocab_size
-    import random
+    from specserve.bench.prompts import make_prompts
 
-    rng = random.Random(0)
     report = {"model": args.model, "accept_rate": args.accept_rate, "modes": modes,
+              "prompts": args.prompts or "random ids", "emulate_comm": comm or None,
               "cost_table_ms": {m: {b: t * 1e3 for b, t in row.items()}
                                 for m, row in table.items()},
               "startup_s": engine.startup_seconds, "points": []}
@@ -111,7 +143,7 @@ def main() -> int:
     configs = [PLAIN, OFF, *modes, ADAPTIVE]
     for c in levels:
         n = max(c * args.requests_per_slot, args.min_requests)
-        prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(n)]
+        prompts = make_prompts(engine, args.prompts, n, args.prompt_len, seed=c)
         point = {"concurrency": c, "requests": n}
         for name in configs:
             engine.set_speculation(name != PLAIN)

@@ -363,6 +363,23 @@ if has policy; then
       --log --exp-dir experiments > "$out/policy-$rate.log" 2>&1
     echo "policy rate $rate rc=$?"; grep -v "^ " "$out/policy-$rate.log" | grep -v INFO | tail -14
   done
+  # the comm-bound regime: every all-reduce of a TP-8 model costs the 8-GPU PCIe table's
+  # latency (rank 0's shard computes), so speculation's verify got expensive
+  timeout 580 python scripts/bench_spec_policy.py --model llama-3.1-8b \
+    --concurrency 1,2,4,8,16,32,64,128,256 --modes chain3,chain1,chain2,tree4x3x8 \
+    --accept-rate 0.65 --output-len 96 --min-requests 8 --emulate-comm pcie-nccl-8gpu \
+    --emulate-compute shard --out "$out/policy-pcie" --log --exp-dir experiments \
+    --label "llama-3.1-8b policy sweep rate 0.65 PCIe-TP8 shard" > "$out/policy-pcie.log" 2>&1
+  echo "policy PCIe TP8 rc=$?"; grep -v "^ " "$out/policy-pcie.log" | grep -v INFO | tail -14
+  # real acceptance: the bundled pair on its code prompts
+  if [ -d "$pair" ]; then
+    timeout 300 python scripts/bench_spec_policy.py --model "$pair" --load-format auto \
+      --draft-model "$head" --concurrency 1,16,64 --modes chain3,chain1,chain2,tree4x3x8 \
+      --accept-rate 0 --prompts code --prompt-len 128 --output-len 96 --min-requests 8 \
+      --out "$out/policy-pair" --log --exp-dir experiments \
+      --label "tiny-code eagle3 policy sweep (real acceptance)" > "$out/policy-pair.log" 2>&1
+    echo "policy bundled pair rc=$?"; grep -v "^ " "$out/policy-pair.log" | grep -v INFO | tail -8
+  fi
 fi
 if has mtp; then
   # MTP drafting (the target's own MTP layer): the GPU tests (CUDA-graph cycles == plain), then

@@ -58,3 +58,36 @@ def test_policy_sweep_script_runs(tmp_path: Path) -> None:
         assert "off" in point["plain"]["mode_steps"] or not point["plain"]["mode_steps"]
     assert set(report["cost_table_ms"]) == {"off", "chain2", "chain1"}
     assert (out / "spec_policy.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_policy_sweep_real_acceptance_and_emulated_comm(tmp_path: Path) -> None:
+    """--accept-rate 0 keeps the head's own acceptance over text prompts (--prompts), and
+    --emulate-comm reaches the engine (the report names the table)."""
+    target, head = make_tiny_pair(tmp_path / "m", max_position_embeddings=512)
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_spec_policy.py"), "--model", target,
+           "--load-format", "auto", "--draft-model", head, "--device", "cpu", "--concurrency",
+           "2", "--modes", "chain2", "--accept-rate", "0", "--prompts", "code", "--prompt-len",
+           "12", "--output-len", "5", "--min-requests", "2", "--emulate-comm", "pcie-nccl-8gpu",
+           "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((out / "spec_policy.json").read_text())
+    assert report["prompts"] == "code" and report["accept_rate"] == 0
+    assert report["emulate_comm"]["emulate_comm"] == "pcie-nccl-8gpu"
+    (point,) = report["points"]
+    assert point["chain2"]["tokens"] == point["requests"] * 5
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--accept-rate", "1.5"], "--accept-rate must be in [0, 1)"),
+    (["--emulate-comm", "no-such-table"], "--emulate-comm:"),
+    (["--prompts", "no-such-set"], "--prompts: unknown prompt set"),
+])  # fmt: skip
+def test_policy_sweep_refuses_bad_flags_before_loading(tmp_path: Path, flags: list[str],
+                                                       message: str) -> None:  # fmt: skip
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_spec_policy.py"),
+                           "--out", str(tmp_path), *flags], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-500:]
