@@ -11,7 +11,10 @@ instructions by opcode:
     python scripts/sass_loop.py w4a16-g128-m16 fp8-m1 --arch 90 --top 12
 
 A count is per thread and per loop iteration (one BLOCK_K step), so compare cases with the
-same tiles; quarter-rate instructions (I2F, F2F, MUFU) cost more issue slots than one.
+same tiles; quarter-rate instructions (I2F, F2F, MUFU) cost more issue slots than one. Each
+line also gives the kernel's registers a thread, spilled bytes (LOCAL) and shared memory a
+block (cuobjdump's resource usage; Triton's dynamic shared memory from its metadata): what
+bounds the blocks an SM holds, hence the loads in flight.
 """
 
 from __future__ import annotations
@@ -110,6 +113,17 @@ def loop_counts(cubin: bytes, nvdisasm: str) -> collections.Counter:
     return ops
 
 
+def resources(cubin: bytes, cuobjdump: str) -> dict[str, int]:
+    """REG (a thread), LOCAL (spill bytes a thread) and static SHARED of a cubin's kernel."""
+    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"sass_res_{os.getpid()}.cubin"
+    path.write_bytes(cubin)
+    out = subprocess.run([cuobjdump, "--dump-resource-usage", str(path)], capture_output=True,
+                         text=True, check=True).stdout  # fmt: skip
+    path.unlink()
+    found = dict(re.findall(r"\b(REG|LOCAL|SHARED):(\d+)", out))
+    return {key: int(value) for key, value in found.items()}
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("cases", nargs="*", help=f"any of {', '.join(CASES)} (default: all)")
@@ -125,7 +139,8 @@ def main(argv: list[str] | None = None) -> dict:
     from triton.runtime.jit import JITFunction
 
     triton_compile._install(args.arch)
-    nvdisasm = str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm")
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    nvdisasm, cuobjdump = str(bin_dir / "nvdisasm"), str(bin_dir / "cuobjdump")
     launched: list = []
     compile_only = JITFunction.run
 
@@ -146,9 +161,12 @@ def main(argv: list[str] | None = None) -> dict:
             if kernel_name.startswith("_quant"):
                 continue  # the activation quantization launch: no K loop
             ops = loop_counts(kernel.asm["cubin"], nvdisasm)
-            report[f"{name} {kernel_name}"] = dict(ops)
+            res = resources(kernel.asm["cubin"], cuobjdump)
+            res["SHARED"] = res.get("SHARED", 0) + kernel.metadata.shared
+            report[f"{name} {kernel_name}"] = {**dict(ops), "resources": res}
             top = ", ".join(f"{op} {n}" for op, n in ops.most_common(args.top))
-            print(f"{name:22s} {kernel_name:22s} {sum(ops.values()):5d}  {top}", flush=True)
+            print(f"{name:22s} {kernel_name:22s} {sum(ops.values()):5d}  reg {res.get('REG')} "
+                  f"spill {res.get('LOCAL')} smem {res['SHARED'] // 1024}K  {top}", flush=True)
     return report
 
 
