@@ -70,7 +70,13 @@ def _check_cli(argv: list[str]) -> None:
 def _check_script(path: str, argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     spec = importlib.util.spec_from_file_location(Path(path).stem, REPO / path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    env = dict(os.environ)
+    try:
+        spec.loader.exec_module(module)
+    finally:  # a script may set TRITON_INTERPRET for itself on a CPU: not for later tests
+        for key in set(os.environ) - set(env):
+            del os.environ[key]
+        os.environ.update(env)
     parse = argparse.ArgumentParser.parse_args
 
     def parse_then_stop(self, args=None, namespace=None):
