@@ -14,9 +14,14 @@ from tiny_eagle import make_tiny_pair
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    return make_tiny_pair(tmp_path_factory.mktemp("m"), max_position_embeddings=512)
+
+
 @pytest.mark.slow
-def test_policy_sweep_script_runs(tmp_path: Path) -> None:
-    target, head = make_tiny_pair(tmp_path / "m", max_position_embeddings=512)
+def test_policy_sweep_script_runs(tmp_path: Path, pair: tuple[str, str]) -> None:
+    target, head = pair
     out = tmp_path / "out"
     cmd = [
         sys.executable,
@@ -61,10 +66,11 @@ def test_policy_sweep_script_runs(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_policy_sweep_real_acceptance_and_emulated_comm(tmp_path: Path) -> None:
+def test_policy_sweep_real_acceptance_and_emulated_comm(tmp_path: Path,
+                                                        pair: tuple[str, str]) -> None:
     """--accept-rate 0 keeps the head's own acceptance over text prompts (--prompts), and
     --emulate-comm reaches the engine (the report names the table)."""
-    target, head = make_tiny_pair(tmp_path / "m", max_position_embeddings=512)
+    target, head = pair
     out = tmp_path / "out"
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_spec_policy.py"), "--model", target,
            "--load-format", "auto", "--draft-model", head, "--device", "cpu", "--concurrency",

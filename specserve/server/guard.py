@@ -6,7 +6,9 @@ memory) and, at the HTTP protocol, the connection count and the time to send the
                    on a kept-alive connection): 408 and close (slowloris)
     headers     -> GuardMiddleware: one `Authorization: Bearer KEY` (a duplicate header is
                    refused; constant-time compare), then the body: Content-Length over the
-                   cap: 413 before reading; streamed bytes over the cap: 413; the whole body
+                   cap: 413 without keeping it (a body up to DRAIN_MAX_BYTES past the cap is
+                   read and dropped first, so the client gets the answer rather than a
+                   reset); streamed bytes over the cap: 413 likewise; the whole body
                    not in within body_timeout_s: 408 and close; bodies being received holding
                    more than max_pending_body_bytes together: 503
 Every refusal is the OpenAI error envelope; those sent mid-request close the connection.
@@ -31,6 +33,10 @@ from specserve.server import errors as E
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = "1"
 CLOSE = {"Connection": "close"}
+# a body over the cap is read and dropped (this much at most, for this long) before the 413,
+# so that the client reads the answer: closing a socket with unread bytes resets it instead
+DRAIN_MAX_BYTES = 8 << 20
+DRAIN_TIMEOUT_S = 2.0
 API_KEY_ENV = "SPECSERVE_API_KEY"
 
 
@@ -112,6 +118,8 @@ class GuardMiddleware:
         )
         declared = int(content_length) if content_length and content_length.isdigit() else 0
         if declared > self.max_body_bytes:
+            if declared <= self.max_body_bytes + DRAIN_MAX_BYTES:
+                await _discard(receive, declared)
             raise too_large
         chunks: list[bytes] = []
         held = 0
@@ -123,6 +131,8 @@ class GuardMiddleware:
                         break
                     chunk = message.get("body", b"")
                     if held + len(chunk) > self.max_body_bytes:
+                        if message.get("more_body", False):
+                            await _discard(receive, DRAIN_MAX_BYTES)
                         raise too_large
                     if self.pending_body_bytes + len(chunk) > self.max_pending_body_bytes:
                         raise E.APIError(
@@ -149,6 +159,18 @@ class GuardMiddleware:
         finally:
             self.pending_body_bytes -= held
         return b"".join(chunks)
+
+
+async def _discard(receive: Receive, budget: int) -> None:
+    """Read and drop up to `budget` bytes of the request body, for DRAIN_TIMEOUT_S at most."""
+    with anyio.move_on_after(DRAIN_TIMEOUT_S):
+        while budget > 0:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            budget -= len(message.get("body", b""))
+            if not message.get("more_body", False):
+                return
 
 
 def _key_error(message: str) -> E.APIError:
