@@ -37,8 +37,10 @@ def fake_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     assert path == tmp_path / "Fake_GPU_80GB.json"
     path.write_text(json.dumps(TABLE))
     plan_table._load.cache_clear()
+    plan_table._cached_plan.cache_clear()
     yield path
     plan_table._load.cache_clear()
+    plan_table._cached_plan.cache_clear()
 
 
 def test_tuned_plan_per_gpu_and_its_bypasses(fake_gpu: Path,
@@ -53,7 +55,7 @@ def test_tuned_plan_per_gpu_and_its_bypasses(fake_gpu: Path,
     assert plan_table.tuned_plan("fp8", 8, 6144, 4096, cuda) is None
     monkeypatch.delenv(plan_table.ENV)
     monkeypatch.setattr(plan_table, "_gpu_name", lambda index: "Other GPU")  # no table
-    assert plan_table.tuned_plan("fp8", 8, 6144, 4096, cuda) is None
+    assert plan_table.tuned_plan("fp8", 8, 6144, 4096, torch.device("cuda", 1)) is None
 
 
 def test_a_malformed_table_names_its_file(fake_gpu: Path) -> None:

@@ -204,11 +204,15 @@ def select_slots_fast(
 
 
 @jit
-def _chunk_bounds(n, p, num_p, BLOCK_P: tl.constexpr):
-    """Program p's positions [lo, hi) of a token's n: equal chunks, whole loop steps."""
-    chunk = tl.cdiv(tl.cdiv(n, num_p), BLOCK_P) * BLOCK_P
+def _split_program(req_ptr, seq_lens_ptr, bs, BLOCK_P: tl.constexpr):
+    """This program's (token t, chunk p, request, positions [lo, hi)): the token's length cut
+    into equal chunks of whole loop steps, one a program."""
+    t = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1)
+    req, n = token_length(req_ptr, seq_lens_ptr, t, bs)
+    chunk = tl.cdiv(tl.cdiv(n, tl.num_programs(1)), BLOCK_P) * BLOCK_P
     lo = p * chunk
-    return lo, tl.minimum(lo + chunk, n)
+    return t, p, req, lo, tl.minimum(lo + chunk, n)
 
 
 @jit
@@ -227,10 +231,7 @@ def _split_pass_kernel(
     scores_ptr, hist_ptr, req_ptr, seq_lens_ptr, bs, k, stride_s, stride_h,
     PASS: tl.constexpr, BLOCK_P: tl.constexpr, NUM_BINS: tl.constexpr,
 ):  # fmt: skip
-    t = tl.program_id(0).to(tl.int64)
-    p = tl.program_id(1)
-    _, n = token_length(req_ptr, seq_lens_ptr, t, bs)
-    lo, hi = _chunk_bounds(n, p, tl.num_programs(1), BLOCK_P)
+    t, p, req, lo, hi = _split_program(req_ptr, seq_lens_ptr, bs, BLOCK_P)
     hist_row = hist_ptr + t * stride_h
     bins = tl.arange(0, NUM_BINS)
     thr = tl.full([], 0, tl.int32)
@@ -249,10 +250,7 @@ def _split_count_kernel(
     scores_ptr, hist_ptr, counts_ptr, req_ptr, seq_lens_ptr, bs, k, stride_s, stride_h,
     stride_c, BLOCK_P: tl.constexpr, NUM_BINS: tl.constexpr,
 ):  # fmt: skip
-    t = tl.program_id(0).to(tl.int64)
-    p = tl.program_id(1)
-    _, n = token_length(req_ptr, seq_lens_ptr, t, bs)
-    lo, hi = _chunk_bounds(n, p, tl.num_programs(1), BLOCK_P)
+    t, p, req, lo, hi = _split_program(req_ptr, seq_lens_ptr, bs, BLOCK_P)
     thr, _ = _threshold(hist_ptr + t * stride_h, k, tl.arange(0, NUM_BINS), NUM_BINS)
     row = scores_ptr + t * stride_s
     offs = tl.arange(0, BLOCK_P)
@@ -273,10 +271,7 @@ def _split_out_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_P: tl.constexpr, NUM_BINS: tl.constexpr,
     MAX_PROGRAMS: tl.constexpr,
 ):  # fmt: skip
-    t = tl.program_id(0).to(tl.int64)
-    p = tl.program_id(1)
-    req, n = token_length(req_ptr, seq_lens_ptr, t, bs)
-    lo, hi = _chunk_bounds(n, p, tl.num_programs(1), BLOCK_P)
+    t, p, req, lo, hi = _split_program(req_ptr, seq_lens_ptr, bs, BLOCK_P)
     thr, ties = _threshold(hist_ptr + t * stride_h, k, tl.arange(0, NUM_BINS), NUM_BINS)
     progs = tl.arange(0, MAX_PROGRAMS)
     live = progs < tl.num_programs(1)

@@ -66,12 +66,18 @@ def _gpu_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
+@functools.lru_cache(maxsize=4096)
+def _cached_plan(index: int, fmt: str, m: int, n: int, k: int) -> GemmPlan | None:
+    return lookup(_load(table_file(_gpu_name(index))), fmt, m, n, k)
+
+
 def tuned_plan(fmt: str, m: int, n: int, k: int, device: torch.device) -> GemmPlan | None:
-    """The measured plan for this GEMM on this GPU, or None (then the rule of thumb)."""
+    """The measured plan for this GEMM on this GPU, or None (then the rule of thumb). Called
+    per GEMM launch (eager prefill too): answers are cached per device and shape."""
     if device.type != "cuda" or EXACT.on or os.environ.get(ENV) == "0":
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return lookup(_load(table_file(_gpu_name(index))), fmt, m, n, k)
+    return _cached_plan(index, fmt, m, n, k)
 
 
 def w4_format(group: int, fp4: bool) -> str:
