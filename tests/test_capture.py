@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import PagedSession, make_hf_model, make_tiny_checkpoint
+from engine_drivers import PagedSession
+from tiny_models import make_hf_model, make_tiny_checkpoint
 from torch import nn
 
 from specserve.config import ModelConfig

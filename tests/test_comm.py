@@ -10,7 +10,8 @@ import time
 import numpy as np
 import pytest
 import torch
-from tiny_models import PagedSession, make_tiny_checkpoint
+from engine_drivers import PagedSession
+from tiny_models import make_tiny_checkpoint
 
 from specserve.config import CommConfig, ModelConfig
 from specserve.distributed import comm, emulator

@@ -28,8 +28,9 @@ for _p in (REPO, REPO / "tests"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
+from engine_drivers import PagedSession  # noqa: E402
 from tiny_eagle import make_tiny_eagle3_head  # noqa: E402
-from tiny_models import PagedSession, make_tiny_checkpoint  # noqa: E402
+from tiny_models import make_tiny_checkpoint  # noqa: E402
 
 from specserve.config import CommConfig, ModelConfig  # noqa: E402
 from specserve.kernels import allreduce as ar  # noqa: E402

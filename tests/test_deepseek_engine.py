@@ -11,8 +11,9 @@ import random
 
 import pytest
 import torch
+from engine_drivers import record_preemptions
 from tiny_eagle import make_tiny_eagle3_head, oracle_propose
-from tiny_models import make_kimi_k25_checkpoint, make_tiny_checkpoint, record_preemptions
+from tiny_models import make_kimi_k25_checkpoint, make_tiny_checkpoint
 from transformers import AutoModelForCausalLM
 
 from specserve.config import CacheConfig, SchedulerConfig

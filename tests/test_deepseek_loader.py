@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_drivers import PagedSession
 from safetensors.torch import load_file, save_file
-from tiny_models import PagedSession, hub_spelling, make_kimi_k25_checkpoint, make_tiny_checkpoint
+from tiny_models import hub_spelling, make_kimi_k25_checkpoint, make_tiny_checkpoint
 
 from specserve.config import ModelConfig
 from specserve.models.capture import find_embedding_and_head

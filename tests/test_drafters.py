@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import record_preemptions
+from engine_drivers import record_preemptions
 
 from specserve import defaults
 from specserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig

@@ -121,7 +121,8 @@ def test_forced_sparse_layers_equal_dense_model(
     """The tiny GLM-5 with index_topk above every length: its layers forced onto the sparse
     path (indexer, top-k, sparse attention) give the dense path's logits, prefill and decode;
     scoring the prefill one token at a time changes nothing."""
-    from tiny_models import PagedSession, make_tiny_checkpoint
+    from engine_drivers import PagedSession
+    from tiny_models import make_tiny_checkpoint
 
     from specserve.config import ModelConfig
     from specserve.layers import dsa
@@ -248,7 +249,8 @@ def check_model_on_triton_backend() -> None:
     and DSA kernels over a paged cache, prefill then decode: transformers' logits."""
     import tempfile
 
-    from tiny_models import PagedSession, make_hf_model, make_tiny_checkpoint
+    from engine_drivers import PagedSession
+    from tiny_models import make_hf_model, make_tiny_checkpoint
 
     from specserve.config import ModelConfig
     from specserve.layers.backends.triton_backend import TritonBackend

@@ -6,7 +6,8 @@ import random
 
 import pytest
 import torch
-from tiny_models import make_tiny_checkpoint, record_preemptions
+from engine_drivers import record_preemptions
+from tiny_models import make_tiny_checkpoint
 from transformers import AutoModelForCausalLM
 
 from specserve.config import CacheConfig, EngineConfig, SchedulerConfig

@@ -242,7 +242,7 @@ def pair(request, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_exact_engine_greedy_identical(pair, device: str) -> None:
-    from tiny_models import record_preemptions
+    from engine_drivers import record_preemptions
 
     from specserve.config import CacheConfig, SchedulerConfig
     from specserve.llm import LLM

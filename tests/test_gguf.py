@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from engine_drivers import PagedSession
 from tiny_gguf import MIXED, write_tiny_gguf
-from tiny_models import PagedSession
 from tiny_tokenizer import CORPUS, make_tiny_tokenizer
 
 from specserve.models import gguf

@@ -14,7 +14,7 @@ import random
 
 import pytest
 import torch
-from tiny_models import PagedSession
+from engine_drivers import PagedSession
 from torch import nn
 
 from specserve.config import MLAConfig, ModelConfig

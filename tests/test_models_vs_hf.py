@@ -8,13 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import (
-    LLAMA3_ROPE,
-    PagedSession,
-    make_hf_model,
-    make_kimi_k25_checkpoint,
-    make_tiny_checkpoint,
-)
+from engine_drivers import PagedSession
+from tiny_models import LLAMA3_ROPE, make_hf_model, make_kimi_k25_checkpoint, make_tiny_checkpoint
 
 from specserve.config import ModelConfig
 from specserve.models.loader import load_model

@@ -19,7 +19,8 @@ import random
 
 import pytest
 import torch
-from tiny_models import make_tiny_checkpoint, record_preemptions
+from engine_drivers import record_preemptions
+from tiny_models import make_tiny_checkpoint
 from tiny_mtp import make_mtp_checkpoint, reference_chain
 
 from specserve.config import CacheConfig, SchedulerConfig

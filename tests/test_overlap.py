@@ -6,7 +6,8 @@ ahead); the GPU form replays decode graphs through the same code."""
 from __future__ import annotations
 
 import pytest
-from tiny_models import make_tiny_checkpoint, random_workload, record_preemptions
+from engine_drivers import random_workload, record_preemptions
+from tiny_models import make_tiny_checkpoint
 
 from specserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from specserve.engine.engine import Engine

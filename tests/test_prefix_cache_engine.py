@@ -18,9 +18,10 @@ import random
 
 import pytest
 import torch
+from engine_drivers import record_preemptions
 from test_spec_proposers import RepeatProposer
 from tiny_eagle import make_tiny_eagle3_head
-from tiny_models import device_fixture, make_tiny_checkpoint, record_preemptions
+from tiny_models import device_fixture, make_tiny_checkpoint
 
 from specserve.config import CacheConfig, SchedulerConfig, SpecConfig
 from specserve.engine.engine import Engine

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import device_fixture, record_preemptions
+from engine_drivers import record_preemptions
+from tiny_models import device_fixture
 
 from specserve import defaults
 from specserve.config import CacheConfig, SchedulerConfig

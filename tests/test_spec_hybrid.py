@@ -20,8 +20,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from engine_drivers import record_preemptions
 from test_mtp import spy_trees
-from tiny_models import record_preemptions
 
 from specserve import defaults
 from specserve.config import CacheConfig, EngineConfig, SchedulerConfig

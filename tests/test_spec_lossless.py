@@ -9,8 +9,9 @@ from __future__ import annotations
 import random
 
 import pytest
+from engine_drivers import record_preemptions
 from tiny_eagle import make_tiny_eagle3_head, oracle_propose
-from tiny_models import device_fixture, make_tiny_checkpoint, record_preemptions
+from tiny_models import device_fixture, make_tiny_checkpoint
 
 from specserve.config import CacheConfig, SchedulerConfig
 from specserve.llm import LLM

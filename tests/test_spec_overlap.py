@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_drivers import random_workload, record_preemptions
 from tiny_eagle import make_tiny_eagle3_head
-from tiny_models import make_tiny_checkpoint, random_workload, record_preemptions
+from tiny_models import make_tiny_checkpoint
 
 from specserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from specserve.engine.engine import Engine

@@ -15,8 +15,8 @@ import random
 
 import pytest
 import torch
+from engine_drivers import random_workload, record_preemptions
 from tiny_eagle import make_tiny_pair
-from tiny_models import random_workload, record_preemptions
 
 from specserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from specserve.engine.engine import Engine

@@ -15,8 +15,9 @@ import signal
 import time
 
 import pytest
+from engine_drivers import record_preemptions
 from tiny_eagle import make_tiny_eagle3_head
-from tiny_models import make_tiny_checkpoint, record_preemptions
+from tiny_models import make_tiny_checkpoint
 
 from specserve.config import CacheConfig, ParallelConfig, SchedulerConfig
 from specserve.engine.errors import EngineDeadError

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from tiny_models import PagedSession, make_tiny_checkpoint
+from engine_drivers import PagedSession
+from tiny_models import make_tiny_checkpoint
 
 from specserve.config import ModelConfig
 from specserve.distributed import parallel_state

@@ -405,7 +405,7 @@ def logit_errors(
     `lengths` over a paged cache, then 3 decodes) and `reference` on the same tokens."""
     import random
 
-    from tiny_models import PagedSession
+    from engine_drivers import PagedSession
 
     rng = random.Random(seed)
     tokens = {r: [rng.randrange(vocab) for _ in range(n)] for r, n in enumerate(lengths)}
