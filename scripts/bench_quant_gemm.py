@@ -1,6 +1,7 @@
-"""Time the quantized GEMMs at Llama-3.1-8B shapes over launch plans (GPU only).
+"""Time the quantized and dense GEMMs at Llama-3.1-8B shapes over launch plans (GPU only).
 
-For each format (fp8 block W8A8, int4 g128 W4A16, nvfp4 W4A16), each linear shape of the
+For each format (fp8 block W8A8, int4 g128 W4A16, nvfp4 W4A16, and bf16: the dense Triton
+GEMM of kernels/dense_gemm.py against cuBLAS's F.linear as its default), each linear shape of the
 model and each row count M, times the default plan (gemm_split.launch_plan) and a grid of
 alternatives with triton.testing.do_bench_cudagraph (each call replayed from a CUDA graph, so
 the host's launch cost is left out, as in the engine's decode graphs), next to the dense bf16
@@ -28,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specserve.kernels import fp8_gemm, plan_table, w4a16_gemm  # noqa: E402
+from specserve.kernels import dense_gemm, fp8_gemm, plan_table, w4a16_gemm  # noqa: E402
 from specserve.kernels.gemm_split import GemmPlan  # noqa: E402
 
 SHAPES = {
@@ -44,13 +45,15 @@ def shapes_at(tp: int) -> dict[str, tuple[int, int]]:
     """Each linear's [N, K] on one rank of tensor parallelism tp."""
     return {name: (n, k // tp) if name in ROW_PARALLEL else (n // tp, k)
             for name, (n, k) in SHAPES.items()}  # fmt: skip
-FORMATS = ("fp8", "int4", "nvfp4")
-TABLE_FORMAT = {"fp8": "fp8", "int4": "int4-g128", "nvfp4": "nvfp4"}  # plan_table's names
+FORMATS = ("fp8", "int4", "nvfp4", "bf16")
+TABLE_FORMAT = {"fp8": "fp8", "int4": "int4-g128", "nvfp4": "nvfp4", "bf16": "bf16"}
 
 
-def rule_plan(fmt: str, m: int, n: int, k: int) -> GemmPlan:
-    """The plan the kernel takes without a measured one."""
+def rule_plan(fmt: str, m: int, n: int, k: int) -> GemmPlan | None:
+    """The plan the kernel takes without a measured one (None: bf16's is cuBLAS)."""
     dev = torch.device("cuda")
+    if fmt == "bf16":
+        return None
     if fmt == "fp8":  # bf16 rows quantized in a GEMV's loop, else FP8 rows
         gemv = 0 < m <= fp8_gemm.gemm_split.GEMV_MAX_ROWS
         return fp8_gemm.rule_plan(m, n, k, dev, 128, 2 if gemv else 1)
@@ -76,6 +79,15 @@ def make_case(fmt: str, m: int, n: int, k: int):
     """(fn(plan) running the GEMM, weight bytes streamed)."""
     dev = "cuda"
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    if fmt == "bf16":
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+
+        def fn(plan):  # no plan: what the dense layers run without a table entry
+            if plan is None:
+                return torch.nn.functional.linear(x, w)
+            return dense_gemm.dense_gemm(x, w, None, plan)
+
+        return fn, w.numel() * 2
     if fmt == "fp8":
         w = torch.randn(n, k, device=dev).to(fp8_gemm.FP8)
         ws = torch.rand(-(-n // 128), -(-k // 128), device=dev) + 0.5
@@ -102,7 +114,23 @@ def make_case(fmt: str, m: int, n: int, k: int):
     return fn, nbytes
 
 
+def dense_plans(m: int, quick: bool) -> list[GemmPlan]:
+    """The bf16 grid: tensor-core tiles with split-K; GEMV plans at one row."""
+    bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+    bns, bks = ((64, 128), (64, 128)) if quick else ((32, 64, 128), (64, 128, 256))
+    stages = (4,) if quick else (3, 4, 5)
+    grid = [GemmPlan(bm, bn, bk, s, 4, st)
+            for bn, bk, s, st in itertools.product(bns, bks, (1, 2, 4, 8), stages)]  # fmt: skip
+    if m == 1:  # the fp32 products [BK, BN] stay in registers: BK x BN / threads each
+        gemv = (((32, 64), (64, 128), (1, 2, 4), (4,)) if quick
+                else ((16, 32, 64), (64, 128), (1, 2, 4, 8), (2, 4, 8)))  # fmt: skip
+        grid += [GemmPlan(1, bn, bk, s, w, 3) for bn, bk, s, w in itertools.product(*gemv)]
+    return grid
+
+
 def plans(fmt: str, m: int, quick: bool) -> list[GemmPlan]:
+    if fmt == "bf16":
+        return dense_plans(m, quick)
     bm = 16 if m <= 16 else (64 if m <= 64 else 128)
     bns = (32, 64, 128) if not quick else (64,)
     # 4-bit tiles of 128 columns are 4 KB a step: at decode sizes the wider K step and the
@@ -171,9 +199,9 @@ def main() -> int:
                     "n": n,
                     "k": k,
                     "weight_bytes": nbytes,
-                    "default_plan": default.__dict__,
+                    "default_plan": default.__dict__ if default else "cublas",
                     "default_ms": times[default],
-                    "best_plan": best.__dict__,
+                    "best_plan": best.__dict__ if best else "cublas",
                     "best_ms": times[best],
                     "bf16_ms": bf16_ms,
                     "default_gbs": nbytes / times[default] / 1e6,
@@ -184,7 +212,7 @@ def main() -> int:
                 print(
                     f"{fmt:5} {name:11} M {m:3}: default {row['default_ms'] * 1e3:7.1f} us "
                     f"({row['default_gbs']:5.0f} GB/s), best {row['best_ms'] * 1e3:7.1f} us "
-                    f"({row['best_gbs']:5.0f} GB/s) {best}, bf16 {bf16_ms * 1e3:7.1f} us "
+                    f"({row['best_gbs']:5.0f} GB/s) {best or 'cublas'}, bf16 {bf16_ms * 1e3:7.1f} us "
                     f"({row['bf16_gbs']:5.0f} GB/s)",
                     flush=True,
                 )

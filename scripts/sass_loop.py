@@ -82,12 +82,25 @@ def _exact(m: int):  # noqa: ANN202
     return run
 
 
+def _dense(m: int, plan: tuple):  # noqa: ANN202
+    def run() -> None:
+        import torch
+
+        from specserve.kernels import dense_gemm
+        from specserve.kernels.gemm_split import GemmPlan
+
+        dense_gemm.dense_gemm(torch.zeros(m, K, dtype=torch.bfloat16),
+                              torch.zeros(N, K, dtype=torch.bfloat16), None, GemmPlan(*plan))
+    return run
+
+
 CASES = {
     "w4a16-g128-m16": _w4(16, 128, False), "w4a16-g128-m64": _w4(64, 128, False),
     "w4a16-g32-m16": _w4(16, 32, False), "nvfp4-m16": _w4(16, 16, True),
     "fp8-m1": _fp8(1), "fp8-m16": _fp8(16), "fp8-m64": _fp8(64),
     "moe-int4-g32-decode": _moe("ct-int4-g32", 1), "moe-fp8-decode": _moe("fp8-block", 1),
     "exact-m1": _exact(1),
+    "dense-gemv-m1": _dense(1, (1, 64, 128, 4, 4, 3)), "dense-m16": _dense(16, (16, 64, 128, 4, 4, 4)),
 }  # fmt: skip
 
 

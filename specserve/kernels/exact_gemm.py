@@ -21,14 +21,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specserve.kernels.dispatch import jit, tl, triton, use_triton
-from specserve.kernels.gemm_split import (
-    MAX_SPLITS,
-    PARTIALS_PER_SM,
-    num_sms,
-    split_buffers,
-    store_tile,
-)
+from specserve.kernels.dense_gemm import dense_gemm, launch
+from specserve.kernels.dispatch import triton, use_triton
+from specserve.kernels.gemm_split import MAX_SPLITS, PARTIALS_PER_SM, GemmPlan, num_sms
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the one launch of every exact GEMM
 EXACT_TILE = (64, 32, 64, 4, 4)  # narrow N tiles: a one-row GEMM still fills the SMs
@@ -47,86 +42,15 @@ def exact_splits(n: int, k: int, device: torch.device) -> int:
                       MAX_SPLITS))
 
 
-@jit
-def _exact_gemm_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, p_ptr, counter_ptr, M, N, K, k_per_split, splits,
-    stride_xb, stride_xm, stride_wb, stride_wn, stride_wk, stride_yb, stride_ym,
-    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
-    # program (m tile, n tile, batch index or, with SPLIT, K chunk of the one product)
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    if SPLIT:
-        batch = 0
-        k_start = tl.program_id(2) * k_per_split
-        k_end = tl.minimum(k_start + k_per_split, K)
-    else:
-        batch = tl.program_id(2).to(tl.int64)  # one product per batch index (exact_bmm)
-        k_start = 0
-        k_end = K
-    x_ptr += batch * stride_xb
-    w_ptr += batch * stride_wb
-    y_ptr += batch * stride_yb
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):  # ascending K blocks: the same for every M
-        kk = k0 + rk
-        x = tl.load(
-            x_ptr + rm.to(tl.int64)[:, None] * stride_xm + kk[None, :],
-            mask=(rm < M)[:, None] & (kk < k_end)[None, :],
-            other=0.0,
-        )  # [BLOCK_M, BLOCK_K]
-        w = tl.load(
-            w_ptr + rn.to(tl.int64)[None, :] * stride_wn + kk[:, None] * stride_wk,
-            mask=(rn < N)[None, :] & (kk < k_end)[:, None],
-            other=0.0,
-        )  # [BLOCK_K, BLOCK_N]
-        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
-    if HAS_BIAS:
-        if k_start == 0:  # with SPLIT: the first chunk's partial, summed first
-            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    # stores acc, or (SPLIT) the chunk's partial and, last to arrive, the chunks' ordered sum
-    store_tile(acc, y_ptr, p_ptr, counter_ptr, rm, rn, M, N, stride_ym, splits, SPLIT)
+def exact_plan(n: int, k: int, batched: bool, device: torch.device) -> GemmPlan:
+    """The EXACT_TILE launch of an N x K product (K chunks for one 2-D product only)."""
+    bm, bn, bk, warps, stages = EXACT_TILE
+    return GemmPlan(bm, bn, bk, 1 if batched else exact_splits(n, k, device), warps, stages)
 
 
 def exact_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ w[N, K]^T (+ bias [N]) with the fixed EXACT_TILE launch (Triton)."""
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    w = w if w.stride(-1) == 1 else w.contiguous()
-    m, k = x2.shape
-    n = w.shape[0]
-    y = x2.new_empty(m, n)
-    if m == 0:
-        return y.reshape(*shape[:-1], n)
-    _launch(x2[None], w[None], bias, y[None])
-    return y.reshape(*shape[:-1], n)
-
-
-def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
-            y: torch.Tensor) -> None:
-    """y[b] = x[b] @ w[b]^T (+ bias) for x [B, M, K] (unit K stride), w [B, N, K] (any
-    strides), y [B, M, N] (unit N stride): the EXACT_TILE launch, one grid layer per b."""
-    (nb, m, k), n = x.shape, w.shape[1]
-    bm, bn, bk, warps, stages = EXACT_TILE
-    splits = exact_splits(n, k, x.device) if nb == 1 else 1
-    per = triton.cdiv(triton.cdiv(k, splits), bk) * bk
-    splits = triton.cdiv(k, per)
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), nb if splits == 1 else splits)
-    partials, counters = split_buffers(m, n, grid[0] * grid[1], splits, x.device)
-    _exact_gemm_kernel[grid](
-        x, w, bias if bias is not None else w, y, partials, counters, m, n, k, per, splits,
-        x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), y.stride(0),
-        y.stride(1),
-        HAS_BIAS=bias is not None, SPLIT=splits > 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
-        num_warps=warps, num_stages=stages,
-    )  # fmt: skip
+    return dense_gemm(x, w, bias, exact_plan(w.shape[0], x.shape[-1], False, x.device))
 
 
 def exact_bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -141,7 +65,8 @@ def exact_bgemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     x = x if x.stride(-1) == 1 else x.contiguous()
     y = x.new_empty(x.shape[0], x.shape[1], w.shape[1])
     if x.shape[0]:
-        _launch(x.transpose(0, 1), w, None, y.transpose(0, 1))
+        launch(x.transpose(0, 1), w, None, y.transpose(0, 1),
+               exact_plan(w.shape[1], x.shape[2], True, x.device))
     return y
 
 

@@ -10,7 +10,9 @@ A GEMM of m rows takes the plan measured at the smallest row count >= m; past th
 for a shape, format or GPU with no entry, the rule of thumb. Formats: "fp8" (128x128 block
 weights, activations quantized per 128 columns: DeepSeek-V3 / Kimi / GLM FP8), "int4-g<G>"
 (W4A16, group G), "nvfp4". Exact mode never reads the tables (its plan must not depend on the
-row count); SPECSERVE_PLAN_TABLES=0 turns them off (A/B runs).
+row count); SPECSERVE_PLAN_TABLES=0 turns them off (A/B runs). Dense weights have formats too:
+"bf16" and "fp16" hold the plans of kernels/dense_gemm.py that beat cuBLAS (without an entry
+the dense layers keep F.linear).
 """
 
 from __future__ import annotations

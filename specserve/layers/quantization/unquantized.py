@@ -1,10 +1,14 @@
-"""The dense method: W [out, in] in the activation dtype, y = F.linear(x, W, b)."""
+"""The dense method: W [out, in] in the activation dtype, y = F.linear(x, W, b); on a GPU whose
+plan table (kernels/plan_table.py) holds a measured plan for this shape and row count, the
+dense Triton GEMM under that plan (kernels/dense_gemm.py: where it beat cuBLAS)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from specserve.kernels import plan_table
+from specserve.kernels.dense_gemm import dense_gemm, plan_format
 from specserve.kernels.dispatch import EXACT
 from specserve.kernels.exact_gemm import exact_linear
 from specserve.layers.quantization.base import LinearMethod, ParamSpec, add_param
@@ -20,6 +24,12 @@ class UnquantizedLinearMethod(LinearMethod):
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if EXACT.on:  # M-invariant (kernels/exact_gemm.py)
             return exact_linear(x, layer.weight, bias)
+        if (fmt := plan_format(x.dtype)) is not None:  # a measured plan (GPUs only), else cuBLAS
+            w = layer.weight
+            m = x.numel() // x.shape[-1] if x.shape[-1] else 0
+            plan = plan_table.tuned_plan(fmt, m, w.shape[0], w.shape[1], x.device)
+            if plan is not None:
+                return dense_gemm(x, w, bias, plan)
         return F.linear(x, layer.weight, bias)
 
     def random_init(self, layer, gen: torch.Generator, std: float) -> None:
