@@ -217,13 +217,15 @@ def main() -> int:
                     flush=True,
                 )
                 del dense
-    Path(args.out).write_text(json.dumps(rows, indent=1))
-    if args.write_table is not None:
-        path = Path(args.write_table or plan_table.table_file(torch.cuda.get_device_name()))
-        old = json.loads(path.read_text()) if path.is_file() else {}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(merge_table(old, rows, args.min_gain), indent=1) + "\n")
-        print(f"plan table: {path}")
+        # after each format: a sweep cut short keeps what it finished
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+        if args.write_table is not None:
+            path = Path(args.write_table or plan_table.table_file(torch.cuda.get_device_name()))
+            old = json.loads(path.read_text()) if path.is_file() else {}
+            path.parent.mkdir(parents=True, exist_ok=True)
+            done = [r for r in rows if r["format"] == fmt]
+            path.write_text(json.dumps(merge_table(old, done, args.min_gain), indent=1) + "\n")
+            print(f"plan table: {path} ({fmt})", flush=True)
     return 0
 
 
