@@ -38,13 +38,15 @@ SHAPES = {
     "gate_up": (28672, 4096),
     "down": (4096, 14336),
 }  # name -> (N, K)
+DENSE_ONLY = {"lm_head": (128256, 4096)}  # stays bf16 in quantized checkpoints: swept as bf16
 ROW_PARALLEL = ("o", "down")  # under tensor parallelism K is split; the others split N
 
 
-def shapes_at(tp: int) -> dict[str, tuple[int, int]]:
-    """Each linear's [N, K] on one rank of tensor parallelism tp."""
+def shapes_at(tp: int, fmt: str = "fp8") -> dict[str, tuple[int, int]]:
+    """Each linear's [N, K] of this format on one rank of tensor parallelism tp."""
+    shapes = {**SHAPES, **DENSE_ONLY} if fmt == "bf16" else SHAPES
     return {name: (n, k // tp) if name in ROW_PARALLEL else (n // tp, k)
-            for name, (n, k) in SHAPES.items()}  # fmt: skip
+            for name, (n, k) in shapes.items()}  # fmt: skip
 FORMATS = ("fp8", "int4", "nvfp4", "bf16")
 TABLE_FORMAT = {"fp8": "fp8", "int4": "int4-g128", "nvfp4": "nvfp4", "bf16": "bf16"}
 
@@ -177,7 +179,7 @@ def main() -> int:
     for fmt in args.formats.split(","):
         cases = [(f"{name}/tp{tp}" if tp > 1 else name, n, k)
                  for tp in map(int, args.tp.split(","))
-                 for name, (n, k) in shapes_at(tp).items()]  # fmt: skip
+                 for name, (n, k) in shapes_at(tp, fmt).items()]  # fmt: skip
         for name, n, k in cases:
             for m in map(int, args.m.split(",")):
                 fn, nbytes = make_case(fmt, m, n, k)

@@ -13,8 +13,7 @@ from torch import nn
 
 from specserve.distributed.comm import all_gather, all_reduce
 from specserve.distributed.parallel_state import get_tp_rank, get_tp_size
-from specserve.kernels.dispatch import EXACT
-from specserve.kernels.exact_gemm import exact_linear
+from specserve.layers.quantization.unquantized import dense_linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -63,10 +62,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden [n, H] -> local [n, shard] -> gathered [n, tp * shard] -> [n, vocab]
-        if EXACT.on:  # M-invariant (kernels/exact_gemm.py)
-            logits = exact_linear(hidden, self.weight)
-        else:
-            logits = F.linear(hidden, self.weight)
+        logits = dense_linear(hidden, self.weight)  # exact mode, a measured plan or cuBLAS
         if self.tp_size > 1:
             logits = all_gather(logits, dim=-1)
         return logits[..., : self.num_embeddings]

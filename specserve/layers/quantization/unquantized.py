@@ -14,6 +14,22 @@ from specserve.kernels.exact_gemm import exact_linear
 from specserve.layers.quantization.base import LinearMethod, ParamSpec, add_param
 
 
+def dense_linear(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """y = x w^T (+ bias) for a dense weight: M-invariant in exact mode (kernels/exact_gemm.py);
+    else the measured plan of this GPU for the shape and row count if there is one (GPUs only),
+    else cuBLAS (F.linear)."""
+    if EXACT.on:
+        return exact_linear(x, w, bias)
+    if (fmt := plan_format(x.dtype)) is not None:
+        m = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        plan = plan_table.tuned_plan(fmt, m, w.shape[0], w.shape[1], x.device)
+        if plan is not None:
+            return dense_gemm(x, w, bias, plan)
+    return F.linear(x, w, bias)
+
+
 class UnquantizedLinearMethod(LinearMethod):
     name = "unquantized"
 
@@ -22,15 +38,7 @@ class UnquantizedLinearMethod(LinearMethod):
         add_param(layer, "weight", weight, ParamSpec())
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if EXACT.on:  # M-invariant (kernels/exact_gemm.py)
-            return exact_linear(x, layer.weight, bias)
-        if (fmt := plan_format(x.dtype)) is not None:  # a measured plan (GPUs only), else cuBLAS
-            w = layer.weight
-            m = x.numel() // x.shape[-1] if x.shape[-1] else 0
-            plan = plan_table.tuned_plan(fmt, m, w.shape[0], w.shape[1], x.device)
-            if plan is not None:
-                return dense_gemm(x, w, bias, plan)
-        return F.linear(x, layer.weight, bias)
+        return dense_linear(x, layer.weight, bias)
 
     def random_init(self, layer, gen: torch.Generator, std: float) -> None:
         layer.weight.data.normal_(0.0, std, generator=gen)
