@@ -45,7 +45,7 @@ if has tests; then
   # (220 s was too short on 2026-12-05: killed at 86%, so its failures went unnamed)
   timeout 540 python -m pytest -q -m gpu -n 4 -rfE --tb=short -p no:cacheprovider tests \
     --ignore-glob="tests/test_server*" --ignore=tests/test_bench_serving.py \
-    --ignore=tests/test_mla.py --ignore=tests/test_mla_kernels.py --ignore=tests/test_dsa.py \
+    --ignore=tests/test_mla_gpu.py --ignore=tests/test_mla_kernels.py --ignore=tests/test_dsa.py \
     --ignore=tests/test_dsa_select.py \
     --ignore=tests/test_glm_engine.py --ignore=tests/test_quant_kernels.py \
     --ignore=tests/test_quant_kernels_gpu.py \
@@ -236,8 +236,9 @@ if has exact; then
 fi
 if has mla; then  # MLA kernels and layer (bf16 at 512/64 dims; fp32 layer vs transformers)
   if tests_too; then
-    timeout 300 python -m pytest -q -m gpu -rfE --tb=short -p no:cacheprovider tests/test_mla.py \
-      tests/test_mla_kernels.py tests/test_kv_compact.py > "$out/mla_tests.log" 2>&1
+    timeout 300 python -m pytest -q -m gpu -rfE --tb=short -p no:cacheprovider \
+      tests/test_mla_gpu.py tests/test_mla_kernels.py tests/test_kv_compact.py \
+      > "$out/mla_tests.log" 2>&1
     echo "mla tests rc=$?"; tail -4 "$out/mla_tests.log"
   fi
   timeout 400 python scripts/bench_mla.py --json-out "$out/mla_bench.json" > "$out/mla_bench.log" 2>&1

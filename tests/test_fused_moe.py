@@ -1,6 +1,6 @@
 """Fused MoE and expert-selection kernels vs their torch references and a naive per-token loop;
 quantized experts (FP8 block W8A8, INT4 W4A16) against the same loop on weights dequantized by
-tiny_quant.py (the loop fake-quantizes the W8A8 activations per row and 128-group).
+quant_formats.py (the loop fake-quantizes the W8A8 activations per row and 128-group).
 
 On the CPU the kernels run on tiny fp32 shapes under the Triton interpreter, in one subprocess
 (TRITON_INTERPRET must be set before triton is imported): `python tests/test_fused_moe.py`
@@ -24,7 +24,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from interpreted import compiling, interpreter_test, report  # noqa: E402
-from tiny_quant import _fake_quant_groups, quantize_experts  # noqa: E402
+from quant_formats import _fake_quant_groups, quantize_experts  # noqa: E402
 
 from specserve.kernels import fused_moe as fm  # noqa: E402
 from specserve.kernels import moe_routing as mr  # noqa: E402
@@ -131,7 +131,7 @@ def check_fused_moe(
     assert err < tol, f"kernel vs reference: relative error {err:.3g} >= {tol}"
 
 
-QUANT_FORMATS = {  # tiny_quant format -> (kernel format, block rows, group along K)
+QUANT_FORMATS = {  # quant_formats format -> (kernel format, block rows, group along K)
     "fp8-block": (fm.FP8_BLOCK, 128, 128),
     "ct-int4-g32": (fm.INT4, 1, 32),
     "ct-int4-g128": (fm.INT4, 1, 128),

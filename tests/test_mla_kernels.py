@@ -202,9 +202,9 @@ def check_backend(
 
 
 def check_layer(name: str, form: str, cases: tuple[int, ...]) -> None:
-    """The MLA layer on the Triton backend against transformers (tests/test_mla.py's checks:
-    CASES[i] for i in `cases`, then a tree verify)."""
-    from test_mla import CASES, Pair, check_schedule, tree_verify
+    """The MLA layer on the Triton backend against transformers (tests/mla_reference.py's
+    checks: CASES[i] for i in `cases`, then a tree verify)."""
+    from mla_reference import CASES, Pair, check_schedule, tree_verify
 
     from specserve.layers.backends.triton_backend import TritonBackend
 

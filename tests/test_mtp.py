@@ -7,58 +7,33 @@ every length, and 4 with a shared-indexer layer) checkpoints carrying an MTP lay
     the MTP math (transformers' own decoder layer as the block; GLM-5's runs its own indexer:
     dense MLA, or top-4 selection in the extends and the chained steps over scratch slots);
   - greedy output with MTP speculation equals plain decoding for 8 prompts under continuous
-    batching with chunked prefill and a forced preemption (and with prefix caching);
-  - a checkpoint lacking the layer (or GLM-5's MTP indexer tensors), or a config declaring
-    none, is refused naming what is missing; the speculative config takes mtp without a
-    model and refuses one.
+    batching with chunked prefill and a forced preemption (and with prefix caching, and under
+    TP 2, which drafts what TP 1 drafts); sampled output keeps the plain distribution;
+  - on a GPU (marker `gpu`), the speculative cycle captured as CUDA graphs equals the eager
+    engine and plain decoding.
+Loading the MTP layer (random weights, refusals, the GLM-5 preset, the speculative config, the
+CLI) is tested in test_mtp_loading.py.
 """
 
 from __future__ import annotations
 
-import random
-
+import mtp_fixtures
 import pytest
 import torch
 from engine_drivers import record_preemptions
-from tiny_models import make_tiny_checkpoint
-from tiny_mtp import make_mtp_checkpoint, reference_chain
+from mtp_fixtures import GREEDY, _mtp, _prompts
+from tiny_mtp import reference_chain
 
 from specserve.config import CacheConfig, SchedulerConfig
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
-from specserve.spec_config import speculative_config
 
-GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 FAMILIES = ["deepseek_v3", "glm4_moe"]
 ALL = [*FAMILIES, "glm4_moe_lite",  # + GLM-4.7-Flash: MLA, mlp_layer_types, no MTP entry
        "glm_moe_dsa", "glm_moe_dsa_sparse"]  # + GLM-5: index_topk past every length, and 4
 
-
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory) -> dict[str, tuple[str, torch.nn.Module]]:
-    root = tmp_path_factory.mktemp("mtp")
-    return {
-        # DeepSeek-V3 ships shared_head.head and embed_tokens copies: here the embedding copy
-        # equals the target's (shared after loading) and the head differs (kept)
-        "deepseek_v3": make_mtp_checkpoint(str(root / "ds"), "deepseek_v3", own_head=True),
-        "glm4_moe": make_mtp_checkpoint(str(root / "glm"), "glm4_moe"),
-        "glm4_moe_lite": make_mtp_checkpoint(str(root / "lite"), "glm4_moe_lite"),
-        "glm_moe_dsa": make_mtp_checkpoint(str(root / "glm5"), "glm_moe_dsa"),
-        # GLM-5 with sparse attention past 4 tokens, its layer 1 sharing layer 0's selection
-        # (GLM-5.2's indexer_types): the MTP layer (transformers' layer 3, "full") indexes
-        "glm_moe_dsa_sparse": make_mtp_checkpoint(
-            str(root / "glm5s"), "glm_moe_dsa", index_topk=4,
-            indexer_types=["full", "shared", "full", "full"]),
-    }
-
-
-def _prompts(n: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 500) for _ in range(rng.randint(1, 40))] for _ in range(n)]
-
-
-def _mtp(k: int = 3, **extra) -> dict:
-    return {"method": "mtp", "num_speculative_tokens": k, **extra}
+# the fixture of mtp_fixtures.py, bound here so that pytest finds it in this module
+ckpts = mtp_fixtures.ckpts
 
 
 @pytest.fixture(scope="module")
@@ -227,105 +202,6 @@ def test_mtp_tree_and_prefix_caching_equal_plain(ckpts, plain, name: str) -> Non
     assert len(drafts[True]) > 50 and drafts[True] == drafts[False]
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", "glm_moe_dsa", "glm_moe_dsa_sparse"])
-def test_random_weights_draft_with_a_random_mtp_layer(ckpts, name: str) -> None:
-    """--load-format dummy (cost benchmarks, the *-mtp presets): a random MoE MTP layer (GLM-5:
-    with a random indexer), nothing read from the files; the tokens are still plain
-    decoding's. GLM-5 at index_topk 4 too: the dummy weights' index scores tie exactly at the
-    top-4 boundary (all-zero relu sums), where the selection takes the earlier position in a
-    verify forward as in a decode step."""
-    path = ckpts[name][0]
-    outs = {}
-    for spec in (None, _mtp(2)):
-        llm = LLM(path, device="cpu", dtype="float32", load_format="dummy",
-                  speculative_config=spec)
-        outs[spec is None] = [o.token_ids for o in llm.generate(_prompts(8)[:3], GREEDY)]
-    head = llm.engine.drafter.proposer.head
-    assert head.mlp.__class__.__name__ == "DeepseekMoE"
-    # the KV budget left room for the layer built after the pool (an OOM at DeepSeek-V3 dims)
-    target = {id(p) for p in llm.engine.runner.model.parameters()}
-    own = sum(p.numel() * p.element_size() for p in head.parameters() if id(p) not in target)
-    assert llm.engine.runner.reserve_bytes >= own > 0
-    assert llm.engine.drafter.proposer.prefix_cache_key.endswith("random seed 1")
-    assert outs[True] == outs[False]
-
-
-@pytest.mark.parametrize("drop", ["hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"])
-def test_checkpoint_lacking_an_mtp_tensor_is_refused(tmp_path, drop: str) -> None:
-    path, _ = make_mtp_checkpoint(str(tmp_path / "c"), "deepseek_v3", drop=drop)
-    with pytest.raises(ValueError, match=f"lacks the MTP tensor model.layers.3.{drop}"):
-        LLM(path, device="cpu", dtype="float32", speculative_config=_mtp())
-
-
-@pytest.mark.parametrize("drop", ["wk.weight", "k_norm.bias"])
-def test_glm5_checkpoint_lacking_an_mtp_indexer_tensor_is_refused(tmp_path, drop: str) -> None:
-    path, _ = make_mtp_checkpoint(str(tmp_path / "c"), "glm_moe_dsa",
-                                  drop=f"self_attn.indexer.{drop}")
-    with pytest.raises(ValueError, match=f"lacks the MTP tensor "
-                                         rf"model\.layers\.3\.self_attn\.indexer\.{drop}"):
-        LLM(path, device="cpu", dtype="float32", speculative_config=_mtp())
-
-
-@pytest.mark.parametrize("types", [None, ["full", "shared", "shared"]])
-def test_glm5_mtp_preset_builds_a_full_dsa_layer(types) -> None:
-    """glm-5-3l-mtp (GLM-5 dims, random weights), also with GLM-5.2's shared indexers: the MTP
-    layer built on the meta device runs its own indexer (GLM-5's dims) and its pool layer
-    keeps the latent and the index keys; the memory check's one-layer config counts it."""
-    from specserve.config import ModelConfig
-    from specserve.models.loader import build_model
-    from specserve.models.mtp_layer import MTPLayer
-    from specserve.models.presets import PRESETS
-    from specserve.speculative.mtp import check_mtp_target, mtp_kv_specs
-
-    cfg = ModelConfig.from_hf({**PRESETS["glm-5-3l-mtp"], "indexer_types": types})
-    assert cfg.num_mtp_layers == 1 and cfg.dsa_index_layers == (1 if types else 3)
-    target = build_model(cfg, torch.bfloat16, "meta")
-    with torch.device("meta"):
-        layer = MTPLayer(cfg, target, moe=True, own_embed=False, own_head=False)
-    attn = layer.self_attn
-    assert attn.layer_idx == 3 and attn.indexer.wq_b.weight.shape == (32 * 128, 2048)
-    assert mtp_kv_specs(cfg) == [attn.kv_spec] and attn.kv_spec.names == ("latent", "index_k")
-    assert attn.kv_spec.elements_per_token == 512 + 64 + 128
-    one = check_mtp_target(speculative_config(_mtp()), None, cfg)
-    assert one.num_layers == 1 and one.dsa_index_layers == 1
-
-
-def test_missing_block_tensor_and_config_without_mtp_are_refused(tmp_path) -> None:
-    path, _ = make_mtp_checkpoint(str(tmp_path / "c"), "deepseek_v3",
-                                  drop="self_attn.kv_b_proj.weight")
-    with pytest.raises(ValueError, match=r"missing tensors: self_attn\.kv_b_proj\.weight.*"
-                                         r"below model\.layers\.3\."):
-        LLM(path, device="cpu", dtype="float32", speculative_config=_mtp())
-    plain_ckpt = make_tiny_checkpoint(tmp_path / "p", "deepseek_v3", tokenizer=True)
-    with pytest.raises(ValueError, match="no MTP layer \\(num_nextn_predict_layers is absent"):
-        LLM(plain_ckpt, device="cpu", dtype="float32", speculative_config=_mtp())
-
-
-def test_speculative_config_takes_mtp_without_a_model() -> None:
-    spec = speculative_config('{"method": "mtp", "num_speculative_tokens": 2}')
-    assert (spec.algorithm, spec.num_steps, spec.draft_model) == ("mtp", 2, "")
-    assert "the target's MTP layer" in spec.describe()
-    with pytest.raises(ValueError, match="'model': '/x': method mtp drafts with the target's own"):
-        speculative_config({"method": "mtp", "model": "/x"})
-    with pytest.raises(ValueError, match="unknown key 'n_predict'"):
-        speculative_config({"method": "mtp", "n_predict": 1})
-
-
-def test_cli_generate_with_mtp_and_the_one_line_refusal(ckpts, capsys) -> None:
-    from cli_run import run_cli
-
-    from specserve import defaults
-
-    flag = ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}']
-    rc, err = run_cli(["generate", "--model", ckpts["glm4_moe"][0], *flag, "--max-tokens", "4",
-                       "--device", "cpu", "--dtype", "float32", "hi"], capsys)
-    assert rc == 0, err
-    rc, err = run_cli(["generate", "--model", str(defaults.tiny_code_path()), *flag, "hi"],
-                      capsys)
-    assert rc == 2 and len(err.strip().splitlines()) == 1, err
-    assert "has no MTP layer (num_nextn_predict_layers is absent)" in err
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [*FAMILIES, "glm_moe_dsa_sparse"])
 def test_tp2_mtp_equals_tp1(ckpts, plain, name: str) -> None:
@@ -405,4 +281,3 @@ def test_cuda_graphs_equal_eager_and_plain(ckpts, name: str, spec: dict) -> None
             assert llm.engine.drafter.num_graphs > 0
         llm.close()
     assert outs[True] == outs[False] == outs[None]
-

@@ -20,15 +20,16 @@ def test_fp8_mtp_layer_drafts_as_its_dequantized_reference(tmp_path) -> None:
     router, embeddings and heads dense. The MTP layer loads its FP8 tensors with the
     target's quantization; its chained draft logits over a request's cycles equal the
     reference MTP math on the dequantized weights with the activations fake-quantized as
-    W8A8 does (tests/tiny_quant.py; the W8A8 tolerances of test_quantization), and greedy
+    W8A8 does (tests/quant_formats.py; the W8A8 tolerances of test_quantization), and greedy
     MTP speculation equals plain decoding."""
     import json
     import os
     import shutil
 
+    from quant_formats import LINEARS, _tensors, activation_quant, quant_config
     from safetensors.torch import load_file, save_file
     from tiny_mtp import PREFIX, _hf_target
-    from tiny_quant import LINEARS, _tensors, _w8a8_experts_forward, activation_quant, quant_config
+    from tiny_quant import _w8a8_experts_forward
 
     # moe_intermediate_size 128: the fused gate/up shards end on 128-row blocks
     src, hf4 = make_mtp_checkpoint(str(tmp_path / "bf16"), "deepseek_v3",

@@ -77,7 +77,7 @@ def test_unsupported_configs_are_named(raw: dict, message: str) -> None:
 
 
 def test_exclusions_keep_layers_dense() -> None:
-    from tiny_quant import quant_config
+    from quant_formats import quant_config
 
     ct = get_quant_config(
         {**quant_config("ct-int4-g32"), "ignore": ["lm_head", "re:.*self_attn.*"]}

@@ -64,7 +64,7 @@ def test_cuda_w4(m: int, n: int, k: int, group: int, fp4: bool) -> None:
 @gpu
 def test_cuda_graph_capture_of_quantized_layers() -> None:
     """A split-K launch (decode size) replays in a CUDA graph and matches the eager result."""
-    from tiny_quant import quant_config
+    from quant_formats import quant_config
 
     from specserve.layers.linear import RowParallelLinear
     from specserve.layers.quantization import get_quant_config

@@ -253,7 +253,7 @@ def test_unsupported_expert_format_is_refused(expert_ckpts: dict, tmp_path) -> N
 
 
 def test_tp_split_inside_an_expert_block_names_the_tensor(monkeypatch) -> None:
-    from tiny_quant import quant_config
+    from quant_formats import quant_config
 
     from specserve.distributed import parallel_state
     from specserve.layers.moe import FusedMoE

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from quant_formats import _tensors, quant_config
 from safetensors.torch import load_file, save_file
-from tiny_quant import _tensors, logit_errors, make_quantized_checkpoint, quant_config
+from tiny_quant import logit_errors, make_quantized_checkpoint
 
 from specserve.config import ModelConfig
 from specserve.models.loader import load_model
@@ -78,7 +79,7 @@ def test_kimi_k25_nvidia_spelling_nvfp4_experts(kimi_nvfp4: dict, tmp_path: Path
 
 # -- what a TP rank loads -----------------------------------------------------------------------
 
-CONFIGS = {  # case -> (tiny_quant format, quantization config)
+CONFIGS = {  # case -> (quant_formats format, quantization config)
     "modelopt": ("modelopt-nvfp4", {"quant_method": "modelopt", "quant_algo": "NVFP4",
                                     "ignore": ["lm_head"]}),
     "modelopt-w4a16": ("modelopt-nvfp4", {"quant_method": "modelopt",

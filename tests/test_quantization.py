@@ -169,7 +169,7 @@ def _set_tp(monkeypatch: pytest.MonkeyPatch, rank: int, tp: int) -> None:
 
 
 def _layer(cls, args, fmt: str, loads: dict, monkeypatch, rank: int, tp: int):
-    from tiny_quant import quant_config
+    from quant_formats import quant_config
 
     _set_tp(monkeypatch, rank, tp)
     layer = cls(*args, quant_config=get_quant_config(quant_config(fmt)), prefix="m.down_proj")
@@ -182,7 +182,7 @@ def _layer(cls, args, fmt: str, loads: dict, monkeypatch, rank: int, tp: int):
 
 @pytest.mark.parametrize("fmt", ["fp8-block", "ct-int4-g32", "ct-nvfp4", "modelopt-fp8"])
 def test_tp2_shards_equal_tp1(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tiny_quant import _tensors
+    from quant_formats import _tensors
 
     gen = torch.Generator().manual_seed(0)
     gate, up = torch.randn(256, 512, generator=gen), torch.randn(256, 512, generator=gen)
@@ -209,7 +209,7 @@ def test_tp2_shards_equal_tp1(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_tp_split_inside_a_block_names_the_tensor_and_sizes_that_work(monkeypatch) -> None:
-    from tiny_quant import quant_config
+    from quant_formats import quant_config
 
     _set_tp(monkeypatch, 0, 2)
     with pytest.raises(
@@ -230,7 +230,7 @@ def test_tp_split_inside_a_block_names_the_tensor_and_sizes_that_work(monkeypatc
 
 
 def test_fused_shard_off_a_block_boundary_is_refused() -> None:
-    from tiny_quant import quant_config
+    from quant_formats import quant_config
 
     with pytest.raises(
         ValueError,
@@ -279,7 +279,7 @@ def test_fp8_is_refused_by_name_on_gpus_without_fp8(monkeypatch: pytest.MonkeyPa
     below compute capability 8.9 gets one message naming the capability and what to serve
     instead; INT4 and NVFP4 (weight-only, scales decoded in the kernel) pass, as does FP8 on
     an Ada/Hopper part or the CPU."""
-    from tiny_quant import quant_config
+    from quant_formats import quant_config
 
     from specserve.kernels import gemm_split
     from specserve.layers.quantization import check_device
