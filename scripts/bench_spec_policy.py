@@ -16,6 +16,7 @@ latency --emulate-comm`), so the policy's start-up costs see the expensive verif
 
     python scripts/bench_spec_policy.py --model llama-3.1-8b --concurrency 1,2,4,...,256 \
         --modes chain3,chain1,chain2,tree4x3x8 --accept-rate 0.65 --out OUT [--log]
+    python scripts/bench_spec_policy.py ... --accept-rate 0.65,0.3   # one engine, both rates
     python scripts/bench_spec_policy.py ... --emulate-comm pcie-nccl-8gpu --emulate-compute shard
     python scripts/bench_spec_policy.py --model specserve/assets/tiny-code --load-format auto \
         --draft-model specserve/assets/tiny-code-eagle3 --accept-rate 0 --prompts code \
@@ -66,74 +67,15 @@ def run(engine, prompts: list[list[int]], output_len: int, concurrency: int) -> 
             "mode_steps": {m: n for m, n in steps.items() if n}}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="llama-3.1-8b")
-    ap.add_argument("--load-format", default="dummy")
-    ap.add_argument("--draft-model", default="dummy")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,256")
-    ap.add_argument("--modes", default="chain3,chain1,chain2,tree4x3x8",
-                    help="draft modes; the first is the engine's configured shape")
-    ap.add_argument("--accept-rate", type=float, default=0.65,
-                    help="mean synthetic acceptance per draft (0.65: AL ~2.5 at chain 3, "
-                         "0.3: ~1.5); 0: the drafter's real acceptance")
-    ap.add_argument("--prompts", default=None,
-                    help="a prompt set (chat, code, shared or a .jsonl file) cut to "
-                         "--prompt-len tokens; default: random token ids")
-    ap.add_argument("--emulate-comm", default="",
-                    help="a comm latency table (distributed/comm_tables) for every all-reduce")
-    ap.add_argument("--emulate-tp", type=int, default=8)
-    ap.add_argument("--emulate-compute", default="full", choices=("full", "shard"))
-    ap.add_argument("--prompt-len", type=int, default=256)
-    ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--requests-per-slot", type=int, default=2)
-    ap.add_argument("--min-requests", type=int, default=16)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--log", action="store_true", help="append to experiments/ (LOG.md)")
-    ap.add_argument("--exp-dir", default="experiments")
-    ap.add_argument("--label", default="")
-    args = ap.parse_args()
-    levels = parse_positive_list(args.concurrency, int, "--concurrency")
-    if not 0.0 <= args.accept_rate < 1.0:
-        ap.error(f"--accept-rate must be in [0, 1) (0: real acceptance), got {args.accept_rate}")
-    if args.prompts is not None:
-        from specserve.bench.prompts import load_prompts
-
-        try:
-            load_prompts(args.prompts)
-        except ValueError as err:
-            ap.error(f"--prompts: {err}")
-    comm = {}
-    if args.emulate_comm:
-        from specserve.distributed.emulator import LatencyTable
-
-        try:
-            LatencyTable.load(args.emulate_comm)
-        except (OSError, ValueError) as err:
-            ap.error(f"--emulate-comm: {err}")
-        comm = dict(emulate_comm=args.emulate_comm, emulate_tp=args.emulate_tp,
-                    emulate_compute=args.emulate_compute)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    from specserve.speculative.proposer import DraftShape
-
-    first = DraftShape.parse(modes[0])
-    spec = dict(algorithm="eagle3", draft_model=args.draft_model, topk=first.topk,
-                num_steps=first.num_steps, num_draft_tokens=first.num_draft_tokens,
-                modes=",".join(modes[1:]), policy="adaptive",
-                synthetic_accept_rate=args.accept_rate)
-    top = max(levels)
-    llm = LLM(args.model, speculative_config=spec, load_format=args.load_format, device=args.device,
-              cuda_graph_max_bs=top, comm=comm,
-              scheduler={"max_model_len": args.prompt_len + args.output_len + 64,
-                         "max_num_seqs": top,
-                         "max_num_batched_tokens": max(2048, args.prompt_len * 4)})
-    engine = llm.engine
+def sweep(engine, args, levels: list[int], modes: list[str], rate: float, comm: dict,
+          out: Path) -> None:
+    """Every configuration at every concurrency at one mean acceptance: out/spec_policy.json,
+    its plot, the summary line and (--log) an experiments row."""
     table = engine.spec_cost_table
     shapes = {n: (m.shape.topk, m.shape.num_steps) for n, m in engine.drafter.modes.items()}
     from specserve.bench.prompts import make_prompts
 
-    report = {"model": args.model, "accept_rate": args.accept_rate, "modes": modes,
+    report = {"model": args.model, "accept_rate": rate, "modes": modes,
               "prompts": args.prompts or "random ids", "emulate_comm": comm or None,
               "cost_table_ms": {m: {b: t * 1e3 for b, t in row.items()}
                                 for m, row in table.items()},
@@ -161,14 +103,13 @@ def main() -> int:
         point["adaptive_vs_plain"] = point[ADAPTIVE]["tok_s"] / point[PLAIN]["tok_s"]
         point["forced_off_vs_plain"] = point[OFF]["tok_s"] / point[PLAIN]["tok_s"]
         report["points"].append(point)
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "spec_policy.json").write_text(json.dumps(report, indent=1))
     from specserve.bench.plots import plot_sweep
 
     series = {m: [p[m]["tok_s"] for p in report["points"]] for m in configs}
     plot_sweep(str(out / "spec_policy.png"), levels, series,
-               title=f"{args.model}, random acceptance (mean {args.accept_rate})")
+               title=f"{args.model}, random acceptance (mean {rate})")
     worst_best = min(p["adaptive_vs_best"] for p in report["points"])
     worst_plain = min(p["adaptive_vs_plain"] for p in report["points"])
     worst_off = min(p["forced_off_vs_plain"] for p in report["points"])
@@ -177,12 +118,88 @@ def main() -> int:
     if args.log:
         from specserve.bench.log import append_result
 
-        label = args.label or f"{args.model} policy sweep rate {args.accept_rate}"
+        label = args.label.replace("{rate}", str(rate)) or f"{args.model} policy sweep rate {rate}"
         append_result(args.exp_dir, {"benchmark": "spec_policy", **report},
                       {"benchmark": "spec_policy", "config": label,
                        "tok_s": report["points"][-1][ADAPTIVE]["tok_s"],
                        "notes": f"adaptive/best min {worst_best:.3f}, /plain min "
                                 f"{worst_plain:.3f} over C {levels}"})
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--load-format", default="dummy")
+    ap.add_argument("--draft-model", default="dummy")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,256")
+    ap.add_argument("--modes", default="chain3,chain1,chain2,tree4x3x8",
+                    help="draft modes; the first is the engine's configured shape")
+    ap.add_argument("--accept-rate", default="0.65",
+                    help="mean synthetic acceptance per draft (0.65: AL ~2.5 at chain 3, "
+                         "0.3: ~1.5), or several (0.65,0.3: swept in one engine, a report "
+                         "each under OUT/rate-R); 0: the drafter's real acceptance")
+    ap.add_argument("--prompts", default=None,
+                    help="a prompt set (chat, code, shared or a .jsonl file) cut to "
+                         "--prompt-len tokens; default: random token ids")
+    ap.add_argument("--emulate-comm", default="",
+                    help="a comm latency table (distributed/comm_tables) for every all-reduce")
+    ap.add_argument("--emulate-tp", type=int, default=8)
+    ap.add_argument("--emulate-compute", default="full", choices=("full", "shard"))
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--requests-per-slot", type=int, default=2)
+    ap.add_argument("--min-requests", type=int, default=16)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--log", action="store_true", help="append to experiments/ (LOG.md)")
+    ap.add_argument("--exp-dir", default="experiments")
+    ap.add_argument("--label", default="", help="experiments row label ({rate}: the rate)")
+    args = ap.parse_args()
+    levels = parse_positive_list(args.concurrency, int, "--concurrency")
+    try:
+        rates = [float(r) for r in args.accept_rate.split(",")]
+    except ValueError:
+        ap.error(f"--accept-rate: numbers in [0, 1) separated by commas, got {args.accept_rate!r}")
+    if not all(0.0 <= r < 1.0 for r in rates) or (len(rates) > 1 and 0.0 in rates):
+        ap.error(f"--accept-rate must be in [0, 1) (0: real acceptance, alone), "
+                 f"got {args.accept_rate}")
+    if args.prompts is not None:
+        from specserve.bench.prompts import load_prompts
+
+        try:
+            load_prompts(args.prompts)
+        except ValueError as err:
+            ap.error(f"--prompts: {err}")
+    comm = {}
+    if args.emulate_comm:
+        from specserve.distributed.emulator import LatencyTable
+
+        try:
+            LatencyTable.load(args.emulate_comm)
+        except (OSError, ValueError) as err:
+            ap.error(f"--emulate-comm: {err}")
+        comm = dict(emulate_comm=args.emulate_comm, emulate_tp=args.emulate_tp,
+                    emulate_compute=args.emulate_compute)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    from specserve.speculative.proposer import DraftShape
+
+    first = DraftShape.parse(modes[0])
+    spec = dict(algorithm="eagle3", draft_model=args.draft_model, topk=first.topk,
+                num_steps=first.num_steps, num_draft_tokens=first.num_draft_tokens,
+                modes=",".join(modes[1:]), policy="adaptive",
+                synthetic_accept_rate=rates[0])
+    top = max(levels)
+    llm = LLM(args.model, speculative_config=spec, load_format=args.load_format, device=args.device,
+              cuda_graph_max_bs=top, comm=comm,
+              scheduler={"max_model_len": args.prompt_len + args.output_len + 64,
+                         "max_num_seqs": top,
+                         "max_num_batched_tokens": max(2048, args.prompt_len * 4)})
+    engine = llm.engine
+    for i, rate in enumerate(rates):
+        if i:  # the same engine, graphs and cost table: only the acceptance changes
+            engine.drafter.set_synthetic_accept_rate(rate)
+        out = Path(args.out) / f"rate-{rate}" if len(rates) > 1 else Path(args.out)
+        sweep(engine, args, levels, modes, rate, comm, out)
     return 0
 
 

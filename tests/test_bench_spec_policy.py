@@ -40,7 +40,7 @@ def test_policy_sweep_script_runs(tmp_path: Path, pair: tuple[str, str]) -> None
         "--modes",
         "chain2,chain1",
         "--accept-rate",
-        "0.5",
+        "0.5,0.2",  # two rates, one engine
         "--prompt-len",
         "8",
         "--output-len",
@@ -54,7 +54,10 @@ def test_policy_sweep_script_runs(tmp_path: Path, pair: tuple[str, str]) -> None
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    report = json.loads((out / "spec_policy.json").read_text())
+    low = json.loads((out / "rate-0.2" / "spec_policy.json").read_text())
+    report = json.loads((out / "rate-0.5" / "spec_policy.json").read_text())
+    assert (report["accept_rate"], low["accept_rate"]) == (0.5, 0.2)
+    assert proc.stdout.count("adaptive / best config >=") == 2
     assert [p["concurrency"] for p in report["points"]] == [1, 4]
     for point in report["points"]:
         for name in ("plain", "forced-off", "chain2", "chain1", "adaptive"):
@@ -63,7 +66,7 @@ def test_policy_sweep_script_runs(tmp_path: Path, pair: tuple[str, str]) -> None
         assert set(point["forced-off"]["mode_steps"]) == {"off"}
         assert "off" in point["plain"]["mode_steps"] or not point["plain"]["mode_steps"]
     assert set(report["cost_table_ms"]) == {"off", "chain2", "chain1"}
-    assert (out / "spec_policy.png").stat().st_size > 0
+    assert (out / "rate-0.5" / "spec_policy.png").stat().st_size > 0
 
 
 @pytest.mark.slow
@@ -89,6 +92,8 @@ def test_policy_sweep_real_acceptance_and_emulated_comm(tmp_path: Path,
 
 @pytest.mark.parametrize("flags,message", [
     (["--accept-rate", "1.5"], "--accept-rate must be in [0, 1)"),
+    (["--accept-rate", "0.5,0"], "--accept-rate must be in [0, 1)"),
+    (["--accept-rate", "0.5,x"], "--accept-rate: numbers in [0, 1)"),
     (["--emulate-comm", "no-such-table"], "--emulate-comm:"),
     (["--prompts", "no-such-set"], "--prompts: unknown prompt set"),
 ])  # fmt: skip

@@ -47,6 +47,10 @@ def kv_slots(page_table: torch.Tensor, pos: torch.Tensor, page_size: int,
     return slots if valid is None else torch.where(valid[:, None], slots, -1)
 
 
+def _rate_params(a: float) -> list[float]:
+    return [a, min(a, 1.0 - a)]
+
+
 class SpecCycle:
     def __init__(self, runner, proposer: Proposer, shape: DraftShape, lookahead: int,
                  capture: AuxHiddenCapture | None, synthetic_accept_len: int = 0,
@@ -58,7 +62,20 @@ class SpecCycle:
         self.capture = capture  # the target's aux hidden states, when the proposer needs them
         self.synthetic_accept_len = synthetic_accept_len
         self.synthetic_accept_rate = synthetic_accept_rate
+        # (mean, half-width) of the per-request rates: a device tensor that captured graphs
+        # read, so set_synthetic_accept_rate changes them without a recapture
+        self.rate_params = (torch.tensor(_rate_params(synthetic_accept_rate), device=runner.device)
+                            if synthetic_accept_rate else None)  # fmt: skip
         self.k, self.num_steps, self.n = shape.topk, shape.num_steps, shape.num_draft_tokens
+
+    def set_synthetic_accept_rate(self, rate: float) -> None:
+        """A new mean for the random synthetic acceptance (cost benchmarks; the cycle must have
+        been built with one)."""
+        if self.rate_params is None or not 0.0 < rate < 1.0:
+            raise ValueError(f"cannot set synthetic acceptance rate {rate}: built with "
+                             f"{self.synthetic_accept_rate} (needs a rate in (0, 1) both)")
+        self.synthetic_accept_rate = rate
+        self.rate_params.copy_(torch.tensor(_rate_params(rate)))
 
     def run(self, mode: str, state: torch.Tensor, root_pos: torch.Tensor,
             root_tokens: torch.Tensor, page_table: torch.Tensor, valid: torch.Tensor,
@@ -131,11 +148,10 @@ class SpecCycle:
         """COST-ONLY accept lengths: the fixed one, or random: request r's acceptance rate
         is uniform on [a - d, a + d] (a the configured mean, d = min(a, 1 - a)), keyed by its
         seed; each cycle's draws are keyed by (seed, root position)."""
-        a = self.synthetic_accept_rate
-        if not a:
+        if self.rate_params is None:
             return self.synthetic_accept_len
         u = uniform_noise(st.seeds, torch.zeros_like(st.seeds), 1, SYNTHETIC_RATE_SALT)[:, 0]
-        rates = a + (2.0 * u - 1.0) * min(a, 1.0 - a)  # [bs]
+        rates = self.rate_params[0] + (2.0 * u - 1.0) * self.rate_params[1]  # [bs]
         draws = uniform_noise(st.seeds, root_pos, tree.max_depth + 1, SYNTHETIC_DRAW_SALT)
         return synthetic_accept_lengths(tree, rates, draws)
 
