@@ -27,8 +27,10 @@ if [ "$steps" = collect ]; then collect; exit 0; fi
 echo "$(wc -l < experiments/LOG.md) $(wc -l < experiments/results.jsonl)" > "$out/.experiments-start"
 tests_too() { ! has notests; }
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-# a GPU image without the server's packages (FastAPI, uvicorn, pydantic, pyzmq, gguf): wheels
-# placed in .whl/ (git-ignored; `pip download --no-deps` of the versions in .ci/constraints.txt)
+# a GPU image without the server's packages (FastAPI and what it imports: starlette, pydantic
+# + core, annotated-types/-doc, typing-inspection, opentelemetry-api; uvicorn, pyzmq, gguf):
+# wheels placed in .whl/ (git-ignored; `pip download --no-deps` of the versions in
+# .ci/constraints.txt)
 # are installed to a private directory first, so the serve/prefix steps can start a server
 if compgen -G ".whl/*.whl" > /dev/null; then
   site=$(cd "$out" && pwd)/.site

@@ -139,3 +139,12 @@ def test_write_table_keeps_only_clear_wins() -> None:
         "int4-g128": {"6144x4096": {"1": P1.__dict__}},
     }
     assert plan_table.lookup(table, "int4-g128", 1, 6144, 4096) == P1
+
+
+def test_the_stored_tables_parse() -> None:
+    """Every committed table loads (a malformed entry raises, naming its file) and holds only
+    formats the kernels ask for."""
+    formats = {"fp8", "int4-g32", "int4-g128", "nvfp4", "bf16", "fp16"}
+    for path in sorted(plan_table.TABLE_DIR.glob("*.json")):
+        table = plan_table._load(path)
+        assert table and set(table) <= formats, (path, set(table))
