@@ -197,7 +197,8 @@ def main() -> int:
     engine = llm.engine
     for i, rate in enumerate(rates):
         if i:  # the same engine, graphs and cost table: only the acceptance changes
-            engine.drafter.set_synthetic_accept_rate(rate)
+            for mode in engine.drafter.modes.values():
+                mode.cycle.set_synthetic_accept_rate(rate)
         out = Path(args.out) / f"rate-{rate}" if len(rates) > 1 else Path(args.out)
         sweep(engine, args, levels, modes, rate, comm, out)
     return 0

@@ -92,13 +92,14 @@ def test_each_request_draws_its_own_rate(pair) -> None:
     again = _synthetic_llm(pair, mean, steps)
     assert [o.accept_length for o in again.generate(prompts[:4], params[:4])] == lengths[:4]
     # a new mean in the same engine (what bench_spec_policy sweeps): a ~ U[0, 0.4]
-    again.engine.drafter.set_synthetic_accept_rate(0.2)
+    (cycle,) = [m.cycle for m in again.engine.drafter.modes.values()]
+    cycle.set_synthetic_accept_rate(0.2)
     low = [o.accept_length for o in again.generate(prompts, params)]
     assert abs(sum(low) / len(low) - (1 + 0.2 + 0.16 / 3 + 0.064 / 4)) < 0.2, low
-    again.engine.drafter.set_synthetic_accept_rate(mean)  # and back: the same draws as before
+    cycle.set_synthetic_accept_rate(mean)  # and back: the same draws as before
     assert [o.accept_length for o in again.generate(prompts[:4], params[:4])] == lengths[:4]
     with pytest.raises(ValueError, match="cannot set synthetic acceptance rate 1.0"):
-        again.engine.drafter.set_synthetic_accept_rate(1.0)
+        cycle.set_synthetic_accept_rate(1.0)
 
 
 def test_fixed_and_random_together_are_refused(pair) -> None:

@@ -221,12 +221,6 @@ class SpecWorker:
     def cycles_launched_ahead(self) -> int:
         return sum(m.cycles.cycles_launched_ahead for m in self.modes.values())
 
-    def set_synthetic_accept_rate(self, rate: float) -> None:
-        """Every mode's mean random synthetic acceptance (cost benchmarks: one engine, its
-        graphs and cost table, swept over several rates)."""
-        for mode in self.modes.values():
-            mode.cycle.set_synthetic_accept_rate(rate)
-
     def lookahead_of(self, mode: str | None) -> int:
         return 0 if mode is None else self.modes[mode].lookahead
 
