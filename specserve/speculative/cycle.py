@@ -64,7 +64,8 @@ class SpecCycle:
         self.synthetic_accept_rate = synthetic_accept_rate
         # (mean, half-width) of the per-request rates: a device tensor that captured graphs
         # read, so set_synthetic_accept_rate changes them without a recapture
-        self.rate_params = (torch.tensor(_rate_params(synthetic_accept_rate), device=runner.device)
+        self.rate_params = (torch.tensor(_rate_params(synthetic_accept_rate),
+                                         dtype=torch.float32, device=runner.device)
                             if synthetic_accept_rate else None)  # fmt: skip
         self.k, self.num_steps, self.n = shape.topk, shape.num_steps, shape.num_draft_tokens
 
