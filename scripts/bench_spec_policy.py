@@ -6,9 +6,11 @@ At each concurrency C, N = max(C * requests_per_slot, min_requests) requests of 
 prompt ids are fed so that at most C are in flight (a new one enters as one finishes), and
 the run is timed from the first request to the last token. Acceptance is random per request
 (--accept-rate: each request draws its own rate around the mean, each cycle its rejection
-point): a cost-only benchmark on dummy weights. Configurations are interleaved per
-concurrency (plain, forced off, static modes, adaptive) and each run starts from an idle
-engine; the adaptive policy starts from the engine's start-up cost table each run (its
+point; prompt i is seeded i, so request i has the same rate and draws in every
+configuration): a cost-only benchmark on dummy weights. Configurations are interleaved per
+concurrency (plain, forced off, static modes, adaptive), --repeats rounds of them (tok/s:
+the mean), each run from an idle engine with prefix caching off (every configuration
+prefills the same prompts); the adaptive policy starts from the engine's start-up cost table each run (its
 acceptance estimates fresh). --accept-rate 0 keeps the drafter's real acceptance (a trained
 pair, with --prompts for text it can predict); --emulate-comm makes every all-reduce of an
 --emulate-tp model cost that table's latency (the comm-bound regime on one GPU, as `bench
@@ -47,15 +49,17 @@ PLAIN, OFF, ADAPTIVE = "plain", "forced-off", "adaptive"
 
 
 def run(engine, prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
-    """Feed the prompts with at most `concurrency` in flight; output tok/s and mode steps."""
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    pending = deque(prompts)
+    """Feed the prompts with at most `concurrency` in flight; output tok/s and mode steps.
+    Prompt i is seeded i: its synthetic acceptance rate and per-cycle draws are the same in
+    every configuration."""
+    pending = deque((p, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True,
+                                       seed=i)) for i, p in enumerate(prompts))
     in_flight, done_tokens = 0, 0
     before = dict(engine.stats().get("mode_steps", {}))
     t0 = time.perf_counter()
     while pending or in_flight:
         while pending and in_flight < concurrency:
-            engine.add_request(None, pending.popleft(), params)
+            engine.add_request(None, *pending.popleft())
             in_flight += 1
         for out in engine.step():
             done_tokens += len(out.new_token_ids)
@@ -87,17 +91,29 @@ def sweep(engine, args, levels: list[int], modes: list[str], rate: float, comm: 
         n = max(c * args.requests_per_slot, args.min_requests)
         prompts = make_prompts(engine, args.prompts, n, args.prompt_len, seed=c)
         point = {"concurrency": c, "requests": n}
+        runs: dict[str, list[dict]] = {name: [] for name in configs}
+        for _ in range(args.repeats):  # rounds of every configuration, interleaved
+            for name in configs:
+                engine.set_speculation(name != PLAIN)
+                if name == ADAPTIVE:
+                    engine.spec_policy = AdaptivePolicy(shapes, table)
+                elif name == OFF:
+                    engine.spec_policy = ScriptedPolicy([None])
+                elif name != PLAIN:
+                    engine.spec_policy = StaticPolicy(name)
+                runs[name].append(run(engine, prompts, args.output_len, c))
         for name in configs:
-            engine.set_speculation(name != PLAIN)
-            if name == ADAPTIVE:
-                engine.spec_policy = AdaptivePolicy(shapes, table)
-            elif name == OFF:
-                engine.spec_policy = ScriptedPolicy([None])
-            elif name != PLAIN:
-                engine.spec_policy = StaticPolicy(name)
-            point[name] = run(engine, prompts, args.output_len, c)
-            print(f"C={c} {name}: {point[name]['tok_s']:.1f} tok/s "
-                  f"{point[name]['mode_steps']}", flush=True)
+            rs = runs[name]
+            steps: dict[str, int] = {}
+            for r in rs:
+                for m, k in r["mode_steps"].items():
+                    steps[m] = steps.get(m, 0) + k
+            point[name] = {"tok_s": sum(r["tok_s"] for r in rs) / len(rs),
+                           "runs_tok_s": [r["tok_s"] for r in rs], "mode_steps": steps}
+            spread = (f" ({min(point[name]['runs_tok_s']):.1f}-"
+                      f"{max(point[name]['runs_tok_s']):.1f})" if len(rs) > 1 else "")
+            print(f"C={c} {name}: {point[name]['tok_s']:.1f} tok/s{spread} {steps}",
+                  flush=True)
         best = max(point[m]["tok_s"] for m in configs if m not in (ADAPTIVE, OFF))
         point["adaptive_vs_best"] = point[ADAPTIVE]["tok_s"] / best
         point["adaptive_vs_plain"] = point[ADAPTIVE]["tok_s"] / point[PLAIN]["tok_s"]
@@ -150,12 +166,16 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--requests-per-slot", type=int, default=2)
     ap.add_argument("--min-requests", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="rounds of every configuration per concurrency (tok/s: their mean)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--log", action="store_true", help="append to experiments/ (LOG.md)")
     ap.add_argument("--exp-dir", default="experiments")
     ap.add_argument("--label", default="", help="experiments row label ({rate}: the rate)")
     args = ap.parse_args()
     levels = parse_positive_list(args.concurrency, int, "--concurrency")
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1, got {args.repeats}")
     try:
         rates = [float(r) for r in args.accept_rate.split(",")]
     except ValueError:
@@ -191,6 +211,9 @@ def main() -> int:
     top = max(levels)
     llm = LLM(args.model, speculative_config=spec, load_format=args.load_format, device=args.device,
               cuda_graph_max_bs=top, comm=comm,
+              # every configuration re-runs the same prompts: a prefix cache would spare all
+              # but the first their prefill
+              cache={"enable_prefix_caching": False},
               scheduler={"max_model_len": args.prompt_len + args.output_len + 64,
                          "max_num_seqs": top,
                          "max_num_batched_tokens": max(2048, args.prompt_len * 4)})

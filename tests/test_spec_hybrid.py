@@ -166,7 +166,7 @@ def test_adaptive_policy_runs_ngram_on_copy_heavy_prompts(workload) -> None:
     modes = {n: (m.method, m.shape.topk, m.shape.num_steps)
              for n, m in llm.engine.drafter.modes.items()}
     llm.engine.spec_policy = AdaptivePolicy(modes, costs, dwell=2, explore_every=6,
-                                            rescale=0.0)
+                                            rescale=0.0, probe_budget=1.0)
     outs = llm.generate([prompts[i] for i in copy], GREEDY)
     assert [o.token_ids for o in outs] == [plain[i] for i in copy]
     c = llm.engine.drafter.counters

@@ -108,9 +108,12 @@ class AcceptanceEstimates:
                 trials[d] += 1.0
                 hits[d] += 1.0 if d < accepted else 0.0
 
-    def rates(self, request_id: str, topk: int, method: str = "") -> list[float]:
-        """Estimated conditional acceptance at depths 1 .. max_depth."""
-        base = self._global(topk, method)
+    def rates(self, request_id: str, topk: int, method: str = "",
+              base: list[float] | None = None) -> list[float]:
+        """Estimated conditional acceptance at depths 1 .. max_depth (base: the family's
+        global rates, when the caller computed them already)."""
+        if base is None:
+            base = self._global(topk, method)
         own = self._counts.get((request_id, self.family(topk, method)))
         if own is None:
             return base
@@ -118,12 +121,17 @@ class AcceptanceEstimates:
         return [(h + w * g) / (t + w) for h, t, g in zip(*own, base)]
 
     def _global(self, topk: int, method: str = "") -> list[float]:
-        row = (self._counts.get((None, self.family(topk, method)))
-               or self._counts.get((None, self.family(1, method))))
-        if row is None:
-            return [self.prior] * self.max_depth
+        """The family's global rates, shrunk toward the same drafter's chains (topk 1) while
+        it has few counts of its own (a tree family probed once must not jump to the prior),
+        and those toward `prior`."""
+        chain = self._counts.get((None, self.family(1, method)))
         w = self.prior_weight
-        return [(h + w * self.prior) / (t + w) for h, t in zip(*row)]
+        base = ([self.prior] * self.max_depth if chain is None
+                else [(h + w * self.prior) / (t + w) for h, t in zip(*chain)])
+        row = self._counts.get((None, self.family(topk, method)))
+        if topk == 1 or row is None:
+            return base
+        return [(h + w * g) / (t + w) for h, t, g in zip(*row, base)]
 
     def expected_tokens(self, request_id: str, topk: int, depth: int,
                         method: str = "") -> float:
@@ -139,6 +147,9 @@ class AcceptanceEstimates:
             del self._counts[key]
 
 
+_KINDS = ("on", "off", "mode")  # a switch: off -> a mode, a mode -> off, a mode -> another
+
+
 class AdaptivePolicy:
     """Per step, the mode of highest expected tokens per second (None: off):
 
@@ -146,19 +157,28 @@ class AdaptivePolicy:
 
     over the B requests about to decode, E_r from AcceptanceEstimates, T from the start-up
     cost table (speculative/profile.py) interpolated in B and rescaled per mode by the ratio
-    of measured to tabled step times (decayed). A switch needs a gain over the current mode
-    of `hysteresis` and `dwell` steps since the last one; every `explore_every` steps a mode
-    not run for that long is tried (acceptance is only learnt by running a mode). The
-    granularity is the step: one mode for every speculating row, because the verify width
-    of a captured graph is fixed, so excluding rows would save their drafting but not their
-    verify slots.
+    of measured to tabled step times (decayed, each ratio clipped to [1/2, 2]).
+
+    A switch costs: the step launched ahead for the old mode is discarded, and a proposer
+    coming back from off catches up over the tokens made meanwhile. The policy learns that
+    cost per kind of switch (on, off, between modes) from the steps that switched, in step
+    times of the new mode, and keeps those steps out of the rescaling. It switches when the
+    gain exceeds `hysteresis`, `dwell` steps passed since the last switch, and the gain over
+    `horizon` steps pays for the switch. Acceptance is only learnt by running a mode: every
+    `explore_every` steps at most, one step of a drafter family (method, topk) not run for
+    that long is tried, and no more often than its two switches' learnt cost spends
+    `probe_budget` of the steps (4x rarer when it scores below `probe_margin` of the current
+    mode). The granularity is the step: one
+    mode for every speculating row, because the verify width of a captured graph is fixed,
+    so excluding rows would save their drafting but not their verify slots.
     """
 
     needs_batch = True
 
     def __init__(self, modes: dict[str, tuple], costs: dict[str, dict[int, float]],
-                 hysteresis: float = 0.05, dwell: int = 8, explore_every: int = 64,
-                 rescale: float = 0.1) -> None:
+                 hysteresis: float = 0.05, dwell: int = 8, explore_every: int = 128,
+                 rescale: float = 0.1, horizon: int = 64, probe_margin: float = 0.25,
+                 probe_budget: float = 0.005) -> None:
         """modes: {name: (topk, num_steps)} or {name: (method, topk, num_steps)} (several
         drafters: acceptance is learnt per method); costs: {mode or "off": {batch: seconds}};
         rescale: weight of each measured step time in a mode's scale (0: the table as is)."""
@@ -170,14 +190,24 @@ class AdaptivePolicy:
                       for name, m in modes.items()}
         self.costs = {m: sorted(row.items()) for m, row in costs.items()}
         self.hysteresis, self.dwell, self.explore_every = hysteresis, dwell, explore_every
-        self.rescale = rescale
+        self.rescale, self.horizon, self.probe_margin = rescale, horizon, probe_margin
+        self.probe_budget = probe_budget
         self.acceptance = AcceptanceEstimates(max(m[2] for m in self.modes.values()))
         self.scale = dict.fromkeys(costs, 1.0)  # measured / tabled step time, per mode
+        # extra time of a step that switched, in step times of its mode (priors: the
+        # discarded launch ahead; a catch-up forward on the way back on)
+        self.switch_steps = {"on": 2.0, "off": 1.0, "mode": 1.0}
         self.current: str | None = next(iter(modes))
         self.since_switch = 0
         self.steps = 0
-        self.last_run = dict.fromkeys(["off", *modes], 0)
+        self.families = {self._family(m) for m in self.modes}
+        self.family_run = dict.fromkeys(self.families, 0)  # step a family last ran
         self.last_scores: dict[str, float] = {}
+        self._prev: str | None = None  # the last observed step's mode ("off" for off)
+
+    def _family(self, mode: str) -> tuple[str, int]:
+        method, topk, _ = self.modes[mode]
+        return method, topk
 
     def step_time(self, mode: str | None, batch: int) -> float:
         row = self.costs["off" if mode is None else mode]
@@ -187,11 +217,53 @@ class AdaptivePolicy:
         """Expected tokens per second of every mode ("off" included) for this batch."""
         b = len(decoding)
         out = {"off": b / self.step_time(None, b)}
-        for name, (method, topk, steps) in self.modes.items():
-            tokens = sum(self.acceptance.expected_tokens(r, topk, steps, method)
-                         for r in decoding)
-            out[name] = tokens / self.step_time(name, b)
+        est = self.acceptance
+        depth = est.max_depth
+        for method, topk in self.families:  # summed expected tokens at every depth, per family
+            totals = [0.0] * (depth + 1)
+            base = est._global(topk, method)
+            for rid in decoding:
+                run = total = 1.0
+                totals[0] += 1.0
+                for d, a in enumerate(est.rates(rid, topk, method, base), 1):
+                    run *= a
+                    total += run
+                    totals[d] += total
+            for name, (m, k, steps) in self.modes.items():
+                if (m, k) == (method, topk):
+                    out[name] = totals[steps] / self.step_time(name, b)
         return out
+
+    def _kind(self, old: str, new: str) -> str:
+        return "on" if old == "off" else "off" if new == "off" else "mode"
+
+    def _pays(self, key: str, best: str, scores: dict[str, float]) -> bool:
+        """The gain over the horizon covers the switch and (for a probe) the way back."""
+        gain, now = scores[best], scores[key]
+        if gain <= (1.0 + self.hysteresis) * now:
+            return False
+        return self.horizon * (gain - now) >= self.switch_steps[self._kind(key, best)] * gain
+
+    def _probe(self, scores: dict[str, float], key: str) -> str | None:
+        """The best mode of a stale drafter family worth one step of trial, if any: stale
+        once neither `explore_every` steps nor the steps its two switches cost over
+        `probe_budget` have passed since the family last ran (4x that when it scores below
+        `probe_margin` of the current mode)."""
+        here = None if key == "off" else self._family(key)
+        best: tuple[float, str] | None = None
+        for fam in self.families:
+            if fam == here:
+                continue
+            mode = max((m for m in self.modes if self._family(m) == fam), key=scores.get)
+            cost = self.switch_steps[self._kind(key, mode)] + self.switch_steps[
+                self._kind(mode, key)]
+            every = max(self.explore_every, cost / self.probe_budget)
+            if scores[mode] < (1.0 - self.probe_margin) * scores[key]:
+                every *= 4
+            if self.steps - self.family_run[fam] >= every \
+                    and (best is None or scores[mode] > best[0]):
+                best = scores[mode], mode
+        return None if best is None else best[1]
 
     def choose(self, decoding: list[str]) -> str | None:
         self.steps += 1
@@ -200,31 +272,35 @@ class AdaptivePolicy:
             return self.current
         scores = self.last_scores = self.scores(decoding)
         key = "off" if self.current is None else self.current
-        if self.steps % self.explore_every == 0:
-            stale = [m for m in self.modes
-                     if m != key and self.steps - self.last_run[m] >= self.explore_every]
-            if stale:  # one step of the least recently run mode; the current one stays
-                probe = min(stale, key=lambda m: self.last_run[m])
-                self.last_run[probe] = self.steps
-                return probe
+        probe = self._probe(scores, key)
+        if probe is not None:  # one step of it; the current mode stays
+            self.family_run[self._family(probe)] = self.steps
+            return probe
         best = max(scores, key=scores.get)
-        if best != key and self.since_switch >= self.dwell \
-                and scores[best] > (1.0 + self.hysteresis) * scores[key]:
-            key, self.since_switch = best, 0
+        if best != key and self.since_switch >= self.dwell and self._pays(key, best, scores):
+            self.since_switch = 0
             self.current = None if best == "off" else best
-        self.last_run[key] = self.steps
         return self.current
 
     def observe(self, mode: str | None, accepted: dict[str, int], seconds: float | None,
                 batch: int) -> None:
+        key = "off" if mode is None else mode
+        prev, self._prev = self._prev, key
         if mode is not None:
             method, topk, steps = self.modes[mode]
+            self.family_run[(method, topk)] = self.steps
             for rid, m in accepted.items():
                 self.acceptance.observe(rid, topk, steps, m, method)
-        if seconds is not None and batch:
-            key = "off" if mode is None else mode
-            ratio = seconds / _interpolate(self.costs[key], batch)
-            self.scale[key] += self.rescale * (ratio - self.scale[key])
+        if seconds is None or not batch:
+            return
+        tabled = _interpolate(self.costs[key], batch)
+        if prev is not None and prev != key:  # a switch: its extra time, not the mode's
+            kind = self._kind(prev, key)
+            extra = max(0.0, seconds / (self.scale[key] * tabled) - 1.0)
+            self.switch_steps[kind] += 0.2 * (extra - self.switch_steps[kind])
+            return
+        ratio = min(2.0, max(0.5, seconds / tabled))
+        self.scale[key] += self.rescale * (ratio - self.scale[key])
 
     def forget(self, request_id: str) -> None:
         self.acceptance.forget(request_id)
