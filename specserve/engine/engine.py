@@ -261,9 +261,9 @@ class Engine:
             record_prompt_logprobs(out, result.prompt_logprobs)
         outputs = self._postprocess(out)
         if policy is not None:
-            pure = all(s.is_decode for s in out.scheduled)
-            policy.observe(mode, accepted, time.perf_counter() - t0 if pure else None,
-                           len(out.scheduled))
+            decodes = sum(s.is_decode for s in out.scheduled)
+            policy.observe(mode, accepted, time.perf_counter() - t0, decodes,
+                           mixed=decodes < len(out.scheduled))
         if not self.scheduler.has_unfinished:  # idle: the workers drop the last requests' state
             self._release(self.scheduler.schedule())
         return outputs

@@ -21,9 +21,9 @@ class SpecPolicy(Protocol):
         ...
 
     def observe(self, mode: str | None, accepted: dict[str, int], seconds: float | None,
-                batch: int) -> None:
+                batch: int, mixed: bool = False) -> None:
         """After a step: per speculating request the drafts it accepted; the step's wall time
-        when it was a pure decode step of `batch` rows (None otherwise)."""
+        (None: not measured) with `batch` decode rows; mixed: prefill chunks ran in it too."""
         ...
 
     def forget(self, request_id: str) -> None:
@@ -37,7 +37,7 @@ class _Fixed:
     needs_batch = False
 
     def observe(self, mode: str | None, accepted: dict[str, int], seconds: float | None,
-                batch: int) -> None:
+                batch: int, mixed: bool = False) -> None:
         pass
 
     def forget(self, request_id: str) -> None:
@@ -157,7 +157,10 @@ class AdaptivePolicy:
 
     over the B requests about to decode, E_r from AcceptanceEstimates, T from the start-up
     cost table (speculative/profile.py) interpolated in B and rescaled per mode by the ratio
-    of measured to tabled step times (decayed, each ratio clipped to [1/2, 2]).
+    of measured to tabled step times of pure decode steps (decayed, each ratio clipped to
+    [1/2, 2]), plus, weighted by the share of steps that also carry prefill chunks, the
+    extra time such steps take in that mode (learnt: a speculative step runs the chunks as
+    a forward of their own, a plain step folds them into its one forward).
 
     A switch costs: the step launched ahead for the old mode is discarded, and a proposer
     coming back from off catches up over the tokens made meanwhile. The policy learns that
@@ -197,6 +200,12 @@ class AdaptivePolicy:
         # extra time of a step that switched, in step times of its mode (priors: the
         # discarded launch ahead; a catch-up forward on the way back on)
         self.switch_steps = {"on": 2.0, "off": 1.0, "mode": 1.0}
+        # steps with prefill chunks: their share (decayed) and, per mode, their extra seconds
+        # over the decode step (prior: a speculative step runs the chunks as a forward of
+        # their own, about one more small step; a plain step folds them into its forward)
+        self.mixed_share = 0.0
+        off_1 = _interpolate(self.costs["off"], 1)
+        self.mixed_extra = {m: 0.0 if m == "off" else off_1 for m in costs}
         self.current: str | None = next(iter(modes))
         self.since_switch = 0
         self.steps = 0
@@ -213,10 +222,16 @@ class AdaptivePolicy:
         row = self.costs["off" if mode is None else mode]
         return self.scale["off" if mode is None else mode] * _interpolate(row, batch)
 
+    def expected_step_time(self, mode: str | None, batch: int) -> float:
+        """The decode step's time plus the prefill chunks' extra, weighted by the share of
+        steps that carry chunks."""
+        key = "off" if mode is None else mode
+        return self.step_time(mode, batch) + self.mixed_share * self.mixed_extra[key]
+
     def scores(self, decoding: list[str]) -> dict[str, float]:
         """Expected tokens per second of every mode ("off" included) for this batch."""
         b = len(decoding)
-        out = {"off": b / self.step_time(None, b)}
+        out = {"off": b / self.expected_step_time(None, b)}
         est = self.acceptance
         depth = est.max_depth
         for method, topk in self.families:  # summed expected tokens at every depth, per family
@@ -231,7 +246,7 @@ class AdaptivePolicy:
                     totals[d] += total
             for name, (m, k, steps) in self.modes.items():
                 if (m, k) == (method, topk):
-                    out[name] = totals[steps] / self.step_time(name, b)
+                    out[name] = totals[steps] / self.expected_step_time(name, b)
         return out
 
     def _kind(self, old: str, new: str) -> str:
@@ -283,7 +298,7 @@ class AdaptivePolicy:
         return self.current
 
     def observe(self, mode: str | None, accepted: dict[str, int], seconds: float | None,
-                batch: int) -> None:
+                batch: int, mixed: bool = False) -> None:
         key = "off" if mode is None else mode
         prev, self._prev = self._prev, key
         if mode is not None:
@@ -293,11 +308,17 @@ class AdaptivePolicy:
                 self.acceptance.observe(rid, topk, steps, m, method)
         if seconds is None or not batch:
             return
+        self.mixed_share += 0.05 * (float(mixed) - self.mixed_share)
         tabled = _interpolate(self.costs[key], batch)
         if prev is not None and prev != key:  # a switch: its extra time, not the mode's
             kind = self._kind(prev, key)
-            extra = max(0.0, seconds / (self.scale[key] * tabled) - 1.0)
+            extra = max(0.0, seconds / (self.step_time(mode, batch) + (
+                self.mixed_extra[key] if mixed else 0.0)) - 1.0)
             self.switch_steps[kind] += 0.2 * (extra - self.switch_steps[kind])
+            return
+        if mixed:  # the prefill chunks' time on top of the decode step (clipped at 4 steps)
+            extra = min(4.0 * tabled, max(0.0, seconds - self.step_time(mode, batch)))
+            self.mixed_extra[key] += 0.1 * (extra - self.mixed_extra[key])
             return
         ratio = min(2.0, max(0.5, seconds / tabled))
         self.scale[key] += self.rescale * (ratio - self.scale[key])
