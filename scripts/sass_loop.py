@@ -35,7 +35,7 @@ for path in (REPO, REPO / "tests"):
 K, N = 4096, 6144  # Llama-3.1-8B's qkv projection
 
 
-def _w4(m: int, group: int, fp4: bool):  # noqa: ANN202
+def _w4(m: int, group: int, fp4: bool, plan: tuple | None = None):  # noqa: ANN202
     def run() -> None:
         import torch
 
@@ -45,7 +45,7 @@ def _w4(m: int, group: int, fp4: bool):  # noqa: ANN202
         w4a16_gemm.w4a16_mm(torch.zeros(m, K, dtype=torch.bfloat16),
                             torch.zeros(N, K // 8, dtype=torch.int32),
                             sc.to(torch.float8_e4m3fn) if fp4 else sc.bfloat16(), group, fp4,
-                            torch.ones(N) if fp4 else None)  # fmt: skip
+                            torch.ones(N) if fp4 else None, plan)  # fmt: skip
     return run
 
 
@@ -97,6 +97,9 @@ def _dense(m: int, plan: tuple):  # noqa: ANN202
 CASES = {
     "w4a16-g128-m16": _w4(16, 128, False), "w4a16-g128-m64": _w4(64, 128, False),
     "w4a16-g32-m16": _w4(16, 32, False), "nvfp4-m16": _w4(16, 16, True),
+    "w4a16-g128-m1": _w4(1, 128, False, (16, 64, 128, 4, 4, 3)),
+    "w4a16-g128-gemv-m1": _w4(1, 128, False, (1, 64, 128, 4, 4, 3)),
+    "nvfp4-gemv-m1": _w4(1, 16, True, (1, 64, 128, 4, 4, 3)),
     "fp8-m1": _fp8(1), "fp8-m16": _fp8(16), "fp8-m64": _fp8(64),
     "moe-int4-g32-decode": _moe("ct-int4-g32", 1), "moe-fp8-decode": _moe("fp8-block", 1),
     "exact-m1": _exact(1),

@@ -98,15 +98,31 @@ class AcceptanceEstimates:
                 method: str = "") -> None:
         """One cycle of a mode of this drafter, topk and depth that accepted `accepted`
         drafts."""
+        self.observe_step({request_id: accepted}, topk, depth, method)
+
+    def observe_step(self, accepted: dict[str, int], topk: int, depth: int,
+                     method: str = "") -> None:
+        """One step's cycles (request id -> drafts accepted) of one mode: each request's own
+        counts as observe() does; the global counts once, decayed by 0.99 per cycle."""
         fam = self.family(topk, method)
-        for key, decay in (((request_id, fam), self.decay), ((None, fam), 0.99)):
-            hits, trials = self._row(key)
+        tried, hit = [0.0] * depth, [0.0] * depth
+        for request_id, m in accepted.items():
+            hits, trials = self._row((request_id, fam))
             for d in range(depth):
-                hits[d] *= decay
-                trials[d] *= decay
-            for d in range(min(accepted + 1, depth)):  # depth d + 1 was tried
+                hits[d] *= self.decay
+                trials[d] *= self.decay
+            for d in range(min(m + 1, depth)):  # depth d + 1 was tried
                 trials[d] += 1.0
-                hits[d] += 1.0 if d < accepted else 0.0
+                tried[d] += 1.0
+                if d < m:
+                    hits[d] += 1.0
+                    hit[d] += 1.0
+        if accepted:
+            hits, trials = self._row((None, fam))
+            decay = 0.99 ** len(accepted)
+            for d in range(depth):
+                hits[d] = hits[d] * decay + hit[d]
+                trials[d] = trials[d] * decay + tried[d]
 
     def rates(self, request_id: str, topk: int, method: str = "",
               base: list[float] | None = None) -> list[float]:
@@ -285,6 +301,16 @@ class AdaptivePolicy:
         self.since_switch += 1
         if not decoding:
             return self.current
+        # scoring costs ~3 us a request on the host: skipped while neither a switch (dwell)
+        # nor a probe (no family stale for explore_every) can happen, and past 64 rows done
+        # every 4th step only
+        sw = self.switch_steps
+        soonest = max(self.explore_every, min(2 * sw["mode"], sw["on"] + sw["off"])
+                      / self.probe_budget)  # the shortest interval _probe allows
+        stale = any(self.steps - t >= soonest for t in self.family_run.values())
+        if not stale and (self.since_switch < self.dwell
+                          or (len(decoding) > 64 and self.steps % 4)):
+            return self.current
         scores = self.last_scores = self.scores(decoding)
         key = "off" if self.current is None else self.current
         probe = self._probe(scores, key)
@@ -304,8 +330,7 @@ class AdaptivePolicy:
         if mode is not None:
             method, topk, steps = self.modes[mode]
             self.family_run[(method, topk)] = self.steps
-            for rid, m in accepted.items():
-                self.acceptance.observe(rid, topk, steps, m, method)
+            self.acceptance.observe_step(accepted, topk, steps, method)
         if seconds is None or not batch:
             return
         self.mixed_share += 0.05 * (float(mixed) - self.mixed_share)
