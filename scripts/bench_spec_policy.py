@@ -124,7 +124,8 @@ def sweep(engine, args, levels: list[int], modes: list[str], rate: float, comm: 
                     steps[m] = steps.get(m, 0) + k
             point[name] = {"tok_s": sum(r["tok_s"] for r in rs) / len(rs),
                            "tok_s_all": sum(r["tok_s_all"] for r in rs) / len(rs),
-                           "runs_tok_s": [r["tok_s"] for r in rs], "mode_steps": steps}
+                           "runs_tok_s": [r["tok_s"] for r in rs], "mode_steps": steps,
+                           "runs": rs}
             spread = (f" ({min(point[name]['runs_tok_s']):.1f}-"
                       f"{max(point[name]['runs_tok_s']):.1f})" if len(rs) > 1 else "")
             print(f"C={c} {name}: {point[name]['tok_s']:.1f} tok/s{spread} (whole run "

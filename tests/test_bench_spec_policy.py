@@ -49,6 +49,8 @@ def test_policy_sweep_script_runs(tmp_path: Path, pair: tuple[str, str]) -> None
         "2",
         "--min-requests",
         "2",
+        "--repeats",
+        "2",
         "--out",
         str(out),
     ]
@@ -61,7 +63,7 @@ def test_policy_sweep_script_runs(tmp_path: Path, pair: tuple[str, str]) -> None
     assert [p["concurrency"] for p in report["points"]] == [1, 4]
     for point in report["points"]:
         for name in ("plain", "forced-off", "chain2", "chain1", "adaptive"):
-            assert point[name]["tokens"] == point["requests"] * 6
+            assert [r["tokens"] for r in point[name]["runs"]] == [point["requests"] * 6] * 2
         assert point["chain2"]["mode_steps"].get("chain2", 0) > 0
         assert set(point["forced-off"]["mode_steps"]) == {"off"}
         assert "off" in point["plain"]["mode_steps"] or not point["plain"]["mode_steps"]
@@ -87,7 +89,7 @@ def test_policy_sweep_real_acceptance_and_emulated_comm(tmp_path: Path,
     assert report["prompts"] == "code" and report["accept_rate"] == 0
     assert report["emulate_comm"]["emulate_comm"] == "pcie-nccl-8gpu"
     (point,) = report["points"]
-    assert point["chain2"]["tokens"] == point["requests"] * 5
+    assert [r["tokens"] for r in point["chain2"]["runs"]] == [point["requests"] * 5] * 2
 
 
 @pytest.mark.parametrize("flags,message", [
