@@ -336,6 +336,13 @@ INTERPRETER_CHECKS = {
     "gemv_w4_one_row_nvfp4": lambda: check_w4(
         1, 40, 208, 16, True, (1, 32, 64, 2), F32, CPU, TOL32, soft=True
     ),
+    # tiles that divide N, K and the splits: the unmasked (EVEN) loads
+    "gemv_w4_one_row_int4_g128_even": lambda: check_w4(
+        1, 64, 512, 128, False, (1, 32, 128, 2), F32, CPU, TOL32
+    ),
+    "gemv_w4_one_row_int4_g32_even": lambda: check_w4(
+        1, 64, 256, 32, False, (1, 16, 64, 4), F32, CPU, TOL32
+    ),
 }
 
 
@@ -356,6 +363,10 @@ GPU_DIM_CHECKS = {
     **{f"bf16_w4_g{g}_{m}": (lambda g=g, fp4=fp4, m=m: check_w4(
         m, 4096, 4096, g, fp4, None, BF16, CPU, TOL16))
        for g, fp4 in ((32, False), (128, False), (16, True)) for m in (1, 7, 64, 300)},
+    # the one-row GEMV kernel under a plan the sweep may store (unmasked tiles)
+    **{f"bf16_w4_gemv_g{g}": (lambda g=g, fp4=fp4: check_w4(
+        1, 6144, 4096, g, fp4, (1, 64, 256, 8, 4, 3), BF16, CPU, TOL16))
+       for g, fp4 in ((128, False), (16, True))},
 }  # fmt: skip
 
 

@@ -62,6 +62,16 @@ def test_cuda_w4(m: int, n: int, k: int, group: int, fp4: bool) -> None:
 
 
 @gpu
+@pytest.mark.parametrize("plan", [(1, 32, 128, 4, 2, 3), (1, 64, 256, 8, 4, 3)])
+@pytest.mark.parametrize("n, k", [(1000, 1008), (6144, 4096)])
+@pytest.mark.parametrize("group, fp4", [(32, False), (128, False), (16, True)])
+def test_cuda_w4_gemv_plans(plan: tuple, n: int, k: int, group: int, fp4: bool) -> None:
+    """The one-row GEMV kernel (the plans bench_quant_gemm's sweep may store), masked and
+    unmasked (EVEN) tiles."""
+    check_w4(1, n, k, group, fp4, plan, BF16, "cuda", TOL16)
+
+
+@gpu
 def test_cuda_graph_capture_of_quantized_layers() -> None:
     """A split-K launch (decode size) replays in a CUDA graph and matches the eager result."""
     from quant_formats import quant_config

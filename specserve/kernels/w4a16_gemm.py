@@ -240,47 +240,75 @@ def _w4a16_kernel(
     store_tile(acc, c_ptr, p_ptr, counter_ptr, rm, rn, M, N, stride_cm, splits, SPLIT)
 
 
+# fp32 bits 0x4B000000 | n are 2^23 + n: a nibble's float value by one OR, no I2F; minus
+# 2^23 + 8, INT4's code (constexpr globals: @jit code reads only those)
+MAGIC_F32_BITS, MAGIC_F32_OFFSET = (
+    (tl.constexpr(v) if tl is not None else v) for v in (0x4B000000, 8388616.0))
+
+
 @jit
 def _w4_gemv_kernel(
     x_ptr, w_ptr, s_ptr, rs_ptr, c_ptr, p_ptr, counter_ptr, N, K, k_per_split, splits,
     stride_wn, stride_sn,
     GROUP: tl.constexpr, PER_ROW_SCALE: tl.constexpr, FP4: tl.constexpr,
     HAS_ROW_SCALE: tl.constexpr, SPLIT: tl.constexpr, SOFT_E4M3: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
 ):  # fmt: skip
-    # one activation row (decode at batch 1), program (0, n tile, K split): the weight tile
-    # stays [BN, BK / 8, 8] as the words hold it (no reshape through shared memory), one FMA
-    # per element into fp32 registers, summed once after the loop. GROUP is a multiple of 8
-    # (each word in one scale group); PER_ROW_SCALE: the step lies in one group.
+    # one activation row (decode at batch 1), program (0, n tile, K split). The weight tile
+    # stays [BN, BK / 8] packed words as memory holds them (K contiguous): nibble j of every
+    # word is a shift and an OR away from its fp32 value (INT4: the magic number, minus the
+    # offset; NVFP4: e2m1 decoded), times the activation at 8 * word + j, summed per word in
+    # fp32; each word's sum takes its scale (GROUP a multiple of 8: a word lies in one group;
+    # PER_ROW_SCALE: the step lies in one group) and the words are summed once after the loop.
+    # No tensor cores and no reshape: a few registers a thread, many loads in flight. EVEN:
+    # N, K and the split's K range are multiples of the tiles: loads without masks.
     pid_n, pid_s = tl.program_id(1), tl.program_id(2)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     s_rows = s_ptr + rn.to(tl.int64)[:, None] * stride_sn
     words = tl.arange(0, BLOCK_K // 8)
-    lanes = tl.arange(0, 8)
-    acc = tl.zeros((BLOCK_N, BLOCK_K // 8, 8), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
     k_start = pid_s * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     for k0 in range(k_start, k_end, BLOCK_K):
         word = k0 // 8 + words
         w_ok = n_ok[:, None] & (word * 8 < K)[None, :]
-        packed = tl.load(w_rows + word[None, :], mask=w_ok, other=0)  # [BN, W]
-        nib = (packed[:, :, None] >> (lanes * 4)[None, None, :]) & 0xF  # [BN, W, 8]
-        if FP4:
-            val = _decode_e2m1(nib)
+        if EVEN:
+            packed = tl.load(w_rows + word[None, :])
         else:
-            val = (nib - 8).to(tl.float32)
+            packed = tl.load(w_rows + word[None, :], mask=w_ok, other=0)  # [BN, W]
+        packed = packed.to(tl.uint32, bitcast=True)  # logical shifts: no sign extension
+        # the step's activations [W, 8] (one 16-byte load a word), split into the 8 columns
+        # [W] of nibble j: reshape to [W, 2, 2, 2] and split the last axis thrice
+        kk = word[:, None] * 8 + tl.arange(0, 8)[None, :]
+        if EVEN:
+            xw = tl.load(x_ptr + kk)
+        else:  # past k_end: the next split's columns, zero activations
+            xw = tl.load(x_ptr + kk, mask=kk < k_end, other=0.0)
+        # (column 4a + 2b + c at [w, a, b, c]; each split takes the last axis)
+        even, odd = tl.split(tl.reshape(xw.to(tl.float32), (BLOCK_K // 8, 2, 2, 2)))
+        e0, e1 = tl.split(even)
+        o0, o1 = tl.split(odd)
+        x0, x4 = tl.split(e0)
+        x2, x6 = tl.split(e1)
+        x1, x5 = tl.split(o0)
+        x3, x7 = tl.split(o1)
+        xs = (x0, x1, x2, x3, x4, x5, x6, x7)
+        part = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+        for j in tl.static_range(8):
+            nib = (packed >> (4 * j)) & 0xF
+            if FP4:
+                val = _decode_e2m1(nib)
+            else:
+                val = (nib | MAGIC_F32_BITS).to(tl.float32, bitcast=True) - MAGIC_F32_OFFSET
+            part += val * xs[j][None, :]
         if PER_ROW_SCALE:
-            sc = _scales(s_rows + k0 // GROUP, n_ok[:, None], SOFT_E4M3)[:, :, None]
+            sc = _scales(s_rows + k0 // GROUP, n_ok[:, None], SOFT_E4M3)  # [BN, 1]
         else:
-            sc = _scales(s_rows + (word * 8 // GROUP)[None, :], w_ok, SOFT_E4M3)[:, :, None]
-        kk = word[:, None] * 8 + lanes[None, :]  # [W, 8]; past k_end: the next split's
-        x = tl.load(x_ptr + kk, mask=kk < k_end, other=0.0)
-        # the weight rounded to the activation dtype, as the tensor-core path feeds tl.dot
-        w = (val * sc).to(x_ptr.dtype.element_ty).to(tl.float32)
-        acc += w * x.to(tl.float32)[None, :, :]
-    out = tl.sum(tl.sum(acc, axis=2), axis=1)
+            sc = _scales(s_rows + (word * 8 // GROUP)[None, :], w_ok, SOFT_E4M3)  # [BN, W]
+        acc += part * sc
+    out = tl.sum(acc, axis=1)
     if HAS_ROW_SCALE:
         out = out * tl.load(rs_ptr + rn, mask=n_ok, other=0.0)
     store_tile(out[None, :], c_ptr, p_ptr, counter_ptr, tl.arange(0, 1), rn, 1, N, N, splits,
@@ -332,7 +360,8 @@ def w4a16_mm(
             counters, n, k, k_per_split, splits, packed.stride(0), scales.stride(0),
             GROUP=group, PER_ROW_SCALE=group % bk == 0, FP4=fp4,
             HAS_ROW_SCALE=row_scale is not None, SPLIT=splits > 1, SOFT_E4M3=soft, BLOCK_N=bn,
-            BLOCK_K=bk, num_warps=plan.num_warps, num_stages=plan.num_stages,
+            BLOCK_K=bk, EVEN=n % bn == 0 and k_per_split % bk == 0 and k % k_per_split == 0,
+            num_warps=plan.num_warps, num_stages=plan.num_stages,
         )  # fmt: skip
     elif m:
         _w4a16_kernel[grid](
