@@ -362,14 +362,16 @@ if has policy; then
   # both rates in one engine (one start-up): reports under policy/rate-0.65, policy/rate-0.3
   timeout 580 python scripts/bench_spec_policy.py --model llama-3.1-8b \
     --concurrency 1,2,4,8,16,32,64,128,256 --modes chain3,chain1,chain2,tree4x3x8 \
-    --accept-rate 0.65,0.3 --output-len 96 --min-requests 8 --out "$out/policy" \
+    --accept-rate 0.65,0.3 --output-len 64 --prompt-len 128 --min-requests 12 --repeats 1 \
+    --out "$out/policy" --label "llama-3.1-8b policy sweep rate {rate}" \
     --log --exp-dir experiments > "$out/policy.log" 2>&1
   echo "policy rates 0.65,0.3 rc=$?"; grep -v "^ " "$out/policy.log" | grep -v INFO | grep -v "^C=" | tail -8
   # the comm-bound regime: every all-reduce of a TP-8 model costs the 8-GPU PCIe table's
   # latency (rank 0's shard computes), so speculation's verify got expensive
   timeout 580 python scripts/bench_spec_policy.py --model llama-3.1-8b \
     --concurrency 1,2,4,8,16,32,64,128,256 --modes chain3,chain1,chain2,tree4x3x8 \
-    --accept-rate 0.65 --output-len 96 --min-requests 8 --emulate-comm pcie-nccl-8gpu \
+    --accept-rate 0.65 --output-len 64 --prompt-len 128 --min-requests 12 --repeats 1 \
+    --emulate-comm pcie-nccl-8gpu \
     --emulate-compute shard --out "$out/policy-pcie" --log --exp-dir experiments \
     --label "llama-3.1-8b policy sweep rate 0.65 PCIe-TP8 shard" > "$out/policy-pcie.log" 2>&1
   echo "policy PCIe TP8 rc=$?"; grep -v "^ " "$out/policy-pcie.log" | grep -v INFO | tail -14
