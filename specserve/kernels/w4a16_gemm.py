@@ -298,8 +298,10 @@ def _w4_gemv_kernel(
         part = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
         for j in tl.static_range(8):
             nib = (packed >> (4 * j)) & 0xF
-            if FP4:
-                val = _decode_e2m1(nib)
+            if FP4:  # e2m1 s.e1e0.m as fp16 bits s.000e1e0.m: its value times 2^-14 (e = 0
+                # is fp16's subnormal, m / 2 * 2^-14: no select), exact in fp32
+                bits = ((nib & 7) << 9) | ((nib & 8) << 12)
+                val = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
             else:
                 val = (nib | MAGIC_F32_BITS).to(tl.float32, bitcast=True) - MAGIC_F32_OFFSET
             part += val * xs[j][None, :]
@@ -307,6 +309,8 @@ def _w4_gemv_kernel(
             sc = _scales(s_rows + k0 // GROUP, n_ok[:, None], SOFT_E4M3)  # [BN, 1]
         else:
             sc = _scales(s_rows + (word * 8 // GROUP)[None, :], w_ok, SOFT_E4M3)  # [BN, W]
+        if FP4:
+            sc = sc * 16384.0  # the decoded values' 2^-14 (exact)
         acc += part * sc
     out = tl.sum(acc, axis=1)
     if HAS_ROW_SCALE:
