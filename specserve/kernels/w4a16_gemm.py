@@ -240,12 +240,6 @@ def _w4a16_kernel(
     store_tile(acc, c_ptr, p_ptr, counter_ptr, rm, rn, M, N, stride_cm, splits, SPLIT)
 
 
-# fp32 bits 0x4B000000 | n are 2^23 + n: a nibble's float value by one OR, no I2F; minus
-# 2^23 + 8, INT4's code (constexpr globals: @jit code reads only those)
-MAGIC_F32_BITS, MAGIC_F32_OFFSET = (
-    (tl.constexpr(v) if tl is not None else v) for v in (0x4B000000, 8388616.0))
-
-
 @jit
 def _w4_gemv_kernel(
     x_ptr, w_ptr, s_ptr, rs_ptr, c_ptr, p_ptr, counter_ptr, N, K, k_per_split, splits,
@@ -256,12 +250,14 @@ def _w4_gemv_kernel(
 ):  # fmt: skip
     # one activation row (decode at batch 1), program (0, n tile, K split). The weight tile
     # stays [BN, BK / 8] packed words as memory holds them (K contiguous): nibble j of every
-    # word is a shift and an OR away from its fp32 value (INT4: the magic number, minus the
-    # offset; NVFP4: e2m1 decoded), times the activation at 8 * word + j, summed per word in
-    # fp32; each word's sum takes its scale (GROUP a multiple of 8: a word lies in one group;
-    # PER_ROW_SCALE: the step lies in one group) and the words are summed once after the loop.
-    # No tensor cores and no reshape: a few registers a thread, many loads in flight. EVEN:
-    # N, K and the split's K range are multiples of the tiles: loads without masks.
+    # word, read as fp16 bits, converts exactly to fp32 (no I2F: INT4's code n is the
+    # subnormal n 2^-24, NVFP4's e2m1 is placed to read as its value times 2^-14), times the
+    # activation at 8 * word + j, summed per word in fp32; each word's sum is rescaled (INT4:
+    # 2^24 and minus 8 times the word's activation sum, the offset) and takes its scale (GROUP
+    # a multiple of 8: a word lies in one group; PER_ROW_SCALE: the step lies in one group);
+    # the words are summed once after the loop. No tensor cores and no reshape: a few
+    # registers a thread, many loads in flight. EVEN: N, K and the split's K range are
+    # multiples of the tiles: loads without masks.
     pid_n, pid_s = tl.program_id(1), tl.program_id(2)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
@@ -302,8 +298,8 @@ def _w4_gemv_kernel(
                 # is fp16's subnormal, m / 2 * 2^-14: no select), exact in fp32
                 bits = ((nib & 7) << 9) | ((nib & 8) << 12)
                 val = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            else:
-                val = (nib | MAGIC_F32_BITS).to(tl.float32, bitcast=True) - MAGIC_F32_OFFSET
+            else:  # the nibble n as fp16 bits is the subnormal n * 2^-24, exact in fp32
+                val = nib.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
             part += val * xs[j][None, :]
         if PER_ROW_SCALE:
             sc = _scales(s_rows + k0 // GROUP, n_ok[:, None], SOFT_E4M3)  # [BN, 1]
@@ -311,6 +307,9 @@ def _w4_gemv_kernel(
             sc = _scales(s_rows + (word * 8 // GROUP)[None, :], w_ok, SOFT_E4M3)  # [BN, W]
         if FP4:
             sc = sc * 16384.0  # the decoded values' 2^-14 (exact)
+        else:  # sum_j (n_j - 8) x_j = 2^24 sum_j (n_j 2^-24) x_j - 8 sum_j x_j, per word
+            xsum = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))  # [W]
+            part = part * 16777216.0 - 8.0 * xsum[None, :]
         acc += part * sc
     out = tl.sum(acc, axis=1)
     if HAS_ROW_SCALE:
