@@ -148,7 +148,8 @@ def plans(fmt: str, m: int, quick: bool) -> list[GemmPlan]:
         # (sm_90 code of the FP8 GEMV step, BN 64: 5.3 instructions an element with 2 warps,
         # 7.4 with 4: scripts/sass_loop.py)
         gemv_bks = (128,) if fmt == "fp8" else (128, 256)
-        gemv_bns = (32, 64) if quick else (16, 32, 64)
+        # the 4-bit GEMV holds 72 registers a thread (sm_90): wider row tiles fit too
+        gemv_bns = ((32, 64) if quick else (16, 32, 64)) + (() if fmt == "fp8" else (128,))
         gemv_splits = (2, 4, 8) if quick else (1, 2, 4, 8, 16)
         grid += [GemmPlan(1, bn, bk, s, w, 3) for bn, bk, s, w in
                  itertools.product(gemv_bns, gemv_bks, gemv_splits, (2, 4))]  # fmt: skip
