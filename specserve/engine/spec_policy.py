@@ -163,9 +163,6 @@ class AcceptanceEstimates:
             del self._counts[key]
 
 
-_KINDS = ("on", "off", "mode")  # a switch: off -> a mode, a mode -> off, a mode -> another
-
-
 class AdaptivePolicy:
     """Per step, the mode of highest expected tokens per second (None: off):
 
@@ -187,9 +184,9 @@ class AdaptivePolicy:
     `explore_every` steps at most, one step of a drafter family (method, topk) not run for
     that long is tried, and no more often than its two switches' learnt cost spends
     `probe_budget` of the steps (4x rarer when it scores below `probe_margin` of the current
-    mode). The granularity is the step: one
-    mode for every speculating row, because the verify width of a captured graph is fixed,
-    so excluding rows would save their drafting but not their verify slots.
+    mode). The granularity is the step: one mode for every speculating row, because the
+    verify width of a captured graph is fixed, so excluding rows would save their drafting
+    but not their verify slots.
     """
 
     needs_batch = True
@@ -266,10 +263,11 @@ class AdaptivePolicy:
         return out
 
     def _kind(self, old: str, new: str) -> str:
+        """A switch's kind: "on" (off -> a mode), "off" (a mode -> off) or "mode"."""
         return "on" if old == "off" else "off" if new == "off" else "mode"
 
     def _pays(self, key: str, best: str, scores: dict[str, float]) -> bool:
-        """The gain over the horizon covers the switch and (for a probe) the way back."""
+        """The gain beats the hysteresis, and over `horizon` steps covers the switch."""
         gain, now = scores[best], scores[key]
         if gain <= (1.0 + self.hysteresis) * now:
             return False
