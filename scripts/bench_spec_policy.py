@@ -116,6 +116,12 @@ def sweep(engine, args, levels: list[int], modes: list[str], rate: float, comm: 
                 elif name != PLAIN:
                     engine.spec_policy = StaticPolicy(name)
                 runs[name].append(run(engine, prompts, args.output_len, c))
+                if name == ADAPTIVE:  # what the policy learnt in this run
+                    pol = engine.spec_policy
+                    runs[name][-1]["learnt"] = {
+                        "switch_steps": dict(pol.switch_steps), "scale": dict(pol.scale),
+                        "mixed_share": pol.mixed_share,
+                        "mixed_extra_ms": {m: t * 1e3 for m, t in pol.mixed_extra.items()}}
         for name in configs:
             rs = runs[name]
             steps: dict[str, int] = {}
@@ -130,6 +136,11 @@ def sweep(engine, args, levels: list[int], modes: list[str], rate: float, comm: 
                       f"{max(point[name]['runs_tok_s']):.1f})" if len(rs) > 1 else "")
             print(f"C={c} {name}: {point[name]['tok_s']:.1f} tok/s{spread} (whole run "
                   f"{point[name]['tok_s_all']:.1f}) {steps}", flush=True)
+        learnt = runs[ADAPTIVE][-1]["learnt"]
+        print(f"C={c} adaptive learnt: switch steps "
+              f"{ {k: round(v, 2) for k, v in learnt['switch_steps'].items()} }, mixed share "
+              f"{learnt['mixed_share']:.2f}, mixed extra ms "
+              f"{ {k: round(v, 2) for k, v in learnt['mixed_extra_ms'].items()} }", flush=True)
         best = max(point[m]["tok_s"] for m in configs if m not in (ADAPTIVE, OFF))
         point["adaptive_vs_best"] = point[ADAPTIVE]["tok_s"] / best
         point["adaptive_vs_plain"] = point[ADAPTIVE]["tok_s"] / point[PLAIN]["tok_s"]
