@@ -38,11 +38,12 @@ NO_LAUNCH = {"moe_no_tokens"}  # checks that rightly launch nothing (zero tokens
 BF16 = torch.bfloat16
 
 
-# sm_120 (99 KB of shared memory a block) for the kernels with the largest tiles: the GEMMs,
-# the MoE and the MLA kernels (scripts/compile_targets.py runs the whole matrix)
+# sm_120 (99 KB of shared memory a block) for the kernels with the largest tiles: the GEMMs
+# and the MLA kernels (the fused MoE's sm_120 builds, ~50 s of the suite, are left to
+# scripts/compile_targets.py, which runs the whole matrix; test_plans_fit_shared_memory
+# checks every MoE plan against the 99 KB)
 CASES = [(name, "90") for name in KERNEL_FILES] + [
-    (name, "120") for name in ("test_fused_moe.py", "test_fused_moe_nvfp4.py",
-                               "test_quant_kernels.py", "test_mla_kernels.py")
+    (name, "120") for name in ("test_quant_kernels.py", "test_mla_kernels.py")
 ]
 
 
