@@ -148,7 +148,7 @@ for q in ("w4a16", "fp8", "nvfp4"):
 PY
   # quantized GEMMs over launch plans; the winners go to this GPU's plan table (kernels/
   # plan_tables/, copied to OUT: commit it), which the decode runs below already use
-  timeout 540 python scripts/bench_quant_gemm.py --quick --m 1,16 --out "$out/quant_gemm.json" \
+  timeout 540 python scripts/bench_quant_gemm.py --quick --m 1,4,16 --out "$out/quant_gemm.json" \
     --write-table > "$out/quant_gemm.log" 2>&1
   echo "quant gemm rc=$?"; tail -36 "$out/quant_gemm.log"
   cp specserve/kernels/plan_tables/*.json "$out/" 2>/dev/null

@@ -101,6 +101,8 @@ CASES = {
     "w4a16-g128-gemv-m1": _w4(1, 128, False, (1, 64, 128, 4, 4, 3)),
     "nvfp4-gemv-m1": _w4(1, 16, True, (1, 64, 128, 4, 4, 3)),
     "w4a16-g128-gemv-m1-wide": _w4(1, 128, False, (1, 128, 256, 8, 2, 3)),
+    "w4a16-g128-gemv-m4": _w4(4, 128, False, (4, 64, 128, 4, 4, 3)),
+    "w4a16-g128-m4": _w4(4, 128, False, (16, 64, 128, 4, 4, 3)),
     "fp8-m1": _fp8(1), "fp8-m16": _fp8(16), "fp8-m64": _fp8(64),
     "moe-int4-g32-decode": _moe("ct-int4-g32", 1), "moe-fp8-decode": _moe("fp8-block", 1),
     "exact-m1": _exact(1),

@@ -336,6 +336,16 @@ INTERPRETER_CHECKS = {
     "gemv_w4_one_row_nvfp4": lambda: check_w4(
         1, 40, 208, 16, True, (1, 32, 64, 2), F32, CPU, TOL32, soft=True
     ),
+    # a few rows: one decode of each weight for all of them (ragged M, N, K; scales per word)
+    "gemv_w4_rows_int4_g32": lambda: check_w4(
+        3, 72, 200, 32, False, (4, 16, 64, 3), F32, CPU, TOL32
+    ),
+    "gemv_w4_rows_int4_g128_even": lambda: check_w4(
+        2, 64, 512, 128, False, (2, 32, 128, 2), F32, CPU, TOL32
+    ),
+    "gemv_w4_rows_nvfp4": lambda: check_w4(
+        5, 40, 208, 16, True, (8, 32, 64, 2), F32, CPU, TOL32, soft=True
+    ),
     # tiles that divide N, K and the splits: the unmasked (EVEN) loads
     "gemv_w4_one_row_int4_g128_even": lambda: check_w4(
         1, 64, 512, 128, False, (1, 32, 128, 2), F32, CPU, TOL32
@@ -364,9 +374,9 @@ GPU_DIM_CHECKS = {
         m, 4096, 4096, g, fp4, None, BF16, CPU, TOL16))
        for g, fp4 in ((32, False), (128, False), (16, True)) for m in (1, 7, 64, 300)},
     # the one-row GEMV kernel under a plan the sweep may store (unmasked tiles)
-    **{f"bf16_w4_gemv_g{g}": (lambda g=g, fp4=fp4: check_w4(
-        1, 6144, 4096, g, fp4, (1, 64, 256, 8, 4, 3), BF16, CPU, TOL16))
-       for g, fp4 in ((128, False), (16, True))},
+    **{f"bf16_w4_gemv_g{g}_{m}": (lambda g=g, fp4=fp4, m=m: check_w4(
+        m, 6144, 4096, g, fp4, (m, 64, 256 if m == 1 else 128, 8, 4, 3), BF16, CPU, TOL16))
+       for g, fp4 in ((128, False), (16, True)) for m in (1, 4)},
 }  # fmt: skip
 
 

@@ -62,13 +62,15 @@ def test_cuda_w4(m: int, n: int, k: int, group: int, fp4: bool) -> None:
 
 
 @gpu
-@pytest.mark.parametrize("plan", [(1, 32, 128, 4, 2, 3), (1, 64, 256, 8, 4, 3)])
+@pytest.mark.parametrize("m, plan", [(1, (1, 32, 128, 4, 2, 3)), (1, (1, 64, 256, 8, 4, 3)),
+                                     (3, (4, 64, 128, 4, 4, 3)), (8, (8, 32, 128, 2, 4, 3))])
 @pytest.mark.parametrize("n, k", [(1000, 1008), (6144, 4096)])
 @pytest.mark.parametrize("group, fp4", [(32, False), (128, False), (16, True)])
-def test_cuda_w4_gemv_plans(plan: tuple, n: int, k: int, group: int, fp4: bool) -> None:
-    """The one-row GEMV kernel (the plans bench_quant_gemm's sweep may store), masked and
-    unmasked (EVEN) tiles."""
-    check_w4(1, n, k, group, fp4, plan, BF16, "cuda", TOL16)
+def test_cuda_w4_gemv_plans(m: int, plan: tuple, n: int, k: int, group: int,
+                            fp4: bool) -> None:
+    """The GEMV kernel at one and a few rows (the plans bench_quant_gemm's sweep may
+    store), masked and unmasked (EVEN) tiles."""
+    check_w4(m, n, k, group, fp4, plan, BF16, "cuda", TOL16)
 
 
 @gpu

@@ -241,30 +241,61 @@ def _w4a16_kernel(
 
 
 @jit
+def _w4_columns(x_rows, word, k_end, m_ok, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The step's activations (one 16-byte load a word) as the 8 columns of nibble j: [W]
+    (BLOCK_M 1) or [BM, W]; past k_end (the next split's columns) or M: zeros. Column
+    4a + 2b + c sits at [.., w, a, b, c]: each split takes the last axis."""
+    kk = word[:, None] * 8 + tl.arange(0, 8)[None, :]  # [W, 8]
+    if BLOCK_M == 1:
+        xw = tl.load(x_rows + kk, mask=kk < k_end, other=0.0)
+        shape: tl.constexpr = (BLOCK_K // 8, 2, 2, 2)
+    else:
+        xw = tl.load(x_rows[:, :, None] + kk[None, :, :],
+                     mask=m_ok[:, None, None] & (kk < k_end)[None, :, :], other=0.0)
+        shape: tl.constexpr = (BLOCK_M, BLOCK_K // 8, 2, 2, 2)
+    even, odd = tl.split(tl.reshape(xw.to(tl.float32), shape))
+    e0, e1 = tl.split(even)
+    o0, o1 = tl.split(odd)
+    x0, x4 = tl.split(e0)
+    x2, x6 = tl.split(e1)
+    x1, x5 = tl.split(o0)
+    x3, x7 = tl.split(o1)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@jit
 def _w4_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, rs_ptr, c_ptr, p_ptr, counter_ptr, N, K, k_per_split, splits,
-    stride_wn, stride_sn,
+    x_ptr, w_ptr, s_ptr, rs_ptr, c_ptr, p_ptr, counter_ptr, M, N, K, k_per_split, splits,
+    stride_xm, stride_wn, stride_sn, stride_cm,
     GROUP: tl.constexpr, PER_ROW_SCALE: tl.constexpr, FP4: tl.constexpr,
     HAS_ROW_SCALE: tl.constexpr, SPLIT: tl.constexpr, SOFT_E4M3: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
 ):  # fmt: skip
-    # one activation row (decode at batch 1), program (0, n tile, K split). The weight tile
-    # stays [BN, BK / 8] packed words as memory holds them (K contiguous): nibble j of every
-    # word, read as fp16 bits, converts exactly to fp32 (no I2F: INT4's code n is the
-    # subnormal n 2^-24, NVFP4's e2m1 is placed to read as its value times 2^-14), times the
-    # activation at 8 * word + j, summed per word in fp32; each word's sum is rescaled (INT4:
-    # 2^24 and minus 8 times the word's activation sum, the offset) and takes its scale (GROUP
-    # a multiple of 8: a word lies in one group; PER_ROW_SCALE: the step lies in one group);
-    # the words are summed once after the loop. No tensor cores and no reshape: a few
-    # registers a thread, many loads in flight. EVEN: N, K and the split's K range are
-    # multiples of the tiles: loads without masks.
-    pid_n, pid_s = tl.program_id(1), tl.program_id(2)
+    # a few activation rows (decode at small batch, a verify's rows), program (m tile, n tile,
+    # K split). The weight tile stays [BN, BK / 8] packed words as memory holds them (K
+    # contiguous): nibble j of every word, read as fp16 bits, converts exactly to fp32 (no
+    # I2F: INT4's code n is the subnormal n 2^-24, NVFP4's e2m1 is placed to read as its value
+    # times 2^-14), once for all BLOCK_M rows, times each row's activation at 8 * word + j,
+    # summed per word in fp32; each word's sum is rescaled (INT4: 2^24 and minus 8 times the
+    # word's activation sum, the offset) and takes its scale (GROUP a multiple of 8: a word
+    # lies in one group; PER_ROW_SCALE: the step lies in one group); the words are summed once
+    # after the loop. No tensor cores and no reshape of the weights: a few registers a
+    # thread, many loads in flight. One row keeps 2-D tiles (sm_90: 316 instructions a
+    # 64x128 step; the 3-D form with a unit row axis needs 375). EVEN: N, K and the split's K
+    # range are multiples of the tiles: the weights load without masks.
+    pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = rn < N
+    m_ok, n_ok = rm < M, rn < N
+    if BLOCK_M == 1:
+        x_rows = x_ptr + pid_m.to(tl.int64) * stride_xm
+        acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+    else:
+        x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     s_rows = s_ptr + rn.to(tl.int64)[:, None] * stride_sn
     words = tl.arange(0, BLOCK_K // 8)
-    acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
     k_start = pid_s * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     for k0 in range(k_start, k_end, BLOCK_K):
@@ -275,23 +306,8 @@ def _w4_gemv_kernel(
         else:
             packed = tl.load(w_rows + word[None, :], mask=w_ok, other=0)  # [BN, W]
         packed = packed.to(tl.uint32, bitcast=True)  # logical shifts: no sign extension
-        # the step's activations [W, 8] (one 16-byte load a word), split into the 8 columns
-        # [W] of nibble j: reshape to [W, 2, 2, 2] and split the last axis thrice
-        kk = word[:, None] * 8 + tl.arange(0, 8)[None, :]
-        if EVEN:
-            xw = tl.load(x_ptr + kk)
-        else:  # past k_end: the next split's columns, zero activations
-            xw = tl.load(x_ptr + kk, mask=kk < k_end, other=0.0)
-        # (column 4a + 2b + c at [w, a, b, c]; each split takes the last axis)
-        even, odd = tl.split(tl.reshape(xw.to(tl.float32), (BLOCK_K // 8, 2, 2, 2)))
-        e0, e1 = tl.split(even)
-        o0, o1 = tl.split(odd)
-        x0, x4 = tl.split(e0)
-        x2, x6 = tl.split(e1)
-        x1, x5 = tl.split(o0)
-        x3, x7 = tl.split(o1)
-        xs = (x0, x1, x2, x3, x4, x5, x6, x7)
-        part = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+        xs = _w4_columns(x_rows, word, k_end, m_ok, BLOCK_M, BLOCK_K)
+        part = tl.zeros(acc.shape, dtype=tl.float32)
         for j in tl.static_range(8):
             nib = (packed >> (4 * j)) & 0xF
             if FP4:  # e2m1 s.e1e0.m as fp16 bits s.000e1e0.m: its value times 2^-14 (e = 0
@@ -300,7 +316,10 @@ def _w4_gemv_kernel(
                 val = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
             else:  # the nibble n as fp16 bits is the subnormal n * 2^-24, exact in fp32
                 val = nib.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            part += val * xs[j][None, :]
+            if BLOCK_M == 1:
+                part += val * xs[j][None, :]
+            else:
+                part += val[None, :, :] * xs[j][:, None, :]
         if PER_ROW_SCALE:
             sc = _scales(s_rows + k0 // GROUP, n_ok[:, None], SOFT_E4M3)  # [BN, 1]
         else:
@@ -308,14 +327,22 @@ def _w4_gemv_kernel(
         if FP4:
             sc = sc * 16384.0  # the decoded values' 2^-14 (exact)
         else:  # sum_j (n_j - 8) x_j = 2^24 sum_j (n_j 2^-24) x_j - 8 sum_j x_j, per word
-            xsum = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))  # [W]
-            part = part * 16777216.0 - 8.0 * xsum[None, :]
-        acc += part * sc
-    out = tl.sum(acc, axis=1)
+            xsum = ((xs[0] + xs[1]) + (xs[2] + xs[3])) + ((xs[4] + xs[5]) + (xs[6] + xs[7]))
+            if BLOCK_M == 1:
+                part = part * 16777216.0 - 8.0 * xsum[None, :]
+            else:
+                part = part * 16777216.0 - 8.0 * xsum[:, None, :]
+        if BLOCK_M == 1:
+            acc += part * sc
+        else:
+            acc += part * sc[None, :, :]
+    if BLOCK_M == 1:
+        out = tl.sum(acc, axis=1)[None, :]
+    else:
+        out = tl.sum(acc, axis=2)  # [BM, BN]
     if HAS_ROW_SCALE:
-        out = out * tl.load(rs_ptr + rn, mask=n_ok, other=0.0)
-    store_tile(out[None, :], c_ptr, p_ptr, counter_ptr, tl.arange(0, 1), rn, 1, N, N, splits,
-               SPLIT)  # fmt: skip
+        out = out * tl.load(rs_ptr + rn, mask=n_ok, other=0.0)[None, :]
+    store_tile(out, c_ptr, p_ptr, counter_ptr, rm, rn, M, N, stride_cm, splits, SPLIT)
 
 
 def rule_plan(m: int, n: int, k: int, device: torch.device, x_bytes: int = 2) -> GemmPlan:
@@ -357,13 +384,14 @@ def w4a16_mm(
         not gemm_split.fp8_native(x.device) if soft_e4m3 is None else soft_e4m3)
     if soft:
         scales = scales.view(torch.uint8)
-    if m == 1 and bm == 1 and group % 8 == 0:  # a GEMV plan for one row
+    if m and bm < 16 and group % 8 == 0:  # a GEMV plan (rows below the tensor cores' 16)
         _w4_gemv_kernel[grid](
             x, packed, scales, row_scale if row_scale is not None else scales, out, partials,
-            counters, n, k, k_per_split, splits, packed.stride(0), scales.stride(0),
-            GROUP=group, PER_ROW_SCALE=group % bk == 0, FP4=fp4,
-            HAS_ROW_SCALE=row_scale is not None, SPLIT=splits > 1, SOFT_E4M3=soft, BLOCK_N=bn,
-            BLOCK_K=bk, EVEN=n % bn == 0 and k_per_split % bk == 0 and k % k_per_split == 0,
+            counters, m, n, k, k_per_split, splits, x.stride(0), packed.stride(0),
+            scales.stride(0), out.stride(0), GROUP=group, PER_ROW_SCALE=group % bk == 0,
+            FP4=fp4, HAS_ROW_SCALE=row_scale is not None, SPLIT=splits > 1, SOFT_E4M3=soft,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            EVEN=n % bn == 0 and k_per_split % bk == 0 and k % k_per_split == 0,
             num_warps=plan.num_warps, num_stages=plan.num_stages,
         )  # fmt: skip
     elif m:
