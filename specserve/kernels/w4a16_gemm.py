@@ -369,8 +369,8 @@ def w4a16_mm(
     n = packed.shape[0]
     assert x.stride(1) == 1 and packed.stride(1) == 1 and scales.stride(1) == 1
     # prefill tiles decode 64 columns per step: the decoded tile stays in registers
-    # (the one-row GEMV kernel runs for a plan with block_m 1; not the default: see
-    # gemm_split.GEMV_MAX_ROWS)
+    # (the GEMV kernel runs for a plan with block_m below 16, i.e. a measured one from the
+    # plan table: the rule of thumb keeps tensor-core tiles)
     plan = (as_plan(plan) or plan_table.tuned_plan(plan_table.w4_format(group, fp4), m, n, k,
                                                    x.device)
             or rule_plan(m, n, k, x.device, x.element_size()))  # fmt: skip
