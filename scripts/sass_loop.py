@@ -174,8 +174,11 @@ def main(argv: list[str] | None = None) -> dict:
         launched.clear()
         try:
             CASES[name]()
-        except Exception:  # noqa: BLE001  (outputs are never written: value checks fail)
-            pass
+        except Exception as err:  # noqa: BLE001  (outputs are never written: value checks fail)
+            if not launched:  # nothing compiled: say why instead of printing nothing
+                cause = err.__cause__ or err
+                print(f"{name:22s} did not compile: {type(cause).__name__}: "
+                      f"{str(cause).strip().splitlines()[-1][:200]}", flush=True)
         for kernel_name, kernel in launched:
             if kernel_name.startswith("_quant"):
                 continue  # the activation quantization launch: no K loop

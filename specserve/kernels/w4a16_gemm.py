@@ -264,6 +264,45 @@ def _w4_columns(x_rows, word, k_end, m_ok, BLOCK_M: tl.constexpr, BLOCK_K: tl.co
 
 
 @jit
+def w4_gemv_words(packed, xs, sc, FP4: tl.constexpr, BLOCK_M: tl.constexpr):
+    """One K step of the GEMV: per packed word (packed [BN, W] uint32) and row, the sum over
+    its 8 nibbles of the decoded code times the row's activation (xs: _w4_columns), in fp32,
+    rescaled and scaled by sc ([BN, 1] or [BN, W]): [BN, W], or [BM, BN, W]. Nibble j read as
+    fp16 bits converts exactly to fp32 (no I2F): INT4's code n is the subnormal n 2^-24 (the
+    word's sum then times 2^24, minus 8 times the word's activation sum: the offset);
+    NVFP4's e2m1 s.e1e0.m placed as fp16 s.000e1e0.m reads as its value times 2^-14 (e = 0 is
+    fp16's subnormal: no select; the 2^14 rides on the scale)."""
+    if BLOCK_M == 1:
+        part = tl.zeros(packed.shape, dtype=tl.float32)
+    else:
+        part = tl.zeros((BLOCK_M, packed.shape[0], packed.shape[1]), dtype=tl.float32)
+    for j in tl.static_range(8):
+        nib = (packed >> (4 * j)) & 0xF
+        if FP4:
+            bits = ((nib & 7) << 9) | ((nib & 8) << 12)
+            val = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        else:
+            val = nib.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        if BLOCK_M == 1:
+            part += val * xs[j][None, :]
+        else:
+            part += val[None, :, :] * xs[j][:, None, :]
+    if FP4:
+        sc = sc * 16384.0  # the decoded values' 2^-14 (exact)
+    else:  # sum_j (n_j - 8) x_j = 2^24 sum_j (n_j 2^-24) x_j - 8 sum_j x_j, per word
+        xsum = ((xs[0] + xs[1]) + (xs[2] + xs[3])) + ((xs[4] + xs[5]) + (xs[6] + xs[7]))
+        if BLOCK_M == 1:
+            part = part * 16777216.0 - 8.0 * xsum[None, :]
+        else:
+            part = part * 16777216.0 - 8.0 * xsum[:, None, :]
+    if BLOCK_M == 1:
+        out = part * sc
+    else:
+        out = part * sc[None, :, :]
+    return out
+
+
+@jit
 def _w4_gemv_kernel(
     x_ptr, w_ptr, s_ptr, rs_ptr, c_ptr, p_ptr, counter_ptr, M, N, K, k_per_split, splits,
     stride_xm, stride_wn, stride_sn, stride_cm,
@@ -273,16 +312,13 @@ def _w4_gemv_kernel(
 ):  # fmt: skip
     # a few activation rows (decode at small batch, a verify's rows), program (m tile, n tile,
     # K split). The weight tile stays [BN, BK / 8] packed words as memory holds them (K
-    # contiguous): nibble j of every word, read as fp16 bits, converts exactly to fp32 (no
-    # I2F: INT4's code n is the subnormal n 2^-24, NVFP4's e2m1 is placed to read as its value
-    # times 2^-14), once for all BLOCK_M rows, times each row's activation at 8 * word + j,
-    # summed per word in fp32; each word's sum is rescaled (INT4: 2^24 and minus 8 times the
-    # word's activation sum, the offset) and takes its scale (GROUP a multiple of 8: a word
-    # lies in one group; PER_ROW_SCALE: the step lies in one group); the words are summed once
-    # after the loop. No tensor cores and no reshape of the weights: a few registers a
-    # thread, many loads in flight. One row keeps 2-D tiles (sm_90: 316 instructions a
-    # 64x128 step; the 3-D form with a unit row axis needs 375). EVEN: N, K and the split's K
-    # range are multiples of the tiles: the weights load without masks.
+    # contiguous), each word decoded once for all BLOCK_M rows and summed per word in fp32
+    # (w4_gemv_words; GROUP a multiple of 8: a word lies in one group; PER_ROW_SCALE: the step
+    # lies in one group); the words are summed once after the loop. No tensor cores and no
+    # reshape of the weights: a few registers a thread, many loads in flight. One row keeps
+    # 2-D tiles (sm_90: 316 instructions a 64x128 step; the 3-D form with a unit row axis
+    # needs 375). EVEN: N, K and the split's K range are multiples of the tiles: the weights
+    # load without masks.
     pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -307,35 +343,11 @@ def _w4_gemv_kernel(
             packed = tl.load(w_rows + word[None, :], mask=w_ok, other=0)  # [BN, W]
         packed = packed.to(tl.uint32, bitcast=True)  # logical shifts: no sign extension
         xs = _w4_columns(x_rows, word, k_end, m_ok, BLOCK_M, BLOCK_K)
-        part = tl.zeros(acc.shape, dtype=tl.float32)
-        for j in tl.static_range(8):
-            nib = (packed >> (4 * j)) & 0xF
-            if FP4:  # e2m1 s.e1e0.m as fp16 bits s.000e1e0.m: its value times 2^-14 (e = 0
-                # is fp16's subnormal, m / 2 * 2^-14: no select), exact in fp32
-                bits = ((nib & 7) << 9) | ((nib & 8) << 12)
-                val = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            else:  # the nibble n as fp16 bits is the subnormal n * 2^-24, exact in fp32
-                val = nib.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            if BLOCK_M == 1:
-                part += val * xs[j][None, :]
-            else:
-                part += val[None, :, :] * xs[j][:, None, :]
         if PER_ROW_SCALE:
             sc = _scales(s_rows + k0 // GROUP, n_ok[:, None], SOFT_E4M3)  # [BN, 1]
         else:
             sc = _scales(s_rows + (word * 8 // GROUP)[None, :], w_ok, SOFT_E4M3)  # [BN, W]
-        if FP4:
-            sc = sc * 16384.0  # the decoded values' 2^-14 (exact)
-        else:  # sum_j (n_j - 8) x_j = 2^24 sum_j (n_j 2^-24) x_j - 8 sum_j x_j, per word
-            xsum = ((xs[0] + xs[1]) + (xs[2] + xs[3])) + ((xs[4] + xs[5]) + (xs[6] + xs[7]))
-            if BLOCK_M == 1:
-                part = part * 16777216.0 - 8.0 * xsum[None, :]
-            else:
-                part = part * 16777216.0 - 8.0 * xsum[:, None, :]
-        if BLOCK_M == 1:
-            acc += part * sc
-        else:
-            acc += part * sc[None, :, :]
+        acc += w4_gemv_words(packed, xs, sc, FP4, BLOCK_M)
     if BLOCK_M == 1:
         out = tl.sum(acc, axis=1)[None, :]
     else:
