@@ -131,6 +131,14 @@ if has quant; then
       --label "kimi-k2-3l $q" --json-out "$out/kimi-$q.json" > "$out/kimi-$q.log" 2>&1
     echo "kimi-k2-3l $q rc=$?"; tail -8 "$out/kimi-$q.log"
   done
+  # A/B: the 4-bit experts' GEMV form at decode (SPECSERVE_MOE_GEMV=1; off by default until
+  # it wins here), bs 1 only (bs 64 is past one row per expert: the MMA tiles either way)
+  for q in w4a16 nvfp4; do
+    SPECSERVE_MOE_GEMV=1 timeout 200 "${ss[@]}" bench latency "${kimi[@]}" --quantization "$q" \
+      --batch-sizes 1 --label "kimi-k2-3l $q moe-gemv" --json-out "$out/kimi-$q-gemv.json" \
+      > "$out/kimi-$q-gemv.log" 2>&1
+    echo "kimi-k2-3l $q moe-gemv rc=$?"; tail -5 "$out/kimi-$q-gemv.log"
+  done
   python - "$out" <<'PY'
 import json, sys, pathlib
 out = pathlib.Path(sys.argv[1])
@@ -138,7 +146,7 @@ def points(name):
     f = out / f"kimi-{name}.json"
     return {p["batch_size"]: p for p in json.loads(f.read_text())["points"]} if f.exists() else {}
 base = points("plain")
-for q in ("w4a16", "fp8", "nvfp4"):
+for q in ("w4a16", "fp8", "nvfp4", "w4a16-gemv", "nvfp4-gemv"):
     for bs, p in sorted(points(q).items()):
         tok = p["modes"]["baseline"]["tok_s"]["mean"]
         ref = base.get(bs)

@@ -61,13 +61,17 @@ def _fp8(m: int):  # noqa: ANN202
     return run
 
 
-def _moe(fmt: str, tokens: int):  # noqa: ANN202
+def _moe(fmt: str, tokens: int, block_m: int = 0):  # noqa: ANN202
     def run() -> None:
         import test_fused_moe as t
         import torch
 
+        from specserve.kernels import fused_moe as fm
+
         t._poison_allocator = lambda *a: None
-        t.check_quant_fused_moe(fmt, tokens, 64, 8, 1024, 256, torch.bfloat16, "cpu", 1.0)
+        launch = (fm.MoELaunch(block_m, 64, 128, 1, 4, 3),) * 2 if block_m else None
+        t.check_quant_fused_moe(fmt, tokens, 64, 8, 1024, 256, torch.bfloat16, "cpu", 1.0,
+                                launch=launch)
     return run
 
 
@@ -105,6 +109,7 @@ CASES = {
     "w4a16-g128-m4": _w4(4, 128, False, (16, 64, 128, 4, 4, 3)),
     "fp8-m1": _fp8(1), "fp8-m16": _fp8(16), "fp8-m64": _fp8(64),
     "moe-int4-g32-decode": _moe("ct-int4-g32", 1), "moe-fp8-decode": _moe("fp8-block", 1),
+    "moe-int4-g32-gemv": _moe("ct-int4-g32", 1, 1),
     "exact-m1": _exact(1),
     "dense-gemv-m1": _dense(1, (1, 64, 128, 4, 4, 3)), "dense-m16": _dense(16, (16, 64, 128, 4, 4, 4)),
 }  # fmt: skip

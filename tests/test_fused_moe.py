@@ -223,6 +223,8 @@ def _small_launch(block_m: int, block_n: int, block_k: int, group_m: int) -> fm.
 
 
 SMALL = (_small_launch(16, 16, 16, 2), _small_launch(16, 32, 16, 1))
+GEMV_SMALL = (_small_launch(1, 16, 32, 1), _small_launch(1, 32, 32, 2))
+GEMV_K64 = (_small_launch(1, 32, 64, 1), _small_launch(1, 16, 64, 1))
 FP8_SMALL = (_small_launch(16, 32, 128, 2), _small_launch(16, 64, 128, 1))  # BLOCK_K = block
 K64 = (_small_launch(16, 16, 64, 2), _small_launch(16, 32, 64, 1))
 # W8A8: an activation near an fp8 rounding boundary may round the other way in the fp64 loop
@@ -268,6 +270,18 @@ INTERPRETER_CHECKS = {
     "qmoe_int4_g128_decode": lambda: check_quant_fused_moe(
         "ct-int4-g128", 2, 16, 2, 256, 136, F32, CPU, TOL32, seed=10
     ),
+    # one pair a block in the GEMV form (4-bit weights, BLOCK_M 1): per-pair blocks at decode
+    # and sorted runs, a scale per step (BLOCK_K 32) and per word (BLOCK_K 64), ragged tiles
+    "qmoe_int4_g32_gemv_decode": lambda: check_quant_fused_moe(
+        "ct-int4-g32", 2, 16, 2, 72, 40, F32, CPU, TOL32, seed=12, launch=GEMV_SMALL
+    ),
+    "qmoe_int4_g32_gemv_sorted": lambda: check_quant_fused_moe(
+        "ct-int4-g32", 12, 4, 3, 72, 40, F32, CPU, TOL32, seed=13, skew=0.3, launch=GEMV_K64
+    ),
+    "qmoe_int4_g128_gemv_even": lambda: check_quant_fused_moe(
+        "ct-int4-g128", 3, 8, 2, 256, 128, torch.float16, CPU, 2e-3, seed=14,
+        launch=(_small_launch(1, 32, 128, 1), _small_launch(1, 64, 128, 1)),
+    ),
     # group 24 tiles neither way with BLOCK_K 16: a scale per column
     "qmoe_int4_g24_columns": lambda: check_quant_fused_moe(
         "ct-int4-g24", 7, 4, 2, 48, 24, F32, CPU, TOL32, seed=11, launch=SMALL
@@ -311,6 +325,27 @@ def test_reference_equals_naive_loop(top_k: int) -> None:
 def test_alignment(num_tokens: int, num_experts: int, top_k: int, block_m: int) -> None:
     *_, ids = make_inputs(num_tokens, num_experts, top_k, 8, 8, num_tokens, skew=0.05)
     check_alignment(ids, block_m, num_experts)
+
+
+def test_moe_gemv_switch_picks_one_pair_blocks_at_decode(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:  # fmt: skip
+    """SPECSERVE_MOE_GEMV=1: 4-bit experts whose groups hold whole words take the GEMV form
+    (BLOCK_M 1) while rows per expert stay <= 1; batches, 8-bit/dense experts and groups that
+    split a packed word keep the MMA tiles; off (the default) changes nothing."""
+    def experts(fmt: int, group_k: int) -> fm.ExpertWeights:
+        return fm.ExpertWeights(fmt, torch.empty(384, 64, 896, dtype=torch.int32), None, 7168,
+                                1, group_k, 2)
+
+    int4 = experts(fm.INT4, 32)
+    assert fm.moe_launch_config(1, 2048, 7168, 384, 8, torch.bfloat16, int4).block_m == 16
+    monkeypatch.setattr(fm, "MOE_GEMV", True)
+    cfg = fm.moe_launch_config(1, 2048, 7168, 384, 8, torch.bfloat16, int4)
+    assert (cfg.block_m, cfg.block_k) == (1, 128)
+    assert fm.moe_launch_config(48, 2048, 7168, 384, 8, torch.bfloat16, int4).block_m == 1
+    assert fm.moe_launch_config(49, 2048, 7168, 384, 8, torch.bfloat16, int4).block_m == 16
+    assert fm.moe_launch_config(1, 2048, 7168, 384, 8, torch.bfloat16,
+                                experts(fm.INT4, 12)).block_m == 16
+    assert fm.moe_launch_config(1, 2048, 7168, 384, 8, torch.bfloat16).block_m == 16
 
 
 def test_launch_config_fits_shapes() -> None:
@@ -358,6 +393,10 @@ GPU_DIM_CHECKS = {
     **{f"bf16_qmoe_{fmt}_{m}": (lambda fmt=fmt, m=m: check_quant_fused_moe(
         fmt, m, 8, 2, 7168, 256, BF16, CPU, 2e-2)) for fmt in ("fp8-block", "ct-int4-g32",
                                                              "ct-int4-g128") for m in (1, 96)},
+    **{f"bf16_qmoe_{fmt}_gemv": (lambda fmt=fmt: check_quant_fused_moe(
+        fmt, 1, 8, 2, 7168, 256, BF16, CPU, 2e-2, launch=(
+            fm.MoELaunch(1, 64, 128, 1, 4, 3), fm.MoELaunch(1, 64, 128, 1, 4, 3))))
+       for fmt in ("ct-int4-g32", "ct-int4-g128")},
     "bf16_route_v3": lambda: check_routing(64, 256, mr.RoutingRule(8, 8, 4, scaling=2.5), CPU),
 }  # fmt: skip
 

@@ -63,6 +63,19 @@ def test_quant_fused_moe_gpu(fmt: str, num_tokens: int, hidden: int, inter: int)
 
 
 @gpu_test
+@pytest.mark.parametrize("num_tokens", [1, 4])
+@pytest.mark.parametrize("hidden,inter", [(7168, 256), (1000, 200)])
+@pytest.mark.parametrize("fmt", ["ct-int4-g32", "ct-int4-g128"])
+def test_quant_fused_moe_gemv_gpu(fmt: str, num_tokens: int, hidden: int, inter: int) -> None:
+    """The 4-bit experts' GEMV form (one pair a block: SPECSERVE_MOE_GEMV's launch), per-pair
+    and sorted blocks, even and ragged tiles."""
+    launch = (fm.MoELaunch(1, 64, 128, 1, 4, 3),) * 2
+    check_quant_fused_moe(fmt, num_tokens, 384 if num_tokens == 1 else 8, 8, hidden, inter,
+                          torch.bfloat16, "cuda", 2e-2, seed=num_tokens, skew=0.01,
+                          launch=launch)  # fmt: skip
+
+
+@gpu_test
 @pytest.mark.parametrize("fmt", ["fp8-block", "ct-int4-g32"])
 def test_quant_fused_moe_cuda_graph_gpu(fmt: str) -> None:
     """Both quantized GEMMs captured once, replayed on new routing."""

@@ -154,6 +154,15 @@ INTERPRETER_CHECKS = {
     "nvfp4_soft_e4m3_spread": lambda: check_nvfp4_moe(
         10, 4, 2, 256, 32, F32, CPU, TOL32, seed=7, launch=K64, soft=True, spread=True
     ),
+    # the GEMV form (one pair a block): decode and sorted runs, scales per step and per word
+    "nvfp4_gemv_decode": lambda: check_nvfp4_moe(
+        2, 16, 2, 80, 48, F32, CPU, TOL32, seed=10,
+        launch=(fm.MoELaunch(1, 16, 16, 1, 4, 1), fm.MoELaunch(1, 32, 16, 1, 4, 1)),
+    ),
+    "nvfp4_gemv_sorted_soft": lambda: check_nvfp4_moe(
+        12, 4, 3, 96, 64, F32, CPU, TOL32, seed=11, soft=True, spread=True,
+        launch=(fm.MoELaunch(1, 32, 64, 1, 4, 1), fm.MoELaunch(1, 16, 32, 1, 4, 1)),
+    ),
     "nvfp4_soft_e4m3_decode": lambda: check_nvfp4_moe(
         2, 16, 2, 80, 48, F32, CPU, TOL32, seed=8, soft=True
     ),
@@ -218,6 +227,15 @@ def test_nvfp4_fused_moe_gpu(num_tokens: int, hidden: int, inter: int, soft: boo
     experts = 32 if inter > 256 else 384
     check_nvfp4_moe(num_tokens, experts, 8, hidden, inter, torch.bfloat16, "cuda", 2e-2,
                     seed=num_tokens, skew=0.01, soft=soft)  # fmt: skip
+
+
+@gpu_test
+@pytest.mark.parametrize("num_tokens", [1, 4])
+def test_nvfp4_fused_moe_gemv_gpu(num_tokens: int) -> None:
+    """The GEMV form (one pair a block), per-pair and sorted blocks."""
+    launch = (fm.MoELaunch(1, 64, 128, 1, 4, 3),) * 2
+    check_nvfp4_moe(num_tokens, 384 if num_tokens == 1 else 8, 8, 7168, 256, torch.bfloat16,
+                    "cuda", 2e-2, seed=num_tokens, skew=0.01, launch=launch)
 
 
 @gpu_test

@@ -39,6 +39,7 @@ A gate_up weight holds its two parts' scales apart: the up part's scale rows sta
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +50,14 @@ from specserve.kernels.dispatch import EXACT, jit, next_power_of_2, tl, triton
 from specserve.kernels.exact_gemm import rowwise_linear
 from specserve.kernels.fp8_gemm import expand_scale, quant_fp8, quant_fp8_torch
 from specserve.kernels.gemm_split import fit_shared
-from specserve.kernels.w4a16_gemm import dequantize_w4, scale_mode, w4_tile
+from specserve.kernels.w4a16_gemm import (
+    PER_STEP_C,
+    dequantize_w4,
+    scale_mode,
+    w4_columns,
+    w4_gemv_step,
+    w4_tile,
+)
 
 # weight formats of the grouped GEMMs
 DENSE, FP8_BLOCK, INT4, NVFP4 = 0, 1, 2, 3
@@ -155,8 +163,12 @@ def moe_launch_config(num_tokens: int, n: int, k: int, num_experts: int, top_k: 
     Exact mode (kernels/dispatch.py) takes one config whatever num_tokens is.
     """
     rows = num_tokens * top_k / max(num_experts, 1)
+    four_bit = (weights is not None and weights.format in (INT4, NVFP4)
+                and weights.group_k % 8 == 0)  # the GEMV scales whole packed words
     if EXACT.on:  # exact mode: one tile config for every M (a row's K order never changes)
         bm, bn, bk, group, warps, stages = 32, 64, 64, 8, 4, 3
+    elif four_bit and rows <= 1 and MOE_GEMV:  # one pair a block, no tensor cores
+        return MoELaunch(1, 64, 128 if k >= 128 else max(16, next_power_of_2(k)), 1, 4, 3)
     elif rows <= 16:
         bm, bn, bk, group, warps, stages = 16, 64, 128, 1, 4, 4
     elif rows <= 48:
@@ -177,6 +189,12 @@ def moe_launch_config(num_tokens: int, n: int, k: int, num_experts: int, top_k: 
         _, bn, stages = fit_shared(bm, bn, bk, stages, a_bytes, w_bytes, weights.weight.device,
                                    shrink_m=False)
     return MoELaunch(bm, bn, bk, group, warps, stages)
+
+
+# SPECSERVE_MOE_GEMV=1: 4-bit experts at decode (at most one row per expert on average) run
+# the GEMV form (one pair a block, each word decoded once, no 16-row padded MMA tile). Off
+# by default until a GPU measures it against the MMA tiles (gpu_suite's quant step: A/B).
+MOE_GEMV = os.environ.get("SPECSERVE_MOE_GEMV", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -256,39 +274,60 @@ def _moe_gemm_kernel(
     if WEIGHTS == INT4_C or WEIGHTS == NVFP4_C:  # per-row packed words and group scales
         w_rows = b_ptr + expert * stride_be + cols.to(tl.int64)[:, None] * stride_bn
         s_rows = bs_ptr + expert * stride_bse + cols.to(tl.int64)[:, None] * stride_bsn
-    for k0 in range(0, k, BLOCK_K):
-        k_ok = offs_k < k - k0
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b_mask = k_ok[:, None] & col_ok[None, :]
-        if WEIGHTS == FP8_BLOCK_C:  # W8A8: rows quantized per group of BLOCK_K = GROUP_K
-            a8 = a  # fp8 (quant_fp8 before the launch)
-            a_s = tl.load(as_ptr + a_row * stride_asm + k0 // GROUP_K, mask=row_ok, other=0.0)
-            b = tl.load(b_ptrs, mask=b_mask, other=0.0)  # [BLOCK_K, BLOCK_N] fp8
-            b_s = tl.load(s_gate + k0 // GROUP_K, mask=col_ok, other=0.0)
-            acc += tl.dot(a8, b) * a_s[:, None] * b_s[None, :]
+    # 4-bit weights with one pair a block (decode: ~1 row per hit expert): the GEMV form,
+    # each packed word decoded once and multiplied in fp32 without tensor cores or a 16-row
+    # padded tile (w4a16_gemm.w4_gemv_step); acc / acc_up [1, BN] after the loop
+    GEMV: tl.constexpr = BLOCK_M == 1 and (WEIGHTS == INT4_C or WEIGHTS == NVFP4_C)
+    if GEMV:
+        x_row = a_ptr + tl.where(row_ok, a_row, 0) * stride_am  # [1]: the pair's row
+        words = tl.arange(0, BLOCK_K // 8)
+        g = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+        u = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+        for k0 in range(0, k, BLOCK_K):
+            xs = w4_columns(x_row, k0 // 8 + words, k, row_ok, 1, BLOCK_K)
+            g += w4_gemv_step(w_rows, s_rows, col_ok, k0, k, xs, GROUP_K, SCALES == PER_STEP_C,
+                              WEIGHTS == NVFP4_C, SOFT_E4M3, 1, BLOCK_K, EVEN)
             if SILU_MUL:
-                b_up = tl.load(b_ptrs + up_offset * stride_bn, mask=b_mask, other=0.0)
-                bu_s = tl.load(s_up + k0 // GROUP_K, mask=col_ok, other=0.0)
-                acc_up += tl.dot(a8, b_up) * a_s[:, None] * bu_s[None, :]
-        elif WEIGHTS == INT4_C or WEIGHTS == NVFP4_C:  # W4A16: decoded and scaled in registers
-            fp4: tl.constexpr = WEIGHTS == NVFP4_C
-            w = w4_tile(w_rows, s_rows, col_ok, k0, k, GROUP_K, SCALES, fp4, BLOCK_N, BLOCK_K,
-                        SOFT_E4M3, DTYPE=a_ptr.dtype.element_ty, EVEN=EVEN)  # fmt: skip
-            acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc, input_precision=DOT_PRECISION)
-            if SILU_MUL:
-                w_up = w4_tile(w_rows + up_offset * stride_bn, s_rows + up_scale_row * stride_bsn,
-                               col_ok, k0, k, GROUP_K, SCALES, fp4, BLOCK_N, BLOCK_K,
-                               SOFT_E4M3, DTYPE=a_ptr.dtype.element_ty, EVEN=EVEN)  # fmt: skip
-                acc_up = tl.dot(a, tl.trans(w_up.to(a.dtype)), acc_up,
-                                input_precision=DOT_PRECISION)  # fmt: skip
-        else:
-            b = tl.load(b_ptrs, mask=b_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
-            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-            if SILU_MUL:
-                b_up = tl.load(b_ptrs + up_offset * stride_bn, mask=b_mask, other=0.0)
-                acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
+                u += w4_gemv_step(w_rows + up_offset * stride_bn,
+                                  s_rows + up_scale_row * stride_bsn, col_ok, k0, k, xs,
+                                  GROUP_K, SCALES == PER_STEP_C, WEIGHTS == NVFP4_C,
+                                  SOFT_E4M3, 1, BLOCK_K, EVEN)  # fmt: skip
+        acc = tl.sum(g, axis=1)[None, :]
+        acc_up = tl.sum(u, axis=1)[None, :]
+    else:
+        for k0 in range(0, k, BLOCK_K):
+            k_ok = offs_k < k - k0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b_mask = k_ok[:, None] & col_ok[None, :]
+            if WEIGHTS == FP8_BLOCK_C:  # W8A8: rows quantized per group of BLOCK_K = GROUP_K
+                a8 = a  # fp8 (quant_fp8 before the launch)
+                a_s = tl.load(as_ptr + a_row * stride_asm + k0 // GROUP_K, mask=row_ok, other=0.0)
+                b = tl.load(b_ptrs, mask=b_mask, other=0.0)  # [BLOCK_K, BLOCK_N] fp8
+                b_s = tl.load(s_gate + k0 // GROUP_K, mask=col_ok, other=0.0)
+                acc += tl.dot(a8, b) * a_s[:, None] * b_s[None, :]
+                if SILU_MUL:
+                    b_up = tl.load(b_ptrs + up_offset * stride_bn, mask=b_mask, other=0.0)
+                    bu_s = tl.load(s_up + k0 // GROUP_K, mask=col_ok, other=0.0)
+                    acc_up += tl.dot(a8, b_up) * a_s[:, None] * bu_s[None, :]
+            elif WEIGHTS == INT4_C or WEIGHTS == NVFP4_C:  # W4A16: decoded and scaled in registers
+                fp4: tl.constexpr = WEIGHTS == NVFP4_C
+                w = w4_tile(w_rows, s_rows, col_ok, k0, k, GROUP_K, SCALES, fp4, BLOCK_N, BLOCK_K,
+                            SOFT_E4M3, DTYPE=a_ptr.dtype.element_ty, EVEN=EVEN)  # fmt: skip
+                acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc, input_precision=DOT_PRECISION)
+                if SILU_MUL:
+                    w_up = w4_tile(w_rows + up_offset * stride_bn, s_rows + up_scale_row * stride_bsn,
+                                   col_ok, k0, k, GROUP_K, SCALES, fp4, BLOCK_N, BLOCK_K,
+                                   SOFT_E4M3, DTYPE=a_ptr.dtype.element_ty, EVEN=EVEN)  # fmt: skip
+                    acc_up = tl.dot(a, tl.trans(w_up.to(a.dtype)), acc_up,
+                                    input_precision=DOT_PRECISION)  # fmt: skip
+            else:
+                b = tl.load(b_ptrs, mask=b_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
+                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+                if SILU_MUL:
+                    b_up = tl.load(b_ptrs + up_offset * stride_bn, mask=b_mask, other=0.0)
+                    acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
     if WEIGHTS == NVFP4_C:  # the global scales of the expert's gate (or only) and up parts
         acc = acc * tl.load(gs_ptr + expert * stride_gse)
         if SILU_MUL:

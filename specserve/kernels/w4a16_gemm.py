@@ -241,7 +241,7 @@ def _w4a16_kernel(
 
 
 @jit
-def _w4_columns(x_rows, word, k_end, m_ok, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+def w4_columns(x_rows, word, k_end, m_ok, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """The step's activations (one 16-byte load a word) as the 8 columns of nibble j: [W]
     (BLOCK_M 1) or [BM, W]; past k_end (the next split's columns) or M: zeros. Column
     4a + 2b + c sits at [.., w, a, b, c]: each split takes the last axis."""
@@ -266,7 +266,7 @@ def _w4_columns(x_rows, word, k_end, m_ok, BLOCK_M: tl.constexpr, BLOCK_K: tl.co
 @jit
 def w4_gemv_words(packed, xs, sc, FP4: tl.constexpr, BLOCK_M: tl.constexpr):
     """One K step of the GEMV: per packed word (packed [BN, W] uint32) and row, the sum over
-    its 8 nibbles of the decoded code times the row's activation (xs: _w4_columns), in fp32,
+    its 8 nibbles of the decoded code times the row's activation (xs: w4_columns), in fp32,
     rescaled and scaled by sc ([BN, 1] or [BN, W]): [BN, W], or [BM, BN, W]. Nibble j read as
     fp16 bits converts exactly to fp32 (no I2F): INT4's code n is the subnormal n 2^-24 (the
     word's sum then times 2^24, minus 8 times the word's activation sum: the offset);
@@ -303,6 +303,27 @@ def w4_gemv_words(packed, xs, sc, FP4: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @jit
+def w4_gemv_step(w_rows, s_rows, n_ok, k0, K, xs, GROUP: tl.constexpr, PER_ROW_SCALE: tl.constexpr,
+                 FP4: tl.constexpr, SOFT_E4M3: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+    """One K step of the GEMV over the packed words of columns k0 .. k0 + BLOCK_K - 1 of the
+    rows w_rows / s_rows ([BN, 1] pointers; rows past n_ok and columns past K read as zero
+    codes and scales): w4_gemv_words of them with the activations' columns xs."""
+    word = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    w_ok = n_ok[:, None] & (word * 8 < K)[None, :]
+    if EVEN:
+        packed = tl.load(w_rows + word[None, :])
+    else:
+        packed = tl.load(w_rows + word[None, :], mask=w_ok, other=0)  # [BN, W]
+    packed = packed.to(tl.uint32, bitcast=True)  # logical shifts: no sign extension
+    if PER_ROW_SCALE:
+        sc = _scales(s_rows + k0 // GROUP, n_ok[:, None], SOFT_E4M3)  # [BN, 1]
+    else:
+        sc = _scales(s_rows + (word * 8 // GROUP)[None, :], w_ok, SOFT_E4M3)  # [BN, W]
+    return w4_gemv_words(packed, xs, sc, FP4, BLOCK_M)
+
+
+@jit
 def _w4_gemv_kernel(
     x_ptr, w_ptr, s_ptr, rs_ptr, c_ptr, p_ptr, counter_ptr, M, N, K, k_per_split, splits,
     stride_xm, stride_wn, stride_sn, stride_cm,
@@ -335,19 +356,9 @@ def _w4_gemv_kernel(
     k_start = pid_s * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     for k0 in range(k_start, k_end, BLOCK_K):
-        word = k0 // 8 + words
-        w_ok = n_ok[:, None] & (word * 8 < K)[None, :]
-        if EVEN:
-            packed = tl.load(w_rows + word[None, :])
-        else:
-            packed = tl.load(w_rows + word[None, :], mask=w_ok, other=0)  # [BN, W]
-        packed = packed.to(tl.uint32, bitcast=True)  # logical shifts: no sign extension
-        xs = _w4_columns(x_rows, word, k_end, m_ok, BLOCK_M, BLOCK_K)
-        if PER_ROW_SCALE:
-            sc = _scales(s_rows + k0 // GROUP, n_ok[:, None], SOFT_E4M3)  # [BN, 1]
-        else:
-            sc = _scales(s_rows + (word * 8 // GROUP)[None, :], w_ok, SOFT_E4M3)  # [BN, W]
-        acc += w4_gemv_words(packed, xs, sc, FP4, BLOCK_M)
+        xs = w4_columns(x_rows, k0 // 8 + words, k_end, m_ok, BLOCK_M, BLOCK_K)
+        acc += w4_gemv_step(w_rows, s_rows, n_ok, k0, K, xs, GROUP, PER_ROW_SCALE, FP4,
+                            SOFT_E4M3, BLOCK_M, BLOCK_K, EVEN)
     if BLOCK_M == 1:
         out = tl.sum(acc, axis=1)[None, :]
     else:
