@@ -51,12 +51,19 @@ def test_policy_picks_the_best_goodput_with_hysteresis_and_dwell() -> None:
     assert scores["chain3"] == pytest.approx(e3 / 1.2) and scores["off"] == pytest.approx(1.0)
     assert policy.choose(one) == "chain3"  # the initial mode is the configured one
     # batch 8: off is best (8 / 2 = 4 tokens/s; chain3 < 8 * 4 / 8, chain1 < 8 * 2 / 4.5),
-    # taken once 3 steps passed since the last switch (the start counts as one)
-    picks = [policy.choose(eight) for _ in range(4)]
-    assert picks == ["chain3", None, None, None], (picks, policy.last_scores)
+    # taken at once (the start is no switch: no dwell before the first decision)
+    picks = [policy.choose(eight) for _ in range(2)]
+    assert picks == [None, None], (picks, policy.last_scores)
     # a gain under the hysteresis does not switch back
+    saved = policy.costs["chain1"]
     policy.costs["chain1"] = [(1, 1.0), (8, 2.0 * 2 / 1.04)]  # chain1 ~4% better than off
     assert all(policy.choose(eight) is None for _ in range(5))
+    policy.costs["chain1"] = saved
+    # batch 1: chain3 wins at once (7 steps since the last switch); back at batch 8, off
+    # again only once 3 steps (the dwell) passed since that switch
+    assert policy.choose(one) == "chain3", policy.last_scores
+    picks = [policy.choose(eight) for _ in range(3)]
+    assert picks == ["chain3", "chain3", None], (picks, policy.last_scores)
 
 
 def test_policy_turns_off_for_drafts_that_fail() -> None:

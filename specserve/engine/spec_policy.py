@@ -220,7 +220,7 @@ class AdaptivePolicy:
         off_1 = _interpolate(self.costs["off"], 1)
         self.mixed_extra = {m: 0.0 if m == "off" else off_1 for m in costs}
         self.current: str | None = next(iter(modes))
-        self.since_switch = 0
+        self.since_switch = dwell  # the first decision needs no dwell: the start is no switch
         self.steps = 0
         self.families = {self._family(m) for m in self.modes}
         self.family_run = dict.fromkeys(self.families, 0)  # step a family last ran
