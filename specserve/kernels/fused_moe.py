@@ -50,14 +50,9 @@ from specserve.kernels.dispatch import EXACT, jit, next_power_of_2, tl, triton
 from specserve.kernels.exact_gemm import rowwise_linear
 from specserve.kernels.fp8_gemm import expand_scale, quant_fp8, quant_fp8_torch
 from specserve.kernels.gemm_split import fit_shared
-from specserve.kernels.w4a16_gemm import (
-    PER_STEP_C,
-    dequantize_w4,
-    scale_mode,
-    w4_columns,
-    w4_gemv_step,
-    w4_tile,
-)
+from specserve.kernels.moe_align import MoEAlignment, align_pairs
+from specserve.kernels.w4_gemv import w4_columns, w4_gemv_step
+from specserve.kernels.w4a16_gemm import PER_STEP_C, dequantize_w4, scale_mode, w4_tile
 
 # weight formats of the grouped GEMMs
 DENSE, FP8_BLOCK, INT4, NVFP4 = 0, 1, 2, 3
@@ -195,40 +190,6 @@ def moe_launch_config(num_tokens: int, n: int, k: int, num_experts: int, top_k: 
 # the GEMV form (one pair a block, each word decoded once, no 16-row padded MMA tile). Off
 # by default until a GPU measures it against the MMA tiles (gpu_suite's quant step: A/B).
 MOE_GEMV = os.environ.get("SPECSERVE_MOE_GEMV", "0") == "1"
-
-
-@dataclass(frozen=True)
-class MoEAlignment:
-    sorted_ids: torch.Tensor  # [num_blocks * block_m] int32: pair ids, num_pairs = padding
-    block_expert: torch.Tensor  # [num_blocks] int32: the expert of each block (-1: unused)
-    num_padded: torch.Tensor  # [1] int32: rows in use (blocks past it return at once)
-    block_m: int
-
-
-def align_pairs(topk_ids: torch.Tensor, block_m: int, num_experts: int) -> MoEAlignment:
-    """Sort the (token, expert) pairs by expert, each expert's run padded to whole blocks."""
-    num_pairs = topk_ids.numel()
-    dev = topk_ids.device
-    flat = topk_ids.flatten().long()  # [P] expert of pair p
-    if num_pairs * 4 <= num_experts:  # one pair per block
-        sorted_ids = torch.full((num_pairs * block_m,), num_pairs, dtype=torch.int32, device=dev)
-        sorted_ids[::block_m] = torch.arange(num_pairs, dtype=torch.int32, device=dev)
-        num_padded = torch.full((1,), num_pairs * block_m, dtype=torch.int32, device=dev)
-        return MoEAlignment(sorted_ids, flat.int(), num_padded, block_m)
-    num_blocks = -(-(num_pairs + num_experts * (block_m - 1)) // block_m)
-    counts = torch.zeros(num_experts, dtype=torch.long, device=dev)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))  # no bincount: its size syncs
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = padded.cumsum(0)  # [E] end row of each expert's run
-    order = torch.sort(flat, stable=True).indices  # pairs grouped by expert, in pair order
-    expert = flat[order]
-    rank = torch.arange(num_pairs, device=dev) - (counts.cumsum(0) - counts)[expert]
-    sorted_ids = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=dev)
-    sorted_ids[ends[expert] - padded[expert] + rank] = order.int()
-    block_start = torch.arange(num_blocks, device=dev) * block_m
-    block_expert = torch.searchsorted(ends, block_start, right=True)  # E past the last run
-    block_expert = torch.where(block_expert < num_experts, block_expert, -1).int()
-    return MoEAlignment(sorted_ids, block_expert, ends[-1:].int(), block_m)
 
 
 @jit

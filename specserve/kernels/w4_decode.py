@@ -88,3 +88,18 @@ def w4_codes16(
     b = tl.join(tl.join(_code_bits16(packed, 4, FP4, BF16), _code_bits16(packed, 20, FP4, BF16)),
                 tl.join(_code_bits16(packed, 12, FP4, BF16), _code_bits16(packed, 28, FP4, BF16)))
     return tl.reshape(tl.join(a, b), (BLOCK_N, BLOCK_K))  # word-major, nibble 0 first
+
+
+@jit
+def _scales(ptrs, mask, SOFT_E4M3: tl.constexpr, FAST: tl.constexpr = False,
+            DTYPE: tl.constexpr = None):
+    """Scales as fp32, or with FAST in DTYPE (where w4_tile guarantees the conversion exact)."""
+    if SOFT_E4M3:  # e4m3 scales read as bytes
+        sc = _decode_e4m3(tl.load(ptrs, mask=mask, other=0))
+    else:
+        sc = tl.load(ptrs, mask=mask, other=0.0)
+    if FAST:
+        sc = sc.to(DTYPE)
+    else:
+        sc = sc.to(tl.float32)
+    return sc

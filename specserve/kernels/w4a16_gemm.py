@@ -11,8 +11,9 @@ bytes read as int32), and group scales [N, ceil(K/G)].
 Each K step loads the packed words of a [BLOCK_N, BLOCK_K] tile once, decodes the nibbles in
 registers, scales them in fp32, rounds the tile to the activation dtype and runs tl.dot with
 the activation tile (fp32 accumulation). The row scale is applied once after the K loop.
-Decode sizes (few rows) use 16-row tiles and split K over more programs (gemm_split); prefill
-sizes use larger tiles. The torch functions are the CPU path.
+Decode sizes (few rows) use 16-row tiles and split K over more programs (gemm_split), or a
+measured GEMV plan (kernels/w4_gemv.py); prefill sizes use larger tiles. The torch functions
+are the CPU path.
 """
 
 from __future__ import annotations
@@ -37,10 +38,11 @@ from specserve.kernels.w4_decode import (
     OFFSET_BF16,
     OFFSET_FP16,
     _decode_e2m1,
-    _decode_e4m3,
     _packed_words,
+    _scales,
     w4_codes16,
 )
+from specserve.kernels.w4_gemv import _w4_gemv_kernel
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
@@ -91,21 +93,6 @@ def w4a16_mm_torch(
     if EXACT.on:  # one row at a time: torch's fp32 CPU GEMM is not M-invariant
         return rowwise_linear(x.float(), w).to(x.dtype)
     return (x.float() @ w.t()).to(x.dtype)
-
-
-@jit
-def _scales(ptrs, mask, SOFT_E4M3: tl.constexpr, FAST: tl.constexpr = False,
-            DTYPE: tl.constexpr = None):
-    """Scales as fp32, or with FAST in DTYPE (where w4_tile guarantees the conversion exact)."""
-    if SOFT_E4M3:  # e4m3 scales read as bytes
-        sc = _decode_e4m3(tl.load(ptrs, mask=mask, other=0))
-    else:
-        sc = tl.load(ptrs, mask=mask, other=0.0)
-    if FAST:
-        sc = sc.to(DTYPE)
-    else:
-        sc = sc.to(tl.float32)
-    return sc
 
 
 # how a K step of BLOCK_K columns finds its scales (see scale_mode)
@@ -238,134 +225,6 @@ def _w4a16_kernel(
     if HAS_ROW_SCALE:
         acc = acc * tl.load(rs_ptr + rn, mask=n_ok, other=0.0)[None, :]
     store_tile(acc, c_ptr, p_ptr, counter_ptr, rm, rn, M, N, stride_cm, splits, SPLIT)
-
-
-@jit
-def w4_columns(x_rows, word, k_end, m_ok, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The step's activations (one 16-byte load a word) as the 8 columns of nibble j: [W]
-    (BLOCK_M 1) or [BM, W]; past k_end (the next split's columns) or M: zeros. Column
-    4a + 2b + c sits at [.., w, a, b, c]: each split takes the last axis."""
-    kk = word[:, None] * 8 + tl.arange(0, 8)[None, :]  # [W, 8]
-    if BLOCK_M == 1:
-        xw = tl.load(x_rows + kk, mask=kk < k_end, other=0.0)
-        shape: tl.constexpr = (BLOCK_K // 8, 2, 2, 2)
-    else:
-        xw = tl.load(x_rows[:, :, None] + kk[None, :, :],
-                     mask=m_ok[:, None, None] & (kk < k_end)[None, :, :], other=0.0)
-        shape: tl.constexpr = (BLOCK_M, BLOCK_K // 8, 2, 2, 2)
-    even, odd = tl.split(tl.reshape(xw.to(tl.float32), shape))
-    e0, e1 = tl.split(even)
-    o0, o1 = tl.split(odd)
-    x0, x4 = tl.split(e0)
-    x2, x6 = tl.split(e1)
-    x1, x5 = tl.split(o0)
-    x3, x7 = tl.split(o1)
-    return x0, x1, x2, x3, x4, x5, x6, x7
-
-
-@jit
-def w4_gemv_words(packed, xs, sc, FP4: tl.constexpr, BLOCK_M: tl.constexpr):
-    """One K step of the GEMV: per packed word (packed [BN, W] uint32) and row, the sum over
-    its 8 nibbles of the decoded code times the row's activation (xs: w4_columns), in fp32,
-    rescaled and scaled by sc ([BN, 1] or [BN, W]): [BN, W], or [BM, BN, W]. Nibble j read as
-    fp16 bits converts exactly to fp32 (no I2F): INT4's code n is the subnormal n 2^-24 (the
-    word's sum then times 2^24, minus 8 times the word's activation sum: the offset);
-    NVFP4's e2m1 s.e1e0.m placed as fp16 s.000e1e0.m reads as its value times 2^-14 (e = 0 is
-    fp16's subnormal: no select; the 2^14 rides on the scale)."""
-    if BLOCK_M == 1:
-        part = tl.zeros(packed.shape, dtype=tl.float32)
-    else:
-        part = tl.zeros((BLOCK_M, packed.shape[0], packed.shape[1]), dtype=tl.float32)
-    for j in tl.static_range(8):
-        nib = (packed >> (4 * j)) & 0xF
-        if FP4:
-            bits = ((nib & 7) << 9) | ((nib & 8) << 12)
-            val = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        else:
-            val = nib.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        if BLOCK_M == 1:
-            part += val * xs[j][None, :]
-        else:
-            part += val[None, :, :] * xs[j][:, None, :]
-    if FP4:
-        sc = sc * 16384.0  # the decoded values' 2^-14 (exact)
-    else:  # sum_j (n_j - 8) x_j = 2^24 sum_j (n_j 2^-24) x_j - 8 sum_j x_j, per word
-        xsum = ((xs[0] + xs[1]) + (xs[2] + xs[3])) + ((xs[4] + xs[5]) + (xs[6] + xs[7]))
-        if BLOCK_M == 1:
-            part = part * 16777216.0 - 8.0 * xsum[None, :]
-        else:
-            part = part * 16777216.0 - 8.0 * xsum[:, None, :]
-    if BLOCK_M == 1:
-        out = part * sc
-    else:
-        out = part * sc[None, :, :]
-    return out
-
-
-@jit
-def w4_gemv_step(w_rows, s_rows, n_ok, k0, K, xs, GROUP: tl.constexpr, PER_ROW_SCALE: tl.constexpr,
-                 FP4: tl.constexpr, SOFT_E4M3: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
-    """One K step of the GEMV over the packed words of columns k0 .. k0 + BLOCK_K - 1 of the
-    rows w_rows / s_rows ([BN, 1] pointers; rows past n_ok and columns past K read as zero
-    codes and scales): w4_gemv_words of them with the activations' columns xs."""
-    word = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    w_ok = n_ok[:, None] & (word * 8 < K)[None, :]
-    if EVEN:
-        packed = tl.load(w_rows + word[None, :])
-    else:
-        packed = tl.load(w_rows + word[None, :], mask=w_ok, other=0)  # [BN, W]
-    packed = packed.to(tl.uint32, bitcast=True)  # logical shifts: no sign extension
-    if PER_ROW_SCALE:
-        sc = _scales(s_rows + k0 // GROUP, n_ok[:, None], SOFT_E4M3)  # [BN, 1]
-    else:
-        sc = _scales(s_rows + (word * 8 // GROUP)[None, :], w_ok, SOFT_E4M3)  # [BN, W]
-    return w4_gemv_words(packed, xs, sc, FP4, BLOCK_M)
-
-
-@jit
-def _w4_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, rs_ptr, c_ptr, p_ptr, counter_ptr, M, N, K, k_per_split, splits,
-    stride_xm, stride_wn, stride_sn, stride_cm,
-    GROUP: tl.constexpr, PER_ROW_SCALE: tl.constexpr, FP4: tl.constexpr,
-    HAS_ROW_SCALE: tl.constexpr, SPLIT: tl.constexpr, SOFT_E4M3: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-):  # fmt: skip
-    # a few activation rows (decode at small batch, a verify's rows), program (m tile, n tile,
-    # K split). The weight tile stays [BN, BK / 8] packed words as memory holds them (K
-    # contiguous), each word decoded once for all BLOCK_M rows and summed per word in fp32
-    # (w4_gemv_words; GROUP a multiple of 8: a word lies in one group; PER_ROW_SCALE: the step
-    # lies in one group); the words are summed once after the loop. No tensor cores and no
-    # reshape of the weights: a few registers a thread, many loads in flight. One row keeps
-    # 2-D tiles (sm_90: 316 instructions a 64x128 step; the 3-D form with a unit row axis
-    # needs 375). EVEN: N, K and the split's K range are multiples of the tiles: the weights
-    # load without masks.
-    pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok, n_ok = rm < M, rn < N
-    if BLOCK_M == 1:
-        x_rows = x_ptr + pid_m.to(tl.int64) * stride_xm
-        acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
-    else:
-        x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
-        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
-    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
-    s_rows = s_ptr + rn.to(tl.int64)[:, None] * stride_sn
-    words = tl.arange(0, BLOCK_K // 8)
-    k_start = pid_s * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        xs = w4_columns(x_rows, k0 // 8 + words, k_end, m_ok, BLOCK_M, BLOCK_K)
-        acc += w4_gemv_step(w_rows, s_rows, n_ok, k0, K, xs, GROUP, PER_ROW_SCALE, FP4,
-                            SOFT_E4M3, BLOCK_M, BLOCK_K, EVEN)
-    if BLOCK_M == 1:
-        out = tl.sum(acc, axis=1)[None, :]
-    else:
-        out = tl.sum(acc, axis=2)  # [BM, BN]
-    if HAS_ROW_SCALE:
-        out = out * tl.load(rs_ptr + rn, mask=n_ok, other=0.0)[None, :]
-    store_tile(out, c_ptr, p_ptr, counter_ptr, rm, rn, M, N, stride_cm, splits, SPLIT)
 
 
 def rule_plan(m: int, n: int, k: int, device: torch.device, x_bytes: int = 2) -> GemmPlan:
