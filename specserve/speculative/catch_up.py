@@ -1,7 +1,12 @@
 """The catch-up of one drafter of the speculative worker: before a row speculates with a
 drafter whose state went stale (plain steps, or cycles of another drafter ran past what it
 covers), the target's features at the missed positions come from a forward over them that
-writes no KV (it is in the cache already), then Proposer.extend over them."""
+writes no KV (it is in the cache already), then Proposer.extend over them.
+
+After a long stretch of plain steps under load the missed positions add up to a prefill's
+worth (256 rows x 50 tokens): the forwards go in pieces of at most `budget` tokens (the
+scheduler's token budget, what the activation memory was sized for), a row split between
+pieces in position order (each piece's draft KV is written before the next reads it)."""
 
 from __future__ import annotations
 
@@ -15,10 +20,30 @@ from specserve.worker.forward_batch import build_attention_metadata
 from specserve.worker.step_input import StepInput
 
 
-def catch_up(worker, d: DraftState, rows: StepInput) -> Iterator[tuple[str, torch.Tensor, int,
-                                                                       int]]:
-    """(request id, new state row, positions covered, positions caught up over) per row of
-    `rows` that needed it. worker: SpecWorker (its runner and the drafter's feature view)."""
+def pieces(lengths: list[int], budget: int) -> list[list[tuple[int, int, int]]]:
+    """Forwards of at most `budget` tokens over rows of `lengths` missed positions each, in
+    row order: per forward, (row, first, end) ranges of those positions."""
+    assert budget >= 1
+    out: list[list[tuple[int, int, int]]] = [[]]
+    room = budget
+    for row, n in enumerate(lengths):
+        a = 0
+        while a < n:
+            if not room:
+                out.append([])
+                room = budget
+            b = min(n, a + room)
+            out[-1].append((row, a, b))
+            room -= b - a
+            a = b
+    return [p for p in out if p]
+
+
+def catch_up(worker, d: DraftState, rows: StepInput, budget: int) -> Iterator[
+        tuple[str, torch.Tensor, int, int, bool]]:
+    """(request id, new state row, positions covered, positions caught up over, whether the
+    row is caught up to its root) per piece of a row of `rows` that needed it. worker:
+    SpecWorker (its runner and the drafter's feature view)."""
     if not d.keeps_state:
         return
     need = [j for j in range(rows.bs) if d.pending.get(rows.request_ids[j])]
@@ -29,23 +54,26 @@ def catch_up(worker, d: DraftState, rows: StepInput) -> Iterator[tuple[str, torc
     starts = [d.covered[rid] for rid in rids]
     missed = [d.pending[rid] for rid in rids]
     pages = rows.select(need).page_lists()
-    roots = [int(rows.starts[j]) for j in need]
-    feats = None
-    view = worker.views.get(d.method)
-    if view is not None:
-        md = build_attention_metadata(
-            [len(m) for m in missed], roots, pages, runner.page_size, runner.device
-        )
-        md = dataclasses.replace(md, slot_mapping=torch.full_like(md.slot_mapping, -1))
-        positions = [a + i for a, m in zip(starts, missed) for i in range(len(m))]
-        view.enable()
-        runner.forward(
-            runner.tensor([t for m in missed for t in m]), runner.tensor(positions), md
-        )
-        feats = view.pop()
-        view.disable()
     tokens = rows.token_ids.tolist()
-    nxt = [m[1:] + [tokens[j]] for m, j in zip(missed, need)]
-    new = d.proposer.extend(starts, pages, nxt, feats)
-    for j, rid in enumerate(rids):
-        yield rid, new[j], roots[j], len(missed[j])
+    # the token after each missed position: the next missed one, the root after the last
+    after = [m[1:] + [tokens[j]] for m, j in zip(missed, need)]
+    view = worker.views.get(d.method)
+    for piece in pieces([len(m) for m in missed], budget):
+        feats = None
+        if view is not None:
+            md = build_attention_metadata(
+                [b - a for _, a, b in piece], [starts[r] + b for r, _, b in piece],
+                [pages[r] for r, _, _ in piece], runner.page_size, runner.device
+            )
+            md = dataclasses.replace(md, slot_mapping=torch.full_like(md.slot_mapping, -1))
+            ids = [t for r, a, b in piece for t in missed[r][a:b]]
+            positions = [starts[r] + i for r, a, b in piece for i in range(a, b)]
+            view.enable()
+            runner.forward(runner.tensor(ids), runner.tensor(positions), md)
+            feats = view.pop()
+            view.disable()
+        new = d.proposer.extend([starts[r] + a for r, a, _ in piece],
+                                [pages[r] for r, _, _ in piece],
+                                [after[r][a:b] for r, a, b in piece], feats)
+        for i, (r, a, b) in enumerate(piece):
+            yield rids[r], new[i], starts[r] + b, b - a, b == len(missed[r])

@@ -102,6 +102,8 @@ class SpecWorker:
         self.drafts = {m: DraftState(m, p, runner.device) for m, p in self.proposers.items()}
         self.primary = self.drafts[self.method]
         self.stateful = [d for d in self.drafts.values() if d.keeps_state]
+        # tokens per catch-up forward: the scheduler's budget (what activations were sized for)
+        self.catch_up_tokens = runner.config.scheduler.max_num_batched_tokens
         # one capture over every drafter's aux layers; each reads its own through a view
         readers = {m: p for m, p in self.proposers.items() if p.needs_target_features}
         self.capture = None
@@ -380,12 +382,13 @@ class SpecWorker:
     def _catch_up(self, d: DraftState, rows: StepInput) -> None:
         """Bring drafter d of rows whose state went stale (plain steps, other drafters'
         cycles) up to their root (speculative/catch_up.py)."""
-        for rid, row, covered, missed in catch_up(self, d, rows):
+        c = self.counters
+        for rid, row, covered, missed, done in catch_up(self, d, rows, self.catch_up_tokens):
             self._store(d, rid, row, covered)
-            self.counters.num_catch_ups += 1
-            self.counters.method_catch_ups[d.method] = \
-                self.counters.method_catch_ups.get(d.method, 0) + 1
-            self.counters.num_catch_up_tokens += missed
+            c.num_catch_up_tokens += missed
+            if done:
+                c.num_catch_ups += 1
+                c.method_catch_ups[d.method] = c.method_catch_ups.get(d.method, 0) + 1
 
     def _count(self, method: str, accepted: int, proposed: int) -> None:
         c = self.counters
