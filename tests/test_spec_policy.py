@@ -66,6 +66,26 @@ def test_policy_picks_the_best_goodput_with_hysteresis_and_dwell() -> None:
     assert picks == ["chain3", "chain3", None], (picks, policy.last_scores)
 
 
+def test_policy_leaps_past_the_dwell_when_the_load_jumps() -> None:
+    """Drafts that fail, a batch that jumps from 1 to 8 right after a switch: off is 4x
+    chain3's rate there, so the policy leaves within the 4 steps of its scoring cadence
+    instead of waiting out a dwell of 50 steps; a small gain still waits."""
+    policy = AdaptivePolicy(MODES, COSTS, dwell=50, explore_every=10**6)
+    eight = [f"r{i}" for i in range(8)]
+    for rid in eight:
+        policy.observe("chain3", {rid: 0}, None, 8)
+    policy.since_switch = 0  # as if chain3 had just been chosen
+    picks = [policy.choose(eight) for _ in range(4)]
+    assert picks[-1] is None and picks[0] == "chain3", (picks, policy.last_scores)
+    calm = AdaptivePolicy(MODES, COSTS, dwell=50, explore_every=10**6)
+    calm.costs["off"] = [(1, 1.0), (8, 4.5 / 1.15)]  # off 15% better than chain1 at 8
+    calm.current, calm.since_switch = "chain1", 0
+    for _ in range(30):
+        calm.observe("chain1", dict.fromkeys(eight, 0), None, 8)
+    assert calm.acceptance.rates("r0", 1)[0] < 0.01
+    assert all(calm.choose(eight) == "chain1" for _ in range(20)), calm.last_scores
+
+
 def test_policy_turns_off_for_drafts_that_fail() -> None:
     policy = AdaptivePolicy(MODES, COSTS, dwell=1, explore_every=1000)
     for _ in range(30):
@@ -129,7 +149,8 @@ def _simulate(policy, rate: float, steps: int, switch_cost: dict[str, float],
               mixed_extra: float = 0.0) -> float:
     """Tokens per second of a policy driving a model engine: each step costs the table's
     time +-10% (plus `switch_cost` step times when the mode changed; every `mixed_every`-th
-    step carries prefill chunks, which cost a speculative step `mixed_extra` seconds more),
+    step carries prefill chunks, which cost a speculative step `mixed_extra` seconds more,
+    or, when the policy folds it, the plain step's time for one token a row),
     each cycle of k drafts accepts a geometric number of them at `rate` per draft (a
     naive-Python stand-in)."""
     rng = random.Random(seed)
@@ -137,26 +158,29 @@ def _simulate(policy, rate: float, steps: int, switch_cost: dict[str, float],
     for i in range(steps):
         mode = policy.choose(batch)
         key = "off" if mode is None else mode
-        t = _interpolate(sorted(costs[key].items()), len(batch))
+        mixed = bool(mixed_every) and i % mixed_every == 0
+        # a policy that folds the step's decodes into the chunks' forward: a plain step
+        folded = bool(mixed and mode is not None and getattr(policy, "fold", None)
+                      and policy.fold(mode, batch))
+        t = _interpolate(sorted(costs["off" if folded else key].items()), len(batch))
         t *= 1.0 + 0.2 * (rng.random() - 0.5)  # +-10% noise
-        if prev not in ("start", key):
+        if prev not in ("start", key) and not folded:
             t *= 1.0 + switch_cost["on" if prev == "off" else "off" if key == "off"
                                    else "mode"]
-        mixed = bool(mixed_every) and i % mixed_every == 0
-        if mixed and mode is not None:
+        if mixed and mode is not None and not folded:
             t += mixed_extra
         accepted = {}
         for rid in batch:
             m = 0
-            if mode is not None:
+            if mode is not None and not folded:
                 k = dict(MIX)[mode][1]
                 while m < k and rng.random() < rate:
                     m += 1
                 accepted[rid] = m
             tokens += m + 1
-        policy.observe(mode, accepted, t, len(batch), mixed=mixed)
+        policy.observe(mode, accepted, t, len(batch), mixed=mixed, folded=folded)
         seconds += t
-        prev = key
+        prev = key if not folded else prev
     return tokens / seconds
 
 
@@ -300,7 +324,8 @@ def test_cost_table_sees_emulated_communication(pair, tmp_path) -> None:
 def test_policy_counts_the_extra_forward_of_prefill_chunks_in_speculative_steps() -> None:
     """Every 2nd step carries prefill chunks, which a speculative step runs as a forward of
     their own (+6 ms here): chain1 at rate 0.3 wins 10% on pure steps and loses ~30% on
-    average, so the policy must learn the extra and turn off."""
+    average, so the policy must learn the extra and turn off or fold those steps (a plain
+    step's time: then chain1 on the others beats off)."""
     rids = [f"r{i}" for i in range(32)]
     cost = {"on": 2.0, "off": 1.0, "mode": 1.0}
     ms = {m: {b: t / 1e3 for b, t in r.items()} for m, r in MIX_COSTS.items()}

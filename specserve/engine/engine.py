@@ -247,9 +247,12 @@ class Engine:
         if not out.scheduled:
             self._release(out)
             return []
+        decodes = [s.request.request_id for s in out.scheduled if s.is_decode]
+        mixed = len(decodes) < len(out.scheduled)
+        fold = bool(mode is not None and mixed and decodes and policy.fold(mode, decodes))
         step = build_step_input(out, mode, eos_token_ids=self.scheduler.eos_token_ids,
                                 cached_prefixes=self.drafter is not None
-                                and self.drafter.host_drafts)
+                                and self.drafter.host_drafts, fold=fold)
         result = self.executor.execute(step)
         accepted = self._record_spec(out, result)
         before = [s.request.num_output_tokens for s in out.scheduled]
@@ -261,9 +264,8 @@ class Engine:
             record_prompt_logprobs(out, result.prompt_logprobs)
         outputs = self._postprocess(out)
         if policy is not None:
-            decodes = sum(s.is_decode for s in out.scheduled)
-            policy.observe(mode, accepted, time.perf_counter() - t0, decodes,
-                           mixed=decodes < len(out.scheduled))
+            policy.observe(mode, accepted, time.perf_counter() - t0, len(decodes), mixed=mixed,
+                           folded=fold)
         if not self.scheduler.has_unfinished:  # idle: the workers drop the last requests' state
             self._release(self.scheduler.schedule())
         return outputs

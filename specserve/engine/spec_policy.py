@@ -20,10 +20,17 @@ class SpecPolicy(Protocol):
         decode ([] unless needs_batch)."""
         ...
 
+    def fold(self, mode: str, decoding: list[str]) -> bool:
+        """A step of `mode` that carries prefill chunks beside the decodes `decoding`: True
+        runs the decodes one token each in the chunks' forward (feeding the drafter) rather
+        than a verify forward beside it."""
+        ...
+
     def observe(self, mode: str | None, accepted: dict[str, int], seconds: float | None,
-                batch: int, mixed: bool = False) -> None:
+                batch: int, mixed: bool = False, folded: bool = False) -> None:
         """After a step: per speculating request the drafts it accepted; the step's wall time
-        (None: not measured) with `batch` decode rows; mixed: prefill chunks ran in it too."""
+        (None: not measured) with `batch` decode rows; mixed: prefill chunks ran in it too;
+        folded: fold() said so for it."""
         ...
 
     def forget(self, request_id: str) -> None:
@@ -36,8 +43,11 @@ class _Fixed:
 
     needs_batch = False
 
+    def fold(self, mode: str, decoding: list[str]) -> bool:
+        return False
+
     def observe(self, mode: str | None, accepted: dict[str, int], seconds: float | None,
-                batch: int, mixed: bool = False) -> None:
+                batch: int, mixed: bool = False, folded: bool = False) -> None:
         pass
 
     def forget(self, request_id: str) -> None:
@@ -173,14 +183,19 @@ class AdaptivePolicy:
     of measured to tabled step times of pure decode steps (decayed, each ratio clipped to
     [1/2, 2]), plus, weighted by the share of steps that also carry prefill chunks, the
     extra time such steps take in that mode (learnt: a speculative step runs the chunks as
-    a forward of their own, a plain step folds them into its one forward).
+    a forward of their own, a plain step folds them into its one forward). A speculative
+    mode's step that carries chunks may also fold: its decodes run one token each in the
+    chunks' forward, feeding the drafter (no catch-up after), at the plain step's time plus
+    a learnt extra; fold() picks the better of the two per such step, and a mode's score
+    counts its mixed steps at that better rate.
 
     A switch costs: the step launched ahead for the old mode is discarded, and a proposer
     coming back from off catches up over the tokens made meanwhile. The policy learns that
     cost per kind of switch (on, off, between modes) from the steps that switched, in step
     times of the new mode, and keeps those steps out of the rescaling. It switches when the
-    gain exceeds `hysteresis`, `dwell` steps passed since the last switch, and the gain over
-    `horizon` steps pays for the switch. Acceptance is only learnt by running a mode: every
+    gain exceeds `hysteresis`, `dwell` steps passed since the last switch (or the gain
+    exceeds `leap`: a load that grows fast must not wait out the dwell mode by mode), and
+    the gain over `horizon` steps pays for the switch. Acceptance is only learnt by running a mode: every
     `explore_every` steps at most, one step of a drafter family (method, topk) not run for
     that long is tried, and no more often than its two switches' learnt cost spends
     `probe_budget` of the steps (4x rarer when it scores below `probe_margin` of the current
@@ -194,7 +209,7 @@ class AdaptivePolicy:
     def __init__(self, modes: dict[str, tuple], costs: dict[str, dict[int, float]],
                  hysteresis: float = 0.05, dwell: int = 8, explore_every: int = 128,
                  rescale: float = 0.1, horizon: int = 64, probe_margin: float = 0.25,
-                 probe_budget: float = 0.005) -> None:
+                 probe_budget: float = 0.005, leap: float = 0.25) -> None:
         """modes: {name: (topk, num_steps)} or {name: (method, topk, num_steps)} (several
         drafters: acceptance is learnt per method); costs: {mode or "off": {batch: seconds}};
         rescale: weight of each measured step time in a mode's scale (0: the table as is)."""
@@ -207,7 +222,7 @@ class AdaptivePolicy:
         self.costs = {m: sorted(row.items()) for m, row in costs.items()}
         self.hysteresis, self.dwell, self.explore_every = hysteresis, dwell, explore_every
         self.rescale, self.horizon, self.probe_margin = rescale, horizon, probe_margin
-        self.probe_budget = probe_budget
+        self.probe_budget, self.leap = probe_budget, leap
         self.acceptance = AcceptanceEstimates(max(m[2] for m in self.modes.values()))
         self.scale = dict.fromkeys(costs, 1.0)  # measured / tabled step time, per mode
         # extra time of a step that switched, in step times of its mode (priors: the
@@ -219,6 +234,7 @@ class AdaptivePolicy:
         self.mixed_share = 0.0
         off_1 = _interpolate(self.costs["off"], 1)
         self.mixed_extra = {m: 0.0 if m == "off" else off_1 for m in costs}
+        self.mixed_extra["fold"] = 0.0  # a folded step over the plain one (the drafter's feed)
         self.current: str | None = next(iter(modes))
         self.since_switch = dwell  # the first decision needs no dwell: the start is no switch
         self.steps = 0
@@ -241,25 +257,48 @@ class AdaptivePolicy:
         key = "off" if mode is None else mode
         return self.step_time(mode, batch) + self.mixed_share * self.mixed_extra[key]
 
+    def _totals(self, decoding: list[str], family: tuple[str, int]) -> list[float]:
+        """Expected tokens of one cycle summed over the rows, at every depth 0 .. max."""
+        est = self.acceptance
+        method, topk = family
+        totals = [0.0] * (est.max_depth + 1)
+        base = est._global(topk, method)
+        for rid in decoding:
+            run = total = 1.0
+            totals[0] += 1.0
+            for d, a in enumerate(est.rates(rid, topk, method, base), 1):
+                run *= a
+                total += run
+                totals[d] += total
+        return totals
+
+    def _goodput(self, name: str, tokens: float, b: int, share: float) -> tuple[float, bool]:
+        """Tokens per second of mode `name` (`tokens` a cycle for the batch of b) when
+        `share` of its steps carry prefill chunks, and whether those steps should fold: the
+        choice that maximizes the whole rate (not the mixed step's own: a verify beside the
+        chunks may yield more per second than the fold and still cost more than its extra
+        tokens are worth at the rate the other steps run)."""
+        t = self.step_time(name, b)
+        spec = tokens, t + self.mixed_extra[name]
+        fold = float(b), self.step_time(None, b) + self.mixed_extra["fold"]
+        rates = [((1.0 - share) * tokens + share * x) / ((1.0 - share) * t + share * y)
+                 for x, y in (spec, fold)]
+        return max(rates), rates[1] > rates[0]
+
+    def fold(self, mode: str, decoding: list[str]) -> bool:
+        tokens = self._totals(decoding, self._family(mode))[self.modes[mode][2]]
+        # one step's choice: its extra tokens against the rate of the other steps
+        return self._goodput(mode, tokens, len(decoding), max(self.mixed_share, 1e-3))[1]
+
     def scores(self, decoding: list[str]) -> dict[str, float]:
         """Expected tokens per second of every mode ("off" included) for this batch."""
         b = len(decoding)
         out = {"off": b / self.expected_step_time(None, b)}
-        est = self.acceptance
-        depth = est.max_depth
-        for method, topk in self.families:  # summed expected tokens at every depth, per family
-            totals = [0.0] * (depth + 1)
-            base = est._global(topk, method)
-            for rid in decoding:
-                run = total = 1.0
-                totals[0] += 1.0
-                for d, a in enumerate(est.rates(rid, topk, method, base), 1):
-                    run *= a
-                    total += run
-                    totals[d] += total
+        for family in self.families:  # summed expected tokens at every depth, per family
+            totals = self._totals(decoding, family)
             for name, (m, k, steps) in self.modes.items():
-                if (m, k) == (method, topk):
-                    out[name] = totals[steps] / self.expected_step_time(name, b)
+                if (m, k) == family:
+                    out[name] = self._goodput(name, totals[steps], b, self.mixed_share)[0]
         return out
 
     def _kind(self, old: str, new: str) -> str:
@@ -299,15 +338,15 @@ class AdaptivePolicy:
         self.since_switch += 1
         if not decoding:
             return self.current
-        # scoring costs ~3 us a request on the host: skipped while neither a switch (dwell)
-        # nor a probe (no family stale for explore_every) can happen, and past 64 rows done
-        # every 4th step only
+        # scoring costs ~3 us a request on the host: while no probe can happen (no family
+        # stale for explore_every), done every 4th step only during the dwell (where only a
+        # leap may switch) and past 64 rows
         sw = self.switch_steps
         soonest = max(self.explore_every, min(2 * sw["mode"], sw["on"] + sw["off"])
                       / self.probe_budget)  # the shortest interval _probe allows
         stale = any(self.steps - t >= soonest for t in self.family_run.values())
-        if not stale and (self.since_switch < self.dwell
-                          or (len(decoding) > 64 and self.steps % 4)):
+        if not stale and self.steps % 4 and (self.since_switch < self.dwell
+                                             or len(decoding) > 64):
             return self.current
         scores = self.last_scores = self.scores(decoding)
         key = "off" if self.current is None else self.current
@@ -316,13 +355,21 @@ class AdaptivePolicy:
             self.family_run[self._family(probe)] = self.steps
             return probe
         best = max(scores, key=scores.get)
-        if best != key and self.since_switch >= self.dwell and self._pays(key, best, scores):
+        settled = self.since_switch >= self.dwell or scores[best] > (1.0 + self.leap) * scores[key]
+        if best != key and settled and self._pays(key, best, scores):
             self.since_switch = 0
             self.current = None if best == "off" else best
         return self.current
 
     def observe(self, mode: str | None, accepted: dict[str, int], seconds: float | None,
-                batch: int, mixed: bool = False) -> None:
+                batch: int, mixed: bool = False, folded: bool = False) -> None:
+        if folded:  # no cycle ran and no switch: the fold's time over the plain step's
+            if seconds is not None and batch:
+                self.mixed_share += 0.05 * (1.0 - self.mixed_share)
+                extra = min(4.0 * _interpolate(self.costs["off"], batch),
+                            max(0.0, seconds - self.step_time(None, batch)))
+                self.mixed_extra["fold"] += 0.1 * (extra - self.mixed_extra["fold"])
+            return
         key = "off" if mode is None else mode
         prev, self._prev = self._prev, key
         if mode is not None:

@@ -37,7 +37,7 @@ SPEC_ACCEPTED_PER_POS = PREFIX + "spec_decode_num_accepted_tokens_per_pos_total"
 # prefix (hit rate = hits / queries)
 PREFIX_CACHE_QUERIES = PREFIX + "prefix_cache_queries_total"
 PREFIX_CACHE_HITS = PREFIX + "prefix_cache_hits_total"
-SPEC_MODE_STEPS = PREFIX + "spec_decode_mode_steps_total"  # label mode: a draft mode or "off"
+SPEC_MODE_STEPS = PREFIX + "spec_decode_mode_steps_total"  # label mode: a draft mode, "off" or "fold"
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                  2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)  # fmt: skip

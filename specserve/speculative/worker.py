@@ -70,7 +70,8 @@ class SpecCounters:
     accepted_per_pos: list[int] = field(default_factory=list)
     num_catch_ups: int = 0  # rows whose proposer caught up after plain steps
     num_catch_up_tokens: int = 0  # positions it caught up over
-    mode_steps: dict[str, int] = field(default_factory=dict)  # steps per mode ("off": plain)
+    # steps per mode ("off": plain; "fold": decodes folded into prefill chunks' forward)
+    mode_steps: dict[str, int] = field(default_factory=dict)
     method_drafts: dict[str, int] = field(default_factory=dict)  # cycles per drafter
     method_accepted_tokens: dict[str, int] = field(default_factory=dict)  # accepted, per drafter
     method_catch_ups: dict[str, int] = field(default_factory=dict)  # catch-ups, per drafter
@@ -142,7 +143,7 @@ class SpecWorker:
         self.lookahead = max(m.lookahead for m in self.modes.values())
         max_steps = max(m.shape.num_steps for m in self.modes.values())
         self.counters = SpecCounters(accepted_per_pos=[0] * max_steps,
-                                     mode_steps=dict.fromkeys(["off", *self.modes], 0),
+                                     mode_steps=dict.fromkeys(["off", "fold", *self.modes], 0),
                                      method_drafts=dict.fromkeys(self.proposers, 0),
                                      method_accepted_tokens=dict.fromkeys(self.proposers, 0))
         # a proposer whose trees the host builds from the previous cycle's tokens
@@ -273,7 +274,8 @@ class SpecWorker:
                 raise ValueError(f"draft mode {step.spec_mode!r} is not one of {list(self.modes)}")
         self.discard_launched(keep=mode)  # a launch ahead is only taken by its own mode
         if step.bs:
-            self.counters.mode_steps["off" if mode is None else step.spec_mode] += 1
+            self.counters.mode_steps["off" if mode is None else "fold" if step.fold
+                                     else step.spec_mode] += 1
         if mode is None:  # off: the plain step, no draft forward
             for d in self.stateful:
                 d.record(step, range(step.bs))
@@ -288,7 +290,9 @@ class SpecWorker:
         logprobs: list | None = [None] * step.bs if (step.logprobs >= 0).any() else None
         prompt_lps: list | None = [None] * step.bs if (step.prompt_logprobs >= 0).any() \
             else None
-        decodes = [i for i in range(step.bs) if self._can_speculate(step, i, mode)]
+        # folded: every row in one target forward, the caught-up ones feeding the drafter
+        decodes = [] if step.fold else [i for i in range(step.bs)
+                                        if self._can_speculate(step, i, mode)]
         spec = set(decodes)
         others = [i for i in range(step.bs) if i not in spec]
         if others:

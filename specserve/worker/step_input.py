@@ -69,7 +69,7 @@ FLAT_COUNTS = {"token_ids": "num_new_tokens", "page_ids": "page_counts",
                "bias_values": "bias_counts", "suppress_ids": "suppress_counts",
                "prefix_ids": "prefix_counts"}
 ARRAYS = {**ROW_ARRAYS, **FLAT_ARRAYS}
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 # the logits-processing arrays and their neutral values (StepInput's defaults)
 NEUTRAL_ROWS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
                 "min_left": 0, "history_counts": 0, "history_outputs": 0, "bias_counts": 0,
@@ -127,6 +127,9 @@ class StepInput:
     preempted_ids: list[str] = field(default_factory=list)
     # the draft mode (DraftShape.name) the rows that speculate use; "" when none does
     spec_mode: str = ""
+    # a step with prefill chunks whose decodes run one token each in the chunks' forward,
+    # feeding the drafter as they go (no verify forward of their own beside it)
+    fold: bool = False
 
     def __post_init__(self) -> None:
         bs = len(self.request_ids)
@@ -206,7 +209,7 @@ class StepInput:
         for flat, counts in FLAT_COUNTS.items():
             rows[flat] = _gather(getattr(self, flat), _offsets(getattr(self, counts)), index)
         return StepInput(request_ids=[self.request_ids[i] for i in index.tolist()],
-                         spec_mode=self.spec_mode, **rows)
+                         spec_mode=self.spec_mode, fold=self.fold, **rows)
 
     # -- wire format ---------------------------------------------------------------------------
     def encode(self) -> bytes:
@@ -217,6 +220,7 @@ class StepInput:
             "finished_ids": self.finished_ids,
             "preempted_ids": self.preempted_ids,
             "spec_mode": self.spec_mode,
+            "fold": self.fold,
         }
         for name, dtype in ARRAYS.items():
             if name in PROCESSING and not self.eager:
@@ -242,6 +246,7 @@ class StepInput:
             finished_ids=msg["finished_ids"],
             preempted_ids=msg["preempted_ids"],
             spec_mode=msg["spec_mode"],
+            fold=msg["fold"],
             **arrays,
         )
 
