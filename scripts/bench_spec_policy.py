@@ -4,10 +4,12 @@ the speculative engine forced off on every step (the off switch's cost against p
 
 At each concurrency C, N = max(C * requests_per_slot, min_requests) requests of random
 prompt ids are fed so that at most C are in flight (a new one enters as one finishes);
-tok/s is the steady state, from the first request until the last is admitted (every slot
-busy), beside the whole run's (whose tail of slow requests on few slots grows with how
-much acceptance varies between requests). An untimed plain run of C prompts first meets
-the load's kernel shapes. Acceptance is random per request
+tok/s is the steady state, from the first finish until the last admission (every slot
+busy, admissions matching finishes), beside the whole run's (whose tail of slow requests
+on few slots grows with how much acceptance varies between requests); each run's wall time
+per kind of step (mode, with or without prefill chunks) is in the report. An untimed short
+run of every configuration on C prompts first meets the load's kernel shapes. Acceptance
+is random per request
 (--accept-rate: each request draws its own rate around the mean, each cycle its rejection
 point; prompt i is seeded i, so request i has the same rate and draws in every
 configuration): a cost-only benchmark on dummy weights. Configurations are interleaved per
@@ -54,33 +56,65 @@ PLAIN, OFF, ADAPTIVE = "plain", "forced-off", "adaptive"
 def run(engine, prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
     """Feed the prompts with at most `concurrency` in flight; output tok/s and mode steps.
     Prompt i is seeded i: its synthetic acceptance rate and per-cycle draws are the same in
-    every configuration. tok_s is the steady state: tokens emitted from the start until the
-    last prompt is admitted (every slot busy all along) over that time; tok_s_all counts
-    the whole run, whose tail (the last, slowest requests on few slots) depends on how
-    acceptance varies between requests rather than on the load."""
+    every configuration. tok_s is the steady state: tokens emitted from the first finish (the
+    first wave's prefill burst is behind) until the last prompt is admitted (every slot busy
+    all along), over that time: admissions then match finishes, so the window carries the
+    prefills of the requests whose decodes it counts. (A window from the start would charge
+    a configuration whose requests finish at staggered times with the next wave's prefills
+    but not their tokens.) tok_s_all counts the whole run, whose tail (the last, slowest
+    requests on few slots) depends on how acceptance varies between requests rather than on
+    the load. step_seconds: (steps, seconds) per kind of step in the run (mode, "+mixed"
+    when it carried prefill chunks)."""
     pending = deque((p, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True,
                                        seed=i)) for i, p in enumerate(prompts))
     in_flight, done_tokens = 0, 0
-    steady: tuple[float, int] | None = None
-    before = dict(engine.stats().get("mode_steps", {}))
+    first: tuple[float, int] | None = None  # (time, tokens) at the first finish
+    last: tuple[float, int] | None = None  # at the last admission
+    stats = engine.stats()
+    before = dict(stats.get("mode_steps", {}))
+    seconds_before = dict(stats.get("step_seconds", {}))
     t0 = time.perf_counter()
     while pending or in_flight:
         while pending and in_flight < concurrency:
             engine.add_request(None, *pending.popleft())
             in_flight += 1
             if not pending:
-                steady = time.perf_counter() - t0, done_tokens
+                last = time.perf_counter() - t0, done_tokens
         for out in engine.step():
             done_tokens += len(out.new_token_ids)
             in_flight -= out.finished
+            if out.finished and first is None:
+                first = time.perf_counter() - t0, done_tokens
     seconds = time.perf_counter() - t0
-    after = engine.stats().get("mode_steps", {})
+    stats = engine.stats()
+    after = stats.get("mode_steps", {})
     steps = {m: after[m] - before.get(m, 0) for m in after}
-    assert steady is not None
-    # with no more prompts than slots every one is admitted at once: the whole run counts
-    window, tokens = steady if steady[1] else (seconds, done_tokens)
+    by_kind = {}
+    for kind, (n, t) in stats.get("step_seconds", {}).items():
+        n0, t0_ = seconds_before.get(kind, (0, 0.0))
+        if n > n0:
+            by_kind[kind] = [n - n0, t - t0_]
+    assert last is not None
+    # with no more prompts than slots (or no finish before the last admission) the whole
+    # run counts
+    if first is not None and last[0] > first[0] and last[1] > first[1]:
+        window, tokens = last[0] - first[0], last[1] - first[1]
+    else:
+        window, tokens = seconds, done_tokens
     return {"tok_s": tokens / window, "tok_s_all": done_tokens / seconds, "seconds": seconds,
-            "tokens": done_tokens, "mode_steps": {m: n for m, n in steps.items() if n}}
+            "window_s": window, "tokens": done_tokens,
+            "mode_steps": {m: n for m, n in steps.items() if n}, "step_seconds": by_kind}
+
+
+def use(engine, name: str, shapes: dict, table: dict) -> None:
+    """Set the engine up for one configuration (a fresh adaptive policy each time)."""
+    engine.set_speculation(name != PLAIN)
+    if name == ADAPTIVE:
+        engine.spec_policy = AdaptivePolicy(shapes, table)
+    elif name == OFF:
+        engine.spec_policy = ScriptedPolicy([None])
+    elif name != PLAIN:
+        engine.spec_policy = StaticPolicy(name)
 
 
 def sweep(engine, args, levels: list[int], modes: list[str], rate: float, comm: dict,
@@ -103,18 +137,16 @@ def sweep(engine, args, levels: list[int], modes: list[str], rate: float, comm: 
         n = max(c * args.requests_per_slot, args.min_requests)
         prompts = make_prompts(engine, args.prompts, n, args.prompt_len, seed=c)
         point = {"concurrency": c, "requests": n}
-        engine.set_speculation(False)  # untimed: kernels meet this load's shapes first
-        run(engine, prompts[:c], args.output_len, c)
+        # untimed: kernels meet this load's shapes first (every configuration: eager
+        # paths of mixed steps, catch-ups and folds compile per new shape class, a second
+        # or so each, which would land in a short timed run)
+        for name in configs if args.warmup_each else [PLAIN]:
+            use(engine, name, shapes, table)
+            run(engine, prompts[:c], min(args.output_len, 16), c)
         runs: dict[str, list[dict]] = {name: [] for name in configs}
         for _ in range(args.repeats):  # rounds of every configuration, interleaved
             for name in configs:
-                engine.set_speculation(name != PLAIN)
-                if name == ADAPTIVE:
-                    engine.spec_policy = AdaptivePolicy(shapes, table)
-                elif name == OFF:
-                    engine.spec_policy = ScriptedPolicy([None])
-                elif name != PLAIN:
-                    engine.spec_policy = StaticPolicy(name)
+                use(engine, name, shapes, table)
                 runs[name].append(run(engine, prompts, args.output_len, c))
                 if name == ADAPTIVE:  # what the policy learnt in this run
                     pol = engine.spec_policy
@@ -134,8 +166,16 @@ def sweep(engine, args, levels: list[int], modes: list[str], rate: float, comm: 
                            "runs": rs}
             spread = (f" ({min(point[name]['runs_tok_s']):.1f}-"
                       f"{max(point[name]['runs_tok_s']):.1f})" if len(rs) > 1 else "")
+            kinds: dict[str, list] = {}
+            for r in rs:
+                for kind, (n, t) in r["step_seconds"].items():
+                    acc = kinds.setdefault(kind, [0, 0.0])
+                    acc[0] += n
+                    acc[1] += t
+            per = ", ".join(f"{k} {1e3 * t / n:.1f} ms x{n}" for k, (n, t) in sorted(kinds.items()))
             print(f"C={c} {name}: {point[name]['tok_s']:.1f} tok/s{spread} (whole run "
-                  f"{point[name]['tok_s_all']:.1f}) {steps}", flush=True)
+                  f"{point[name]['tok_s_all']:.1f}) {steps}" + (f" [{per}]" if per else ""),
+                  flush=True)
         learnt = runs[ADAPTIVE][-1]["learnt"]
         print(f"C={c} adaptive learnt: switch steps "
               f"{ {k: round(v, 2) for k, v in learnt['switch_steps'].items()} }, mixed share "
@@ -191,7 +231,11 @@ def main() -> int:
     ap.add_argument("--emulate-compute", default="full", choices=("full", "shard"))
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--requests-per-slot", type=int, default=2)
+    ap.add_argument("--requests-per-slot", type=int, default=4,
+                    help="requests per concurrent slot (the steady window spans about this "
+                         "many request lifetimes less one)")
+    ap.add_argument("--no-warmup-each", dest="warmup_each", action="store_false",
+                    help="warm up with plain decoding only (not every configuration)")
     ap.add_argument("--min-requests", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=2,
                     help="rounds of every configuration per concurrency (tok/s: their mean)")

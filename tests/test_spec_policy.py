@@ -101,8 +101,8 @@ def test_policy_probes_stale_drafter_families_within_the_margin() -> None:
     policy = AdaptivePolicy(modes, costs, dwell=1, explore_every=4, probe_budget=1.0)
     picks = [policy.choose(["r0"]) for _ in range(8)]
     # chain1 shares chain3's acceptance family (topk 1), so only the tree family is probed:
-    # one step every 4, the current mode stays
-    assert picks == ["chain3"] * 3 + ["tree"] + ["chain3"] * 3 + ["tree"], picks
+    # never run, once the dwell (1 step) passed, then one step every 4; the mode stays
+    assert picks == ["tree"] + ["chain3"] * 3 + ["tree"] + ["chain3"] * 3, picks
     assert policy.current == "chain3"
     # a family scoring far below the current mode is probed only after 4 x explore_every
     for _ in range(30):
@@ -113,7 +113,11 @@ def test_policy_probes_stale_drafter_families_within_the_margin() -> None:
     # a probe's two switches may spend probe_budget of the steps: 2 step times at 5% -> 40
     policy = AdaptivePolicy(modes, costs, dwell=1, explore_every=4, probe_budget=0.05)
     picks = [policy.choose(["r0"]) for _ in range(80)]
-    assert [i for i, p in enumerate(picks) if p == "tree"] == [39, 79], picks
+    assert [i for i, p in enumerate(picks) if p == "tree"] == [0, 40], picks
+    # a fresh policy looks at a family it never ran once `dwell` steps passed
+    policy = AdaptivePolicy(modes, costs, dwell=8, explore_every=10**6)
+    picks = [policy.choose(["r0"]) for _ in range(20)]
+    assert [i for i, p in enumerate(picks) if p == "tree"] == [7], picks
 
 
 def test_measured_step_times_rescale_the_table() -> None:

@@ -79,6 +79,9 @@ class Engine:
         self.drafter: SpecWorker | None = self.executor.drafter
         self._drafter = self.drafter  # kept while speculation is switched off
         self.spec_policy: SpecPolicy | None = None
+        # speculative engines: (steps, seconds) per mode ("off", "fold"), "+mixed" when the
+        # step carried prefill chunks
+        self.step_seconds: dict[str, tuple[int, float]] = {}
         if self.drafter is not None:
             self.spec_policy = (self._adaptive_policy() if config.spec.policy == "adaptive"
                                 else StaticPolicy(self.drafter.default_mode))
@@ -264,8 +267,12 @@ class Engine:
             record_prompt_logprobs(out, result.prompt_logprobs)
         outputs = self._postprocess(out)
         if policy is not None:
-            policy.observe(mode, accepted, time.perf_counter() - t0, len(decodes), mixed=mixed,
-                           folded=fold)
+            seconds = time.perf_counter() - t0
+            policy.observe(mode, accepted, seconds, len(decodes), mixed=mixed, folded=fold)
+            # wall time per kind of step: what the policy's model must explain
+            kind = ("fold" if fold else mode or "off") + ("+mixed" if mixed else "")
+            n, total = self.step_seconds.get(kind, (0, 0.0))
+            self.step_seconds[kind] = (n + 1, total + seconds)
         if not self.scheduler.has_unfinished:  # idle: the workers drop the last requests' state
             self._release(self.scheduler.schedule())
         return outputs
@@ -339,6 +346,7 @@ class Engine:
         if self.drafter is not None:
             stats["cuda_graphs"] += self.drafter.num_graphs
             stats.update(dataclasses.asdict(self.drafter.counters))  # mode_steps: per mode
+            stats["step_seconds"] = dict(self.step_seconds)
             if isinstance(self.spec_policy, AdaptivePolicy):
                 # expected tokens/s per mode for the last decode batch (its acceptance view)
                 stats["spec_mode_scores"] = dict(self.spec_policy.last_scores)

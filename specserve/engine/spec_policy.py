@@ -197,7 +197,8 @@ class AdaptivePolicy:
     exceeds `leap`: a load that grows fast must not wait out the dwell mode by mode), and
     the gain over `horizon` steps pays for the switch. Acceptance is only learnt by running a mode: every
     `explore_every` steps at most, one step of a drafter family (method, topk) not run for
-    that long is tried, and no more often than its two switches' learnt cost spends
+    that long is tried (a family never run: once the first dwell passed, so that a tree
+    whose acceptance beats the chains' is seen early), and no more often than its two switches' learnt cost spends
     `probe_budget` of the steps (4x rarer when it scores below `probe_margin` of the current
     mode). The granularity is the step: one mode for every speculating row, because the
     verify width of a captured graph is fixed, so excluding rows would save their drafting
@@ -239,7 +240,9 @@ class AdaptivePolicy:
         self.since_switch = dwell  # the first decision needs no dwell: the start is no switch
         self.steps = 0
         self.families = {self._family(m) for m in self.modes}
-        self.family_run = dict.fromkeys(self.families, 0)  # step a family last ran
+        # step a family last ran (-1: never; the first mode's runs from the start)
+        self.family_run = dict.fromkeys(self.families, -1)
+        self.family_run[self._family(self.current)] = 0
         self.last_scores: dict[str, float] = {}
         self._prev: str | None = None  # the last observed step's mode ("off" for off)
 
@@ -326,7 +329,9 @@ class AdaptivePolicy:
             cost = self.switch_steps[self._kind(key, mode)] + self.switch_steps[
                 self._kind(mode, key)]
             every = max(self.explore_every, cost / self.probe_budget)
-            if scores[mode] < (1.0 - self.probe_margin) * scores[key]:
+            if self.family_run[fam] < 0:  # never run: one look once `dwell` steps passed
+                every = self.dwell + 1
+            elif scores[mode] < (1.0 - self.probe_margin) * scores[key]:
                 every *= 4
             if self.steps - self.family_run[fam] >= every \
                     and (best is None or scores[mode] > best[0]):
@@ -344,7 +349,8 @@ class AdaptivePolicy:
         sw = self.switch_steps
         soonest = max(self.explore_every, min(2 * sw["mode"], sw["on"] + sw["off"])
                       / self.probe_budget)  # the shortest interval _probe allows
-        stale = any(self.steps - t >= soonest for t in self.family_run.values())
+        stale = any(self.steps - t >= soonest or (t < 0 and self.steps >= self.dwell)
+                    for t in self.family_run.values())
         if not stale and self.steps % 4 and (self.since_switch < self.dwell
                                              or len(decoding) > 64):
             return self.current
