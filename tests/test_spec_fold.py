@@ -1,10 +1,13 @@
-"""Folded mixed steps: a speculative step that carries prefill chunks runs its decodes one
-token each in the chunks' forward, feeding the drafter (StepInput.fold).
+"""Mixed steps (a speculative step that carries prefill chunks): folded, its decodes run one
+token each in the chunks' forward, feeding the drafter (StepInput.fold); or, for a chain,
+the chunks ride in the cycle's verify forward (speculative/mixed.py).
 
 - Through the engine (tiny random pair, fp32, requests arriving while others decode, a pool
   small enough to preempt): greedy output == plain, folds happened, and the drafter's state
   after a fold equals the one a catch-up computes for the same positions (a second run that
   goes off on exactly the folded steps and catches up after).
+- Chunks in a chain's verify forward: the same tokens, log-probs, prompt log-probs and
+  drafter state rows as the two forwards they replace, step by step.
 - The adaptive policy: folds a mixed step when its decodes yield more tokens per second
   that way (low acceptance, a costly verify beside the chunks), keeps the verify when it
   pays, learns the fold's time, and in a model engine with frequent mixed steps reaches the
@@ -150,6 +153,38 @@ def test_folded_steps_under_preemption(pair, device: str) -> None:
     assert [o.token_ids for o in small.generate(prompts, params)] == ref
     assert preempted and small.engine.drafter.counters.mode_steps["fold"] > 0
     assert small.engine.allocator.num_free == small.engine.allocator.num_total
+
+
+def test_chunks_in_the_verify_forward_equal_two_forwards(pair, device: str) -> None:
+    prompts, params = _workload(seed=5)
+    for i in (1, 4):  # log-probs of the emitted tokens, and of the prompt (its chunks)
+        params[i] = SamplingParams(temperature=0, max_tokens=params[i].max_tokens,
+                                   ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    ref = [o.token_ids for o in _llm(pair, device, 512, spec=False).generate(prompts, params)]
+    runs = {}
+    for together in (True, False):
+        llm = _llm(pair, device, 512)
+        llm.engine.spec_policy = StaticPolicy("chain3")
+        llm.engine.drafter.chunks_in_verify = together
+        states = _states_after_each_step(llm)
+        outs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outs] == ref
+        runs[together] = outs, states, llm.engine.drafter.counters
+    (outs, states, c), (outs2, states2, c2) = runs[True], runs[False]
+    assert c.num_chunks_in_verify > 5 and c2.num_chunks_in_verify == 0, c
+    assert c.num_drafts == c2.num_drafts and c.accepted_per_pos == c2.accepted_per_pos
+    assert states.keys() == states2.keys() and len(states) > 50
+    tol = 1e-5 if device == "cpu" else 1e-3
+    for key, row in states.items():
+        torch.testing.assert_close(row, states2[key], rtol=tol, atol=tol)
+    for i in (1, 4):
+        for got, want in ((outs[i].logprobs, outs2[i].logprobs),
+                          (outs[i].prompt_logprobs[1:], outs2[i].prompt_logprobs[1:])):
+            assert len(got) == len(want) > 3
+            for a, b in zip(got, want):
+                assert a[1] == b[1]  # the same top ids
+                torch.testing.assert_close(torch.tensor([a[0], *a[2]]),
+                                           torch.tensor([b[0], *b[2]]), rtol=tol, atol=tol)
 
 
 MODES = {"chain3": (1, 3)}

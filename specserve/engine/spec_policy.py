@@ -182,8 +182,9 @@ class AdaptivePolicy:
     cost table (speculative/profile.py) interpolated in B and rescaled per mode by the ratio
     of measured to tabled step times of pure decode steps (decayed, each ratio clipped to
     [1/2, 2]), plus, weighted by the share of steps that also carry prefill chunks, the
-    extra time such steps take in that mode (learnt: a speculative step runs the chunks as
-    a forward of their own, a plain step folds them into its one forward). A speculative
+    extra time such steps take in that mode (learnt: a tree's step runs the chunks as a
+    forward of their own, a chain's in its verify forward, a plain step in its one
+    forward). A speculative
     mode's step that carries chunks may also fold: its decodes run one token each in the
     chunks' forward, feeding the drafter (no catch-up after), at the plain step's time plus
     a learnt extra; fold() picks the better of the two per such step, and a mode's score
@@ -231,7 +232,8 @@ class AdaptivePolicy:
         self.switch_steps = {"on": 2.0, "off": 1.0, "mode": 1.0}
         # steps with prefill chunks: their share (decayed) and, per mode, their extra seconds
         # over the decode step (prior: a speculative step runs the chunks as a forward of
-        # their own, about one more small step; a plain step folds them into its forward)
+        # their own, about one more small step, as a tree's does; a chain's runs them in its
+        # verify forward and learns less; a plain step folds them into its forward)
         self.mixed_share = 0.0
         off_1 = _interpolate(self.costs["off"], 1)
         self.mixed_extra = {m: 0.0 if m == "off" else off_1 for m in costs}

@@ -12,6 +12,8 @@ Positions are explained in speculative/worker.py.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from specserve.kernels.kv_compact import compact_kv
@@ -36,6 +38,12 @@ from specserve.speculative.verify import (
 )
 
 MODES = ("greedy", "sample", "synthetic")
+
+# (tree, root positions [bs]) -> the target's final hidden states at the tree's nodes
+# [bs * n, H] and, when the proposer reads them, its features there [bs, n, F]: a forward the
+# caller runs over the nodes together with other rows (the prefill chunks of a chain cycle's
+# step: one pass over the weights for both)
+NodesForward = Callable[[DraftTree, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
 
 
 def kv_slots(page_table: torch.Tensor, pos: torch.Tensor, page_size: int,
@@ -81,20 +89,22 @@ class SpecCycle:
     def run(self, mode: str, state: torch.Tensor, root_pos: torch.Tensor,
             root_tokens: torch.Tensor, page_table: torch.Tensor, valid: torch.Tensor,
             st: SamplingTensors, proc: LogitsProcess | None = None,
-            logprobs_k: int = -1) -> tuple[torch.Tensor, ...]:
+            logprobs_k: int = -1, forward: NodesForward | None = None
+            ) -> tuple[torch.Tensor, ...]:
         """state [bs, S] (the proposer's state at P - 1); root_pos [bs] = P; root_tokens
         [bs]; page_table [bs, max_pages]; valid [bs]. Returns emitted [bs, W] (-1 padded),
         num_emitted [bs] and the proposer's new state [bs, S]; with logprobs_k >= 0 also the
         emitted tokens' raw log-probs (chosen [bs, W], top values and ids [bs, W, k]), from
         the target's logits at the accepted path's nodes. proc: the rows' logits processing
-        (eager cycles only)."""
+        (eager cycles only); forward: the target forward over the nodes, when the caller runs
+        it with more rows (eager cycles only, see NodesForward)."""
         tree = self.proposer.propose(self.shape, state, root_pos, root_tokens, page_table,
                                      valid)
         # KV slots of positions P .. P + lookahead (every slot the cycle writes past P), once
         span = torch.arange(self.lookahead + 1, device=root_pos.device)
         window = kv_slots(page_table, root_pos[:, None] + span, self.runner.page_size)
         result, feats, logits = self.verify(mode, tree, root_pos, page_table, valid, st,
-                                            window, proc)
+                                            window, proc, forward)
         if self.k > 1:
             self.compact_kv(result, window, valid)
         new_state = self.proposer.extend_accepted(self.shape, result, feats, root_pos,
@@ -108,7 +118,8 @@ class SpecCycle:
 
     def verify(self, mode: str, tree: DraftTree, root_pos: torch.Tensor,
                page_table: torch.Tensor, valid: torch.Tensor, st: SamplingTensors,
-               window: torch.Tensor, proc: LogitsProcess | None = None
+               window: torch.Tensor, proc: LogitsProcess | None = None,
+               forward: NodesForward | None = None
                ) -> tuple[VerifyResult, torch.Tensor | None, torch.Tensor]:
         """Target forward over the n tree nodes (node i at slot P + i, RoPE position
         P + depth, the ancestor mask), then acceptance. Returns the result, the aux
@@ -118,16 +129,19 @@ class SpecCycle:
         min_tokens and logit_bias alike."""
         runner, capture = self.runner, self.capture
         bs, n = tree.tokens.shape
-        slots = torch.where(valid[:, None], window[:, :n], -1)
-        md = runner.graph_metadata(slots, (root_pos + n).int(), page_table, n, tree.mask)
-        if capture is not None:
-            capture.enable()
-        hidden = runner.forward(tree.tokens.reshape(-1), tree.positions(root_pos).reshape(-1),
-                                md)
-        feats = None
-        if capture is not None:
-            feats = capture.pop().view(bs, n, -1)
-            capture.disable()
+        if forward is not None:
+            hidden, feats = forward(tree, root_pos)
+        else:
+            slots = torch.where(valid[:, None], window[:, :n], -1)
+            md = runner.graph_metadata(slots, (root_pos + n).int(), page_table, n, tree.mask)
+            if capture is not None:
+                capture.enable()
+            hidden = runner.forward(tree.tokens.reshape(-1),
+                                    tree.positions(root_pos).reshape(-1), md)
+            feats = None
+            if capture is not None:
+                feats = capture.pop().view(bs, n, -1)
+                capture.disable()
         raw = runner.compute_logits(hidden).view(bs, n, -1)  # [bs, n, V]
         v = raw.shape[-1]
         logits = raw

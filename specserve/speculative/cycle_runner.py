@@ -21,7 +21,7 @@ import torch
 
 from specserve.layers.logits_processor import LogitsProcess
 from specserve.layers.sampler import SamplingTensors, graph_sampling_inputs
-from specserve.speculative.cycle import MODES, SpecCycle
+from specserve.speculative.cycle import MODES, NodesForward, SpecCycle
 from specserve.worker.cuda_graph import BatchGraphs
 from specserve.worker.logits import logits_process, logprob_lists
 from specserve.worker.step_input import StepInput
@@ -122,12 +122,14 @@ class CycleRunner:
         st: SamplingTensors,
         proc: LogitsProcess | None = None,
         logprobs_k: int = -1,
+        forward: NodesForward | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """The cycle plus the inputs of the cycle after it, on the device: (emitted,
         num_emitted, new state, next root position, next root token), then the log-prob
         tensors when logprobs_k >= 0 (eager cycles only, see SpecCycle.run)."""
         emitted, num, new_state, *lp = self.cycle.run(
-            mode, state, root_pos, root_tokens, page_table, valid, st, proc, logprobs_k
+            mode, state, root_pos, root_tokens, page_table, valid, st, proc, logprobs_k,
+            forward
         )
         last = emitted.gather(1, (num - 1).clamp(min=0)[:, None]).squeeze(1)
         return emitted, num, new_state, root_pos + num, last, *lp
@@ -138,22 +140,25 @@ class CycleRunner:
 
     # -- one step ------------------------------------------------------------------------------
     def speculate(
-        self, rows: StepInput, state_of: Callable[[], torch.Tensor], launch_next: bool
+        self, rows: StepInput, state_of: Callable[[], torch.Tensor], launch_next: bool,
+        forward: NodesForward | None = None,
     ) -> tuple[list[list[int]], torch.Tensor]:
         """One cycle over the rows (all decodes at their roots). state_of() gives the rows'
         proposer state [bs, S] (not called when the cycle launched ahead holds every row).
         Returns each row's emitted tokens, the new state [bs, S] (a copy: graph outputs
-        are reused) and, when a row asks, per row the emitted tokens' log-prob entries."""
+        are reused) and, when a row asks, per row the emitted tokens' log-prob entries.
+        forward: the verify forward runs inside the caller's (an eager cycle; a cycle
+        launched ahead is dropped, none is launched)."""
         starts = rows.starts.tolist()
         launched, self._launched = self._launched, None
-        match = self.match(launched, rows.request_ids, starts)
+        match = None if forward is not None else self.match(launched, rows.request_ids, starts)
         if match is None:
             inputs = {
                 "state": state_of(),
                 "root_pos": rows.starts.copy(),
                 "root_tokens": rows.token_ids.copy(),
             }  # a decode row runs its root only
-            out = self.run(rows, inputs)
+            out = self.run(rows, inputs, forward)
         else:
             out = launched.outputs
             self.cycles_launched_ahead += 1
@@ -168,7 +173,7 @@ class CycleRunner:
         done = torch.cuda.Event() if self.runner.device.type == "cuda" else None
         if done is not None:
             done.record()
-        if launch_next and self.overlap:
+        if launch_next and self.overlap and forward is None:
             self._launch_next(rows, new_state, next_root, next_token)
         if done is not None:
             done.synchronize()  # this cycle's tokens only; the next cycle keeps running
@@ -184,9 +189,11 @@ class CycleRunner:
                         for j, (k, t) in enumerate(zip(rows.logprobs.tolist(), tokens))]
         return tokens, new_state, logprobs
 
-    def run(self, rows: StepInput, inputs: dict[str, object]) -> tuple[torch.Tensor, ...]:
+    def run(self, rows: StepInput, inputs: dict[str, object],
+            forward: NodesForward | None = None) -> tuple[torch.Tensor, ...]:
         """Launch one cycle over the rows (inputs: state, root_pos, root_tokens, host or
-        device values); returns its device outputs (see _cycle)."""
+        device values); returns its device outputs (see _cycle). forward: the caller runs
+        the verify forward (eager)."""
         runner = self.runner
         mode = (
             self.modes[0] if len(self.modes) == 1 else "greedy" if rows.greedy.all() else "sample"
@@ -194,7 +201,8 @@ class CycleRunner:
         table, width = runner.page_table(rows)
         inputs.update(page_table=table, valid=np.ones(rows.bs, dtype=bool))
         graphs = self.graphs.get(mode) if self.graphs else None
-        if graphs is not None and rows.bs <= graphs.max_bs and not rows.eager:
+        if graphs is not None and rows.bs <= graphs.max_bs and not rows.eager \
+                and forward is None:
             inputs.update(runner.sampling_fields(rows))
             return graphs.replay(rows.bs, widths={"page_table": width}, **inputs)
         # counters are unused: verification keys its noise by root position
@@ -210,7 +218,12 @@ class CycleRunner:
             st,
             logits_process(runner, rows, runner.model_config.vocab_size),
             int(rows.logprobs.max()),
+            forward,
         )
+
+    def holds(self, rows: StepInput) -> bool:
+        """The cycle launched ahead holds every one of these rows at its root."""
+        return self.match(self._launched, rows.request_ids, rows.starts.tolist()) is not None
 
     @staticmethod
     def match(

@@ -49,6 +49,7 @@ from specserve.speculative.cycle import SpecCycle
 from specserve.speculative.cycle_runner import CycleRunner
 from specserve.speculative.draft_state import DraftState
 from specserve.speculative.features import FeatureView
+from specserve.speculative.mixed import ChunksInVerify
 from specserve.speculative.proposer import DraftShape, Proposer, draft_shapes
 from specserve.worker.logits import logprob_lists, prompt_logprobs, sample_logits
 from specserve.worker.step_input import StepInput, StepOutput
@@ -70,6 +71,7 @@ class SpecCounters:
     accepted_per_pos: list[int] = field(default_factory=list)
     num_catch_ups: int = 0  # rows whose proposer caught up after plain steps
     num_catch_up_tokens: int = 0  # positions it caught up over
+    num_chunks_in_verify: int = 0  # steps whose prefill chunks ran in a chain's verify forward
     # steps per mode ("off": plain; "fold": decodes folded into prefill chunks' forward)
     mode_steps: dict[str, int] = field(default_factory=dict)
     method_drafts: dict[str, int] = field(default_factory=dict)  # cycles per drafter
@@ -105,6 +107,8 @@ class SpecWorker:
         self.stateful = [d for d in self.drafts.values() if d.keeps_state]
         # tokens per catch-up forward: the scheduler's budget (what activations were sized for)
         self.catch_up_tokens = runner.config.scheduler.max_num_batched_tokens
+        # a chain cycle's verify forward runs the step's prefill chunks too
+        self.chunks_in_verify = True
         # one capture over every drafter's aux layers; each reads its own through a view
         readers = {m: p for m, p in self.proposers.items() if p.needs_target_features}
         self.capture = None
@@ -295,17 +299,30 @@ class SpecWorker:
                                         if self._can_speculate(step, i, mode)]
         spec = set(decodes)
         others = [i for i in range(step.bs) if i not in spec]
-        if others:
+        rows = step.select(decodes) if decodes else None
+        # a chain's verify forward takes the prefill chunks along (speculative/mixed.py),
+        # unless this step's cycle was launched ahead already (its verify is on the device)
+        chunks = None
+        if others and rows is not None and mode.shape.topk == 1 and self.chunks_in_verify \
+                and not mode.cycles.holds(rows):
+            chunks = ChunksInVerify(self.runner, step.select(others), rows, self.capture,
+                                    self.views.get(mode.method))
+            self.counters.num_chunks_in_verify += 1
+        elif others:
             self._target_rows(step.select(others), others, tokens, logprobs, prompt_lps)
-        if decodes:
-            rows = step.select(decodes)
+        if rows is not None:
             self._catch_up(mode.draft, rows)
             draft = mode.draft
-            # requests finishing their prefill here speculate next step: no launch ahead
-            joining = bool(step.samples[others].any()) if others else False
+            # no launch ahead while prefill chunks run: a request finishing its prefill here
+            # speculates next step (the launch would not hold it), and a chunk that goes on
+            # runs next step in the verify forward of a cycle launched then
             emitted, new_state, lps = mode.cycles.speculate(
-                rows, lambda: draft.states(rows, mode.shape), launch_next=not joining
+                rows, lambda: draft.states(rows, mode.shape), launch_next=not others,
+                forward=chunks
             )
+            if chunks is not None:
+                self._target_rows(chunks.chunks, others, tokens, logprobs, prompt_lps,
+                                  ran=(chunks.batch, chunks.hidden, chunks.feats))
             proposed = mode.shape.num_draft_tokens - 1
             roots = rows.token_ids.tolist()  # one token per decode row
             for j, (i, rid) in enumerate(zip(decodes, rows.request_ids)):
@@ -326,9 +343,12 @@ class SpecWorker:
                           prompt_lps)
 
     def _target_rows(self, rows: StepInput, index: list[int], tokens: list[list[int]],
-                     logprobs: list | None, prompt_lps: list | None) -> None:
+                     logprobs: list | None, prompt_lps: list | None,
+                     ran: tuple | None = None) -> None:
         """Plain target forward over rows that do not speculate; the prefill chunks that may
-        speculate and whose proposers are caught up then feed them (pairs f_i, t_{i+1})."""
+        speculate and whose proposers are caught up then feed them (pairs f_i, t_{i+1}).
+        ran: (batch, hidden, features or None) of a forward that ran them already (a chain
+        cycle's verify forward)."""
         runner = self.runner
         starts, ids = rows.starts.tolist(), rows.request_ids
         feeds = {
@@ -336,17 +356,22 @@ class SpecWorker:
                 if rows.speculate[j] and d.caught_up(ids[j], starts[j])]
             for d in self.stateful
         }
-        capture = None
-        if any(feed and d.method in self.views for d, feed in feeds.items()):
-            capture = self.capture
-        batch = runner.prepare(rows)
-        if capture is not None:
-            capture.enable()
-        hidden = runner.forward(batch.input_ids, batch.positions, batch.md)
-        feats = None
-        if capture is not None:
-            feats = capture.pop()  # [T, F]
-            capture.disable()
+        if ran is not None:
+            batch, hidden, feats = ran
+            if feats is None:  # nothing captured: features are fed to no one
+                feeds = {d: [] if d.method in self.views else f for d, f in feeds.items()}
+        else:
+            capture = None
+            if any(feed and d.method in self.views for d, feed in feeds.items()):
+                capture = self.capture
+            batch = runner.prepare(rows)
+            if capture is not None:
+                capture.enable()
+            hidden = runner.forward(batch.input_ids, batch.positions, batch.md)
+            feats = None
+            if capture is not None:
+                feats = capture.pop()  # [T, F]
+                capture.disable()
         if prompt_lps is not None:
             for j, entries in enumerate(prompt_logprobs(runner, rows, hidden) or []):
                 prompt_lps[index[j]] = entries
