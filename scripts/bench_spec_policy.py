@@ -72,6 +72,7 @@ def run(engine, prompts: list[list[int]], output_len: int, concurrency: int) -> 
     last: tuple[float, int] | None = None  # at the last admission
     stats = engine.stats()
     before = dict(stats.get("mode_steps", {}))
+    in_verify = stats.get("num_chunks_in_verify", 0)
     seconds_before = dict(stats.get("step_seconds", {}))
     t0 = time.perf_counter()
     while pending or in_flight:
@@ -103,7 +104,9 @@ def run(engine, prompts: list[list[int]], output_len: int, concurrency: int) -> 
         window, tokens = seconds, done_tokens
     return {"tok_s": tokens / window, "tok_s_all": done_tokens / seconds, "seconds": seconds,
             "window_s": window, "tokens": done_tokens,
-            "mode_steps": {m: n for m, n in steps.items() if n}, "step_seconds": by_kind}
+            "mode_steps": {m: n for m, n in steps.items() if n}, "step_seconds": by_kind,
+            # steps whose prefill chunks ran in a chain's verify forward
+            "chunks_in_verify": stats.get("num_chunks_in_verify", 0) - in_verify}
 
 
 def use(engine, name: str, shapes: dict, table: dict) -> None:
@@ -173,6 +176,8 @@ def sweep(engine, args, levels: list[int], modes: list[str], rate: float, comm: 
                     acc[0] += n
                     acc[1] += t
             per = ", ".join(f"{k} {1e3 * t / n:.1f} ms x{n}" for k, (n, t) in sorted(kinds.items()))
+            joined = sum(r["chunks_in_verify"] for r in rs)
+            per += f"; chunks in verify x{joined}" if joined else ""
             print(f"C={c} {name}: {point[name]['tok_s']:.1f} tok/s{spread} (whole run "
                   f"{point[name]['tok_s_all']:.1f}) {steps}" + (f" [{per}]" if per else ""),
                   flush=True)

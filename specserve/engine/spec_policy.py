@@ -231,12 +231,14 @@ class AdaptivePolicy:
         # discarded launch ahead; a catch-up forward on the way back on)
         self.switch_steps = {"on": 2.0, "off": 1.0, "mode": 1.0}
         # steps with prefill chunks: their share (decayed) and, per mode, their extra seconds
-        # over the decode step (prior: a speculative step runs the chunks as a forward of
-        # their own, about one more small step, as a tree's does; a chain's runs them in its
-        # verify forward and learns less; a plain step folds them into its forward)
+        # over the decode step (prior: a tree's step runs the chunks as a forward of their
+        # own, about one more small step; a chain's runs them in its verify forward, eagerly:
+        # a quarter of that; a plain step folds them into its forward)
         self.mixed_share = 0.0
         off_1 = _interpolate(self.costs["off"], 1)
-        self.mixed_extra = {m: 0.0 if m == "off" else off_1 for m in costs}
+        self.mixed_extra = {m: 0.0 if m == "off" else off_1 / 4
+                            if m in self.modes and self.modes[m][1] == 1 else off_1
+                            for m in costs}
         self.mixed_extra["fold"] = 0.0  # a folded step over the plain one (the drafter's feed)
         self.current: str | None = next(iter(modes))
         self.since_switch = dwell  # the first decision needs no dwell: the start is no switch
