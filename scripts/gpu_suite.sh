@@ -364,7 +364,11 @@ if has policy; then
   # mode and the adaptive policy in one engine; random per-request synthetic acceptance with
   # mean AL ~2.5 (rate 0.65) and ~1.5 (rate 0.3) at chain 3; dummy 8B weights. Also prints
   # the start-up cost table (its measuring time is in the log) and the GPU spec-policy tests.
-  if tests_too; then
+  # The whole step runs ~25 min: POLICY_PARTS picks parts (default all) to fit a time limit,
+  # e.g. POLICY_PARTS=tests,0.65 then 0.3 then pcie,pair (~9, ~7 and ~9 min on an H100).
+  pparts=",${POLICY_PARTS:-tests,0.65,0.3,pcie,pair},"
+  ppart() { [[ $pparts == *",$1,"* ]]; }
+  if tests_too && ppart tests; then
     timeout 300 python -m pytest -q -m gpu -rfE --tb=short -p no:cacheprovider \
       tests/test_spec_proposers.py tests/test_spec_fold.py > "$out/policy_tests.log" 2>&1
     echo "policy tests rc=$?"; tail -4 "$out/policy_tests.log"
@@ -372,6 +376,7 @@ if has policy; then
   # one invocation per rate (4 requests a slot and every configuration warmed up at each
   # concurrency: ~7 min each); reports under policy-R/
   for rate in 0.65 0.3; do
+    ppart "$rate" || continue
     timeout 580 python scripts/bench_spec_policy.py --model llama-3.1-8b \
       --concurrency 1,2,4,8,16,32,64,128,256 --modes chain3,chain1,chain2,tree4x3x8 \
       --accept-rate "$rate" --output-len 64 --prompt-len 128 --min-requests 12 --repeats 1 \
@@ -381,15 +386,17 @@ if has policy; then
   done
   # the comm-bound regime: every all-reduce of a TP-8 model costs the 8-GPU PCIe table's
   # latency (rank 0's shard computes), so speculation's verify got expensive
-  timeout 580 python scripts/bench_spec_policy.py --model llama-3.1-8b \
-    --concurrency 1,2,4,8,16,32,64,128,256 --modes chain3,chain1,chain2,tree4x3x8 \
-    --accept-rate 0.65 --output-len 64 --prompt-len 128 --min-requests 12 --repeats 1 \
-    --emulate-comm pcie-nccl-8gpu \
-    --emulate-compute shard --out "$out/policy-pcie" --log --exp-dir experiments \
-    --label "llama-3.1-8b policy sweep rate 0.65 PCIe-TP8 shard" > "$out/policy-pcie.log" 2>&1
-  echo "policy PCIe TP8 rc=$?"; grep -v "^ " "$out/policy-pcie.log" | grep -v INFO | tail -14
+  if ppart pcie; then
+    timeout 580 python scripts/bench_spec_policy.py --model llama-3.1-8b \
+      --concurrency 1,2,4,8,16,32,64,128,256 --modes chain3,chain1,chain2,tree4x3x8 \
+      --accept-rate 0.65 --output-len 64 --prompt-len 128 --min-requests 12 --repeats 1 \
+      --emulate-comm pcie-nccl-8gpu \
+      --emulate-compute shard --out "$out/policy-pcie" --log --exp-dir experiments \
+      --label "llama-3.1-8b policy sweep rate 0.65 PCIe-TP8 shard" > "$out/policy-pcie.log" 2>&1
+    echo "policy PCIe TP8 rc=$?"; grep "adaptive /\|Error" "$out/policy-pcie.log" | tail -3
+  fi
   # real acceptance: the bundled pair on its code prompts
-  if [ -d "$pair" ]; then
+  if [ -d "$pair" ] && ppart pair; then
     timeout 300 python scripts/bench_spec_policy.py --model "$pair" --load-format auto \
       --draft-model "$head" --concurrency 1,16,64 --modes chain3,chain1,chain2,tree4x3x8 \
       --accept-rate 0 --prompts code --prompt-len 128 --output-len 96 --min-requests 8 \
