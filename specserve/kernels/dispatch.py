@@ -16,8 +16,8 @@ try:
 except ImportError:  # CPU-only install: kernel modules still import; their references work
     triton = tl = None
 
-    def jit(fn):  # type: ignore[no-redef]
-        return fn
+    def jit(fn=None, **_options):  # type: ignore[no-redef]
+        return fn if fn is not None else (lambda f: f)
 
 
 def next_power_of_2(n: int) -> int:

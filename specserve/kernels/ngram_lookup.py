@@ -32,7 +32,9 @@ def _token_at(hist_ptr, table_row, pos, ok, PAGE_SIZE: tl.constexpr):
     return tl.load(hist_ptr + page * PAGE_SIZE + safe % PAGE_SIZE, mask=ok, other=-1)
 
 
-@jit
+# the page-table width (stride_t, num_chunks) changes from step to step in eager cycles:
+# specialized on it, each new value class (1, a multiple of 16, other) would compile anew
+@jit(do_not_specialize=["stride_t", "num_chunks"])
 def _ngram_ends_kernel(
     hist_ptr, table_ptr, stride_t, root_pos_ptr, root_tok_ptr, length_ptr, out_ptr, num_chunks,
     PAGE_SIZE: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr, CHUNK_ENDS: tl.constexpr,
