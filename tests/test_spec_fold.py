@@ -77,11 +77,12 @@ def _workload(seed: int = 3) -> tuple[list[list[int]], list[SamplingParams]]:
     return prompts, params
 
 
-def _llm(pair, device: str, num_pages: int, spec: bool = True) -> LLM:
+def _llm(pair, device: str, num_pages: int, spec: bool = True, **extra) -> LLM:
     kw = dict(device=device, dtype="float32", cache=CacheConfig(page_size=4, num_pages=num_pages),
-              scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16))
+              scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=24))
     if spec:
-        kw["speculative_config"] = dict(algorithm="eagle3", draft_model=pair[1], num_steps=3)
+        kw["speculative_config"] = dict(algorithm="eagle3", draft_model=pair[1], num_steps=3,
+                                        modes="tree2x2x4", **extra)
     return LLM(pair[0], **kw)
 
 
@@ -155,24 +156,38 @@ def test_folded_steps_under_preemption(pair, device: str) -> None:
     assert small.engine.allocator.num_free == small.engine.allocator.num_total
 
 
-def test_chunks_in_the_verify_forward_equal_two_forwards(pair, device: str) -> None:
+@pytest.mark.parametrize("accept", ["real", "synthetic"])
+@pytest.mark.parametrize("mode", ["chain3", "tree2x2x4"])
+def test_chunks_in_the_verify_forward_equal_two_forwards(pair, device: str, mode: str,
+                                                         accept: str) -> None:
+    """A chain's nodes in one causal forward with the chunks; a tree's under SplitMetadata
+    (attention per range, every other layer once). The random pair accepts nothing, so only
+    each root's logits and features count there: the synthetic acceptance (0.7 a draft)
+    accepts nodes past the root, whose features feed the drafter and whose logits give the
+    bonus token (a wrong node mask or position changes them); its tokens are no plain
+    decoding's, so those runs are compared with each other only."""
     prompts, params = _workload(seed=5)
     for i in (1, 4):  # log-probs of the emitted tokens, and of the prompt (its chunks)
         params[i] = SamplingParams(temperature=0, max_tokens=params[i].max_tokens,
                                    ignore_eos=True, logprobs=2, prompt_logprobs=1)
     ref = [o.token_ids for o in _llm(pair, device, 512, spec=False).generate(prompts, params)]
+    extra = dict(synthetic_accept_rate=0.7) if accept == "synthetic" else {}
     runs = {}
     for together in (True, False):
-        llm = _llm(pair, device, 512)
-        llm.engine.spec_policy = StaticPolicy("chain3")
+        llm = _llm(pair, device, 512, **extra)
+        llm.engine.spec_policy = StaticPolicy(mode)
         llm.engine.drafter.chunks_in_verify = together
         states = _states_after_each_step(llm)
         outs = llm.generate(prompts, params)
-        assert [o.token_ids for o in outs] == ref
+        if accept == "real":
+            assert [o.token_ids for o in outs] == ref
         runs[together] = outs, states, llm.engine.drafter.counters
     (outs, states, c), (outs2, states2, c2) = runs[True], runs[False]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in outs2]
     assert c.num_chunks_in_verify > 5 and c2.num_chunks_in_verify == 0, c
     assert c.num_drafts == c2.num_drafts and c.accepted_per_pos == c2.accepted_per_pos
+    if accept == "synthetic":
+        assert sum(c.accepted_per_pos[1:]) > 10, c.accepted_per_pos  # nodes past depth 1
     assert states.keys() == states2.keys() and len(states) > 50
     tol = 1e-5 if device == "cpu" else 1e-3
     for key, row in states.items():

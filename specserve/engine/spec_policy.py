@@ -182,9 +182,9 @@ class AdaptivePolicy:
     cost table (speculative/profile.py) interpolated in B and rescaled per mode by the ratio
     of measured to tabled step times of pure decode steps (decayed, each ratio clipped to
     [1/2, 2]), plus, weighted by the share of steps that also carry prefill chunks, the
-    extra time such steps take in that mode (learnt: a tree's step runs the chunks as a
-    forward of their own, a chain's in its verify forward, a plain step in its one
-    forward). A speculative
+    extra time such steps take in that mode (learnt: a speculative step runs the chunks in
+    its verify forward, or, a tree's on an MLA target, as a forward of their own; a plain
+    step in its one forward). A speculative
     mode's step that carries chunks may also fold: its decodes run one token each in the
     chunks' forward, feeding the drafter (no catch-up after), at the plain step's time plus
     a learnt extra; fold() picks the better of the two per such step, and a mode's score
@@ -231,14 +231,12 @@ class AdaptivePolicy:
         # discarded launch ahead; a catch-up forward on the way back on)
         self.switch_steps = {"on": 2.0, "off": 1.0, "mode": 1.0}
         # steps with prefill chunks: their share (decayed) and, per mode, their extra seconds
-        # over the decode step (prior: a tree's step runs the chunks as a forward of their
-        # own, about one more small step; a chain's runs them in its verify forward, eagerly:
-        # a quarter of that; a plain step folds them into its forward)
+        # over the decode step (prior: a speculative step runs the chunks in its verify
+        # forward, eagerly: a quarter of a small step; a plain step folds them into its
+        # forward)
         self.mixed_share = 0.0
         off_1 = _interpolate(self.costs["off"], 1)
-        self.mixed_extra = {m: 0.0 if m == "off" else off_1 / 4
-                            if m in self.modes and self.modes[m][1] == 1 else off_1
-                            for m in costs}
+        self.mixed_extra = {m: 0.0 if m == "off" else off_1 / 4 for m in costs}
         self.mixed_extra["fold"] = 0.0  # a folded step over the plain one (the drafter's feed)
         self.current: str | None = next(iter(modes))
         self.since_switch = dwell  # the first decision needs no dwell: the start is no switch

@@ -14,7 +14,11 @@ import torch
 from torch import nn
 
 from specserve.kv_cache.spec import KVCacheSpec
-from specserve.layers.attention_metadata import AttentionMetadata, get_forward_context
+from specserve.layers.attention_metadata import (
+    AttentionMetadata,
+    SplitMetadata,
+    get_forward_context,
+)
 
 
 class AttentionBackend(Protocol):
@@ -74,6 +78,8 @@ class Attention(CachedAttention):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
+    takes_split = True  # SplitMetadata: a forward whose token ranges attend differently
+
     @property
     def kv_spec(self) -> KVCacheSpec:
         return KVCacheSpec.mha(self.num_kv_heads, self.head_dim)
@@ -88,14 +94,20 @@ class Attention(CachedAttention):
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        extra = {}
+        fused_rope = False
         if rotary is not None:
             if getattr(ctx.backend, "fuses_rope", False) and rotary.fusable(q, k):
-                extra["rope"] = (positions, rotary.table())
+                fused_rope = True
             else:
                 q, k = rotary(positions, q, k)
-        out = ctx.backend.forward(q, k, v, self.k_cache, self.v_cache, ctx.metadata, self.scale,
-                                  **extra)
+        md = ctx.metadata
+        parts = md.parts if isinstance(md, SplitMetadata) else [(0, q.shape[0], md)]
+        outs = []
+        for a, b, part in parts:
+            extra = {"rope": (positions[a:b], rotary.table())} if fused_rope else {}
+            outs.append(ctx.backend.forward(q[a:b], k[a:b], v[a:b], self.k_cache, self.v_cache,
+                                            part, self.scale, **extra))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out.reshape(-1, self.num_heads * self.head_dim)  # [T, num_heads * head_dim]
 
 

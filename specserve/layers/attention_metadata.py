@@ -49,6 +49,20 @@ class AttentionMetadata:
 
 
 @dataclass
+class SplitMetadata:
+    """One forward whose tokens fall in consecutive ranges, each attending with its own
+    metadata (prefill chunks causal, a draft tree's nodes under their ancestor mask): every
+    layer but attention runs once over all the tokens; attention runs once a range. Only
+    `Attention` (MHA/GQA) takes it (`Attention.takes_split`)."""
+
+    parts: list[tuple[int, int, AttentionMetadata]]  # (first token, end token, metadata)
+
+    @property
+    def max_seq_len(self) -> int:  # what the rotary table must cover
+        return max(md.max_seq_len for _, _, md in self.parts)
+
+
+@dataclass
 class ForwardContext:
     metadata: AttentionMetadata | None
     backend: object  # an AttentionBackend

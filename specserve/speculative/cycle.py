@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from specserve.kernels.kv_compact import compact_kv
+from specserve.layers.attention_metadata import AttentionMetadata
 from specserve.layers.logits_processor import LogitsProcess, token_logprobs
 from specserve.layers.sampler import (
     SYNTHETIC_DRAW_SALT,
@@ -39,11 +40,12 @@ from specserve.speculative.verify import (
 
 MODES = ("greedy", "sample", "synthetic")
 
-# (tree, root positions [bs]) -> the target's final hidden states at the tree's nodes
-# [bs * n, H] and, when the proposer reads them, its features there [bs, n, F]: a forward the
-# caller runs over the nodes together with other rows (the prefill chunks of a chain cycle's
-# step: one pass over the weights for both)
-NodesForward = Callable[[DraftTree, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
+# (tree, root positions [bs], the nodes' attention metadata) -> the target's final hidden
+# states at the tree's nodes [bs * n, H] and, when the proposer reads them, its features there
+# [bs, n, F]: a forward the caller runs over the nodes together with other rows (the prefill
+# chunks of the cycle's step: one pass over the weights for both)
+NodesForward = Callable[[DraftTree, torch.Tensor, AttentionMetadata],
+                        tuple[torch.Tensor, torch.Tensor | None]]
 
 
 def kv_slots(page_table: torch.Tensor, pos: torch.Tensor, page_size: int,
@@ -129,11 +131,11 @@ class SpecCycle:
         min_tokens and logit_bias alike."""
         runner, capture = self.runner, self.capture
         bs, n = tree.tokens.shape
+        slots = torch.where(valid[:, None], window[:, :n], -1)
+        md = runner.graph_metadata(slots, (root_pos + n).int(), page_table, n, tree.mask)
         if forward is not None:
-            hidden, feats = forward(tree, root_pos)
+            hidden, feats = forward(tree, root_pos, md)
         else:
-            slots = torch.where(valid[:, None], window[:, :n], -1)
-            md = runner.graph_metadata(slots, (root_pos + n).int(), page_table, n, tree.mask)
             if capture is not None:
                 capture.enable()
             hidden = runner.forward(tree.tokens.reshape(-1),

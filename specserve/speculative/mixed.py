@@ -1,21 +1,30 @@
-"""A chain cycle's verify forward that also runs the step's prefill chunks.
+"""A speculative cycle's verify forward that also runs the step's prefill chunks.
 
 A speculative step that carries prefill chunks would otherwise read the target's weights
-twice: a forward over the chunks, then the cycle's verify forward over the draft nodes. For a
-chain (topk 1) the nodes of a row are a causal extend: node i at position P + i, its
-ancestors the nodes before it, its KV at slot P + i. So the chunks and every row's nodes go
-in one causal forward (the chunks' tokens first), and its hidden states and features are
-split between the cycle (nodes) and the worker (chunks: sampling, prompt log-probs, feeding
-the drafters). Trees keep their own verify forward (a tree mask).
+twice: a forward over the chunks, then the cycle's verify forward over the draft nodes. Here
+the chunks' tokens and the nodes go in one forward (chunks first), and its hidden states and
+features are split between the cycle (nodes) and the worker (chunks: sampling, prompt
+log-probs, feeding the drafters). For a chain (topk 1) a row's nodes are a causal extend
+(node i at position P + i, its ancestors the nodes before it, its KV at slot P + i): one
+causal attention over everything. For a tree, attention runs per range (SplitMetadata: the
+chunks causal, the nodes under their ancestor mask) and every other layer once; only MHA/GQA
+attention takes that, so MLA targets keep a tree's own verify forward.
 """
 
 from __future__ import annotations
 
 import torch
 
+from specserve.layers.attention_metadata import AttentionMetadata, SplitMetadata
 from specserve.speculative.tree import DraftTree
 from specserve.worker.forward_batch import build_attention_metadata
 from specserve.worker.step_input import StepInput
+
+
+def takes_trees(runner) -> bool:
+    """Every attention layer of the target takes a SplitMetadata (MHA/GQA): a tree's verify
+    forward can carry chunks (MLA's keep their own forward for trees)."""
+    return all(getattr(m, "takes_split", False) for m in runner.attn_layers)
 
 
 class ChunksInVerify:
@@ -23,35 +32,41 @@ class ChunksInVerify:
     the call, `batch`, `hidden` [T, H] and `feats` [T, F] (None: nothing captured) are the
     chunk rows' as the worker's own forward over them would give."""
 
-    def __init__(self, runner, chunks: StepInput, decodes: StepInput, capture, view) -> None:
-        """chunks: the prefill rows; decodes: the cycle's rows, in its order; capture: the
-        worker's capture over every drafter's aux layers (None: none is needed, neither by
+    def __init__(self, runner, chunks: StepInput, decodes: StepInput, capture, view,
+                 chain: bool) -> None:
+        """chunks: the prefill rows; decodes: the cycle's rows, in its order; chain: the
+        cycle's draft is a chain (topk 1; else a tree: takes_trees(runner) must hold);
+        capture: the worker's capture over every drafter's aux layers (None: none is needed, neither by
         the cycle nor to feed the chunks); view: the cycle's drafter's FeatureView over it
         (None: its proposer reads no features)."""
-        self.runner, self.capture, self.view = runner, capture, view
+        self.runner, self.capture, self.view, self.chain = runner, capture, view, chain
         self.batch = runner.prepare(chunks)
         self.chunks = chunks
         self.node_pages = decodes.page_lists()
         self.hidden: torch.Tensor | None = None
         self.feats: torch.Tensor | None = None
 
-    def __call__(self, tree: DraftTree, root_pos: torch.Tensor
+    def __call__(self, tree: DraftTree, root_pos: torch.Tensor, nodes_md: AttentionMetadata
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         runner, chunks = self.runner, self.chunks
         bs, n = tree.tokens.shape
-        roots = root_pos.tolist()
-        q_lens = chunks.num_new_tokens.tolist() + [n] * bs
-        seq_lens = (chunks.starts + chunks.num_new_tokens).tolist() + [p + n for p in roots]
-        # each decode row owns the pages of P .. P + n - 1 (the scheduler reserved them)
-        assert len(self.node_pages) == bs
-        pages = chunks.page_lists() + self.node_pages
-        md = build_attention_metadata(q_lens, seq_lens, pages, runner.page_size, runner.device)
+        t = self.batch.input_ids.numel()
+        if self.chain:  # one causal extend over chunks and nodes
+            roots = root_pos.tolist()
+            q_lens = chunks.num_new_tokens.tolist() + [n] * bs
+            seq_lens = (chunks.starts + chunks.num_new_tokens).tolist() + [p + n for p in roots]
+            # each decode row owns the pages of P .. P + n - 1 (the scheduler reserved them)
+            assert len(self.node_pages) == bs
+            pages = chunks.page_lists() + self.node_pages
+            md = build_attention_metadata(q_lens, seq_lens, pages, runner.page_size,
+                                          runner.device)
+        else:  # a tree: attention per range, the nodes under their ancestor mask
+            md = SplitMetadata([(0, t, self.batch.md), (t, t + bs * n, nodes_md)])
         ids = torch.cat([self.batch.input_ids, tree.tokens.reshape(-1)])
         positions = torch.cat([self.batch.positions, tree.positions(root_pos).reshape(-1)])
         if self.capture is not None:
             self.capture.enable()
         hidden = runner.forward(ids, positions, md)
-        t = self.batch.input_ids.numel()
         self.hidden = hidden[:t]
         feats = None
         if self.capture is not None:

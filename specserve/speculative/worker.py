@@ -49,7 +49,7 @@ from specserve.speculative.cycle import SpecCycle
 from specserve.speculative.cycle_runner import CycleRunner
 from specserve.speculative.draft_state import DraftState
 from specserve.speculative.features import FeatureView
-from specserve.speculative.mixed import ChunksInVerify
+from specserve.speculative.mixed import ChunksInVerify, takes_trees
 from specserve.speculative.proposer import DraftShape, Proposer, draft_shapes
 from specserve.worker.logits import logprob_lists, prompt_logprobs, sample_logits
 from specserve.worker.step_input import StepInput, StepOutput
@@ -107,8 +107,9 @@ class SpecWorker:
         self.stateful = [d for d in self.drafts.values() if d.keeps_state]
         # tokens per catch-up forward: the scheduler's budget (what activations were sized for)
         self.catch_up_tokens = runner.config.scheduler.max_num_batched_tokens
-        # a chain cycle's verify forward runs the step's prefill chunks too
+        # a cycle's verify forward runs the step's prefill chunks too (a tree's: MHA/GQA only)
         self.chunks_in_verify = True
+        self.trees_split = takes_trees(runner)
         # one capture over every drafter's aux layers; each reads its own through a view
         readers = {m: p for m, p in self.proposers.items() if p.needs_target_features}
         self.capture = None
@@ -300,13 +301,14 @@ class SpecWorker:
         spec = set(decodes)
         others = [i for i in range(step.bs) if i not in spec]
         rows = step.select(decodes) if decodes else None
-        # a chain's verify forward takes the prefill chunks along (speculative/mixed.py),
+        # the cycle's verify forward takes the prefill chunks along (speculative/mixed.py),
         # unless this step's cycle was launched ahead already (its verify is on the device)
         chunks = None
-        if others and rows is not None and mode.shape.topk == 1 and self.chunks_in_verify \
+        chain = mode.shape.topk == 1
+        if others and rows is not None and self.chunks_in_verify and (chain or self.trees_split) \
                 and not mode.cycles.holds(rows):
             chunks = ChunksInVerify(self.runner, step.select(others), rows, self.capture,
-                                    self.views.get(mode.method))
+                                    self.views.get(mode.method), chain)
             self.counters.num_chunks_in_verify += 1
         elif others:
             self._target_rows(step.select(others), others, tokens, logprobs, prompt_lps)
