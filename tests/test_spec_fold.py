@@ -21,19 +21,15 @@ import random
 import pytest
 import torch
 from tiny_eagle import make_tiny_pair
+from tiny_models import device_fixture
 
 from specserve.config import CacheConfig, SchedulerConfig
 from specserve.engine.spec_policy import AdaptivePolicy, StaticPolicy, _interpolate
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
 
-
-@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def device(request: pytest.FixtureRequest) -> str:
-    """CPU, and (marked gpu) CUDA, where the speculative steps are graph replays."""
-    if request.param == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    return request.param
+# CPU, and (marked gpu) CUDA, where the speculative steps are graph replays
+device = device_fixture(globals())
 
 
 @pytest.fixture(scope="module")

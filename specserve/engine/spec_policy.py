@@ -10,6 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from specserve.engine.acceptance import AcceptanceEstimates
+
+__all__ = ["AcceptanceEstimates", "AdaptivePolicy", "ScriptedPolicy", "SpecPolicy",
+           "StaticPolicy"]
+
 
 class SpecPolicy(Protocol):
     needs_batch: bool  # choose() reads the ids of the requests about to decode
@@ -78,99 +83,6 @@ class ScriptedPolicy(_Fixed):
         mode = self.pattern[self.steps % len(self.pattern)]
         self.steps += 1
         return mode
-
-
-class AcceptanceEstimates:
-    """Per request and per draft family (the mode's drafter and topk), the conditional
-    acceptance at each depth d: P(depth d accepted | depth d - 1 was), from decayed counts of
-    the request's own cycles, shrunk toward the family's global estimate (new requests start
-    there). A family is (method, topk); `method` "" is the primary drafter."""
-
-    def __init__(self, max_depth: int, decay: float = 0.9, prior: float = 0.6,
-                 prior_weight: float = 4.0) -> None:
-        self.max_depth = max_depth
-        self.decay, self.prior, self.prior_weight = decay, prior, prior_weight
-        # (request id | None for global, topk | (method, topk)) -> ([hits per depth],
-        # [trials per depth]); the primary drafter's family is its bare topk
-        self._counts: dict[tuple[str | None, object], tuple[list[float], list[float]]] = {}
-
-    def _row(self, key: tuple[str | None, object]) -> tuple[list[float], list[float]]:
-        row = self._counts.get(key)
-        if row is None:
-            row = self._counts[key] = ([0.0] * self.max_depth, [0.0] * self.max_depth)
-        return row
-
-    @staticmethod
-    def family(topk: int, method: str = "") -> object:
-        return (method, topk) if method else topk
-
-    def observe(self, request_id: str, topk: int, depth: int, accepted: int,
-                method: str = "") -> None:
-        """One cycle of a mode of this drafter, topk and depth that accepted `accepted`
-        drafts."""
-        self.observe_step({request_id: accepted}, topk, depth, method)
-
-    def observe_step(self, accepted: dict[str, int], topk: int, depth: int,
-                     method: str = "") -> None:
-        """One step's cycles (request id -> drafts accepted) of one mode: each request's own
-        counts as observe() does; the global counts once, decayed by 0.99 per cycle."""
-        fam = self.family(topk, method)
-        tried, hit = [0.0] * depth, [0.0] * depth
-        for request_id, m in accepted.items():
-            hits, trials = self._row((request_id, fam))
-            for d in range(depth):
-                hits[d] *= self.decay
-                trials[d] *= self.decay
-            for d in range(min(m + 1, depth)):  # depth d + 1 was tried
-                trials[d] += 1.0
-                tried[d] += 1.0
-                if d < m:
-                    hits[d] += 1.0
-                    hit[d] += 1.0
-        if accepted:
-            hits, trials = self._row((None, fam))
-            decay = 0.99 ** len(accepted)
-            for d in range(depth):
-                hits[d] = hits[d] * decay + hit[d]
-                trials[d] = trials[d] * decay + tried[d]
-
-    def rates(self, request_id: str, topk: int, method: str = "",
-              base: list[float] | None = None) -> list[float]:
-        """Estimated conditional acceptance at depths 1 .. max_depth (base: the family's
-        global rates, when the caller computed them already)."""
-        if base is None:
-            base = self._global(topk, method)
-        own = self._counts.get((request_id, self.family(topk, method)))
-        if own is None:
-            return base
-        w = self.prior_weight
-        return [(h + w * g) / (t + w) for h, t, g in zip(*own, base)]
-
-    def _global(self, topk: int, method: str = "") -> list[float]:
-        """The family's global rates, shrunk toward the same drafter's chains (topk 1) while
-        it has few counts of its own (a tree family probed once must not jump to the prior),
-        and those toward `prior`."""
-        chain = self._counts.get((None, self.family(1, method)))
-        w = self.prior_weight
-        base = ([self.prior] * self.max_depth if chain is None
-                else [(h + w * self.prior) / (t + w) for h, t in zip(*chain)])
-        row = self._counts.get((None, self.family(topk, method)))
-        if topk == 1 or row is None:
-            return base
-        return [(h + w * g) / (t + w) for h, t, g in zip(*row, base)]
-
-    def expected_tokens(self, request_id: str, topk: int, depth: int,
-                        method: str = "") -> float:
-        """Tokens one cycle emits: 1 + sum over i <= depth of prod_{j <= i} a_j."""
-        total, run = 1.0, 1.0
-        for a in self.rates(request_id, topk, method)[:depth]:
-            run *= a
-            total += run
-        return total
-
-    def forget(self, request_id: str) -> None:
-        for key in [k for k in self._counts if k[0] == request_id]:
-            del self._counts[key]
 
 
 class AdaptivePolicy:

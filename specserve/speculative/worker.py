@@ -38,7 +38,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from specserve.config import SpecConfig
@@ -50,8 +49,8 @@ from specserve.speculative.cycle_runner import CycleRunner
 from specserve.speculative.draft_state import DraftState
 from specserve.speculative.features import FeatureView
 from specserve.speculative.mixed import ChunksInVerify, takes_trees
+from specserve.speculative.plain_rows import target_rows
 from specserve.speculative.proposer import DraftShape, Proposer, draft_shapes
-from specserve.worker.logits import logprob_lists, prompt_logprobs, sample_logits
 from specserve.worker.step_input import StepInput, StepOutput
 
 log = logging.getLogger(__name__)
@@ -347,68 +346,7 @@ class SpecWorker:
     def _target_rows(self, rows: StepInput, index: list[int], tokens: list[list[int]],
                      logprobs: list | None, prompt_lps: list | None,
                      ran: tuple | None = None) -> None:
-        """Plain target forward over rows that do not speculate; the prefill chunks that may
-        speculate and whose proposers are caught up then feed them (pairs f_i, t_{i+1}).
-        ran: (batch, hidden, features or None) of a forward that ran them already (a chain
-        cycle's verify forward)."""
-        runner = self.runner
-        starts, ids = rows.starts.tolist(), rows.request_ids
-        feeds = {
-            d: [j for j in range(rows.bs)
-                if rows.speculate[j] and d.caught_up(ids[j], starts[j])]
-            for d in self.stateful
-        }
-        if ran is not None:
-            batch, hidden, feats = ran
-            if feats is None:  # nothing captured: features are fed to no one
-                feeds = {d: [] if d.method in self.views else f for d, f in feeds.items()}
-        else:
-            capture = None
-            if any(feed and d.method in self.views for d, feed in feeds.items()):
-                capture = self.capture
-            batch = runner.prepare(rows)
-            if capture is not None:
-                capture.enable()
-            hidden = runner.forward(batch.input_ids, batch.positions, batch.md)
-            feats = None
-            if capture is not None:
-                feats = capture.pop()  # [T, F]
-                capture.disable()
-        if prompt_lps is not None:
-            for j, entries in enumerate(prompt_logprobs(runner, rows, hidden) or []):
-                prompt_lps[index[j]] = entries
-        sampled: dict[int, int] = {}
-        if batch.sample_index:
-            logits = runner.compute_logits(hidden[batch.sample_rows])
-            sub = rows.select(batch.sample_index)
-            out, lp = sample_logits(runner, sub, logits, runner.sampling_tensors(sub))
-            for j, tok in zip(batch.sample_index, out.tolist()):
-                sampled[j] = tok
-                tokens[index[j]] = [tok]
-            if lp is not None:
-                for j, entry in zip(batch.sample_index,
-                                    logprob_lists(lp, sub.logprobs.tolist())):
-                    logprobs[index[j]] = None if entry is None else [entry]
-        for d, feed in feeds.items():
-            fed = set(feed)
-            d.record(rows, [j for j in range(rows.bs) if j not in fed])
-            if not feed:
-                continue
-            nxt = [
-                rows.tokens(j)[1:].tolist()
-                + [sampled[j] if j in sampled else int(rows.next_token_ids[j])]
-                for j in feed
-            ]
-            view = self.views.get(d.method)
-            f = view.select(feats) if view is not None and feats is not None else None
-            if f is not None and len(feed) < rows.bs:
-                at = np.concatenate([np.arange(rows.tok_off[j], rows.tok_off[j + 1])
-                                     for j in feed])
-                f = f.index_select(0, runner.tensor(at))
-            sub = rows.select(feed)
-            new = d.proposer.extend(sub.starts.tolist(), sub.page_lists(), nxt, f)
-            for j, rid in enumerate(sub.request_ids):
-                self._store(d, rid, new[j], int(sub.seq_lens[j]))
+        target_rows(self, rows, index, tokens, logprobs, prompt_lps, ran)
 
     def _catch_up(self, d: DraftState, rows: StepInput) -> None:
         """Bring drafter d of rows whose state went stale (plain steps, other drafters'
