@@ -73,9 +73,10 @@ def _workload(seed: int = 3) -> tuple[list[list[int]], list[SamplingParams]]:
     return prompts, params
 
 
-def _llm(pair, device: str, num_pages: int, spec: bool = True, **extra) -> LLM:
+def _llm(pair, device: str, num_pages: int, spec: bool = True, exact: bool = False,
+         **extra) -> LLM:
     kw = dict(device=device, dtype="float32", cache=CacheConfig(page_size=4, num_pages=num_pages),
-              scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=24))
+              scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=24), exact=exact)
     if spec:
         kw["speculative_config"] = dict(algorithm="eagle3", draft_model=pair[1], num_steps=3,
                                         modes="tree2x2x4", **extra)
@@ -196,6 +197,18 @@ def test_chunks_in_the_verify_forward_equal_two_forwards(pair, device: str, mode
                 assert a[1] == b[1]  # the same top ids
                 torch.testing.assert_close(torch.tensor([a[0], *a[2]]),
                                            torch.tensor([b[0], *b[2]]), rtol=tol, atol=tol)
+
+
+def test_chunks_in_the_verify_forward_in_exact_mode(pair, device: str) -> None:
+    """Exact mode: a chain's nodes stay on the verify kernels (SplitMetadata), and greedy
+    output equals plain decoding in exact mode."""
+    prompts, params = _workload(seed=6)
+    ref = [o.token_ids for o in
+           _llm(pair, device, 512, spec=False, exact=True).generate(prompts, params)]
+    llm = _llm(pair, device, 512, exact=True)
+    llm.engine.spec_policy = StaticPolicy("chain3")
+    assert [o.token_ids for o in llm.generate(prompts, params)] == ref
+    assert llm.engine.drafter.counters.num_chunks_in_verify > 5
 
 
 MODES = {"chain3": (1, 3)}

@@ -109,6 +109,7 @@ class SpecWorker:
         # a cycle's verify forward runs the step's prefill chunks too (a tree's: MHA/GQA only)
         self.chunks_in_verify = True
         self.trees_split = takes_trees(runner)
+        self.exact = bool(runner.config.exact)
         # one capture over every drafter's aux layers; each reads its own through a view
         readers = {m: p for m, p in self.proposers.items() if p.needs_target_features}
         self.capture = None
@@ -303,7 +304,9 @@ class SpecWorker:
         # the cycle's verify forward takes the prefill chunks along (speculative/mixed.py),
         # unless this step's cycle was launched ahead already (its verify is on the device)
         chunks = None
-        chain = mode.shape.topk == 1
+        # exact mode keeps a chain's nodes on the verify kernels too (SplitMetadata), the
+        # path its decode == verify invariance was shown on
+        chain = mode.shape.topk == 1 and not self.exact
         if others and rows is not None and self.chunks_in_verify and (chain or self.trees_split) \
                 and not mode.cycles.holds(rows):
             chunks = ChunksInVerify(self.runner, step.select(others), rows, self.capture,
