@@ -33,13 +33,14 @@ class ChunksInVerify:
     chunk rows' as the worker's own forward over them would give."""
 
     def __init__(self, runner, chunks: StepInput, decodes: StepInput, capture, view,
-                 chain: bool) -> None:
-        """chunks: the prefill rows; decodes: the cycle's rows, in its order; chain: the
-        cycle's draft is a chain (topk 1; else a tree: takes_trees(runner) must hold);
-        capture: the worker's capture over every drafter's aux layers (None: none is needed, neither by
-        the cycle nor to feed the chunks); view: the cycle's drafter's FeatureView over it
-        (None: its proposer reads no features)."""
-        self.runner, self.capture, self.view, self.chain = runner, capture, view, chain
+                 causal: bool) -> None:
+        """chunks: the prefill rows; decodes: the cycle's rows, in its order; causal: one
+        causal attention over chunks and nodes (the cycle's draft is a chain), else
+        SplitMetadata (takes_trees(runner) must hold); capture: the worker's capture over
+        every drafter's aux layers (None: none is needed, neither by the cycle nor to feed
+        the chunks); view: the cycle's drafter's FeatureView over it (None: its proposer
+        reads no features)."""
+        self.runner, self.capture, self.view, self.causal = runner, capture, view, causal
         self.batch = runner.prepare(chunks)
         self.chunks = chunks
         self.node_pages = decodes.page_lists()
@@ -51,7 +52,7 @@ class ChunksInVerify:
         runner, chunks = self.runner, self.chunks
         bs, n = tree.tokens.shape
         t = self.batch.input_ids.numel()
-        if self.chain:  # one causal extend over chunks and nodes
+        if self.causal:  # a chain: one causal extend over chunks and nodes
             roots = root_pos.tolist()
             q_lens = chunks.num_new_tokens.tolist() + [n] * bs
             seq_lens = (chunks.starts + chunks.num_new_tokens).tolist() + [p + n for p in roots]
@@ -60,7 +61,7 @@ class ChunksInVerify:
             pages = chunks.page_lists() + self.node_pages
             md = build_attention_metadata(q_lens, seq_lens, pages, runner.page_size,
                                           runner.device)
-        else:  # a tree: attention per range, the nodes under their ancestor mask
+        else:  # attention per range, the nodes under their (ancestor) mask
             md = SplitMetadata([(0, t, self.batch.md), (t, t + bs * n, nodes_md)])
         ids = torch.cat([self.batch.input_ids, tree.tokens.reshape(-1)])
         positions = torch.cat([self.batch.positions, tree.positions(root_pos).reshape(-1)])

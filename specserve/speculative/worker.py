@@ -70,7 +70,7 @@ class SpecCounters:
     accepted_per_pos: list[int] = field(default_factory=list)
     num_catch_ups: int = 0  # rows whose proposer caught up after plain steps
     num_catch_up_tokens: int = 0  # positions it caught up over
-    num_chunks_in_verify: int = 0  # steps whose prefill chunks ran in a chain's verify forward
+    num_chunks_in_verify: int = 0  # steps whose prefill chunks ran in the verify forward
     # steps per mode ("off": plain; "fold": decodes folded into prefill chunks' forward)
     mode_steps: dict[str, int] = field(default_factory=dict)
     method_drafts: dict[str, int] = field(default_factory=dict)  # cycles per drafter
@@ -304,13 +304,14 @@ class SpecWorker:
         # the cycle's verify forward takes the prefill chunks along (speculative/mixed.py),
         # unless this step's cycle was launched ahead already (its verify is on the device)
         chunks = None
-        # exact mode keeps a chain's nodes on the verify kernels too (SplitMetadata), the
-        # path its decode == verify invariance was shown on
-        chain = mode.shape.topk == 1 and not self.exact
-        if others and rows is not None and self.chunks_in_verify and (chain or self.trees_split) \
-                and not mode.cycles.holds(rows):
+        # a chain's nodes and the chunks in one causal attention; a tree's (and in exact mode
+        # a chain's, on the verify kernels its decode == verify invariance was shown on)
+        # under SplitMetadata
+        causal = mode.shape.topk == 1 and not self.exact
+        if others and rows is not None and self.chunks_in_verify \
+                and (causal or self.trees_split) and not mode.cycles.holds(rows):
             chunks = ChunksInVerify(self.runner, step.select(others), rows, self.capture,
-                                    self.views.get(mode.method), chain)
+                                    self.views.get(mode.method), causal)
             self.counters.num_chunks_in_verify += 1
         elif others:
             self._target_rows(step.select(others), others, tokens, logprobs, prompt_lps)
