@@ -252,6 +252,9 @@ def main() -> int:
     levels = parse_positive_list(args.concurrency, int, "--concurrency")
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, got {args.repeats}")
+    if args.requests_per_slot < 1 or args.min_requests < 1:
+        ap.error(f"--requests-per-slot and --min-requests must be at least 1, got "
+                 f"{args.requests_per_slot} and {args.min_requests}")
     try:
         rates = [float(r) for r in args.accept_rate.split(",")]
     except ValueError:

@@ -368,6 +368,11 @@ if has policy; then
   # e.g. POLICY_PARTS=tests,0.65 then 0.3 then pcie,pair (~9, ~7 and ~9 min on an H100).
   pparts=",${POLICY_PARTS:-tests,0.65,0.3,pcie,pair},"
   ppart() { [[ $pparts == *",$1,"* ]]; }
+  for p in ${pparts//,/ }; do
+    case $p in tests|0.65|0.3|pcie|pair) ;;
+      *) echo "POLICY_PARTS: unknown part '$p' (parts: tests,0.65,0.3,pcie,pair)" >&2; exit 2 ;;
+    esac
+  done
   if tests_too && ppart tests; then
     timeout 300 python -m pytest -q -m gpu -rfE --tb=short -p no:cacheprovider \
       tests/test_spec_proposers.py tests/test_spec_fold.py > "$out/policy_tests.log" 2>&1

@@ -113,3 +113,14 @@ def test_policy_sweep_refuses_bad_flags_before_loading(
     with pytest.raises(SystemExit) as exc:
         module.main()
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--requests-per-slot", "0"], "--requests-per-slot and --min-requests must be at least 1"),
+    (["--repeats", "0"], "--repeats must be at least 1"),
+])
+def test_bad_counts_exit_2_before_loading(tmp_path: Path, flags: list[str], says: str) -> None:
+    script = ROOT / "scripts" / "bench_spec_policy.py"
+    proc = subprocess.run([sys.executable, str(script), "--out", str(tmp_path), *flags],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and says in proc.stderr, proc.stderr[-500:]
