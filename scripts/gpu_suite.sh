@@ -86,13 +86,14 @@ if has moe; then
   # Kimi K2 dims, 1 dense + 2 MoE layers (384 experts), random weights: bs-1 decode vs the
   # active-weight floor (attention + router + shared + top-8 routed experts + LM head), bs 64 vs
   # the floor of the experts the batch touches (counted on the run's requests), then EAGLE-3
-  # chain 3 at a synthetic accept length of 3 (efficiency at bs 1)
+  # chain 3 at a synthetic accept length of 3 (efficiency at bs 1, and the cycle against the
+  # verify pass's floor: the experts its 4 tokens touch)
   moe=(--model kimi-k2-3l --load-format dummy --context-len 1024 --output-len 64 --runs 3
        --warmup 1 --log --exp-dir experiments)
   timeout 300 "${ss[@]}" bench latency "${moe[@]}" --batch-sizes 1,64 --max-num-seqs 64 --floor \
     --label "kimi-k2-3l plain" --json-out "$out/kimi-plain.json" > "$out/kimi-plain.log" 2>&1
   echo "kimi-k2-3l plain rc=$?"; tail -12 "$out/kimi-plain.log"
-  timeout 300 "${ss[@]}" bench latency "${moe[@]}" --batch-sizes 1 --max-num-seqs 4 \
+  timeout 300 "${ss[@]}" bench latency "${moe[@]}" --batch-sizes 1 --max-num-seqs 4 --floor \
     --spec-algorithm eagle3 --spec-draft-model dummy --spec-num-steps 3 --spec-topk 1 \
     --spec-synthetic-accept-len 3 --cuda-graph-max-bs 4 --label "kimi-k2-3l chain3 synthetic AL3" \
     --json-out "$out/kimi-chain3.json" > "$out/kimi-chain3.log" 2>&1
