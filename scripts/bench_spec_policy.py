@@ -15,8 +15,11 @@ point; prompt i is seeded i, so request i has the same rate and draws in every
 configuration): a cost-only benchmark on dummy weights. Configurations are interleaved per
 concurrency (plain, forced off, static modes, adaptive), --repeats rounds of them (tok/s:
 the mean), each run from an idle engine with prefix caching off (every configuration
-prefills the same prompts); the adaptive policy starts from the engine's start-up cost table each run (its
-acceptance estimates fresh). --accept-rate 0 keeps the drafter's real acceptance (a trained
+prefills the same prompts). The adaptive policy is a server's: one policy for the whole sweep
+of a rate, built from the engine's start-up cost table, so what it learnt (step-time scales,
+mixed-step and switch costs, the global acceptance prior) carries from one load to the next,
+the untimed run at each concurrency included; each request's own acceptance estimates start
+from that prior. --policy fresh starts it anew for every run instead (a cold start). --accept-rate 0 keeps the drafter's real acceptance (a trained
 pair, with --prompts for text it can predict); --emulate-comm makes every all-reduce of an
 --emulate-tp model cost that table's latency (the comm-bound regime on one GPU, as `bench
 latency --emulate-comm`), so the policy's start-up costs see the expensive verify too.
@@ -109,11 +112,11 @@ def run(engine, prompts: list[list[int]], output_len: int, concurrency: int) -> 
             "chunks_in_verify": stats.get("num_chunks_in_verify", 0) - in_verify}
 
 
-def use(engine, name: str, shapes: dict, table: dict) -> None:
-    """Set the engine up for one configuration (a fresh adaptive policy each time)."""
+def use(engine, name: str, policy) -> None:
+    """Set the engine up for one configuration; policy() gives the adaptive policy."""
     engine.set_speculation(name != PLAIN)
     if name == ADAPTIVE:
-        engine.spec_policy = AdaptivePolicy(shapes, table)
+        engine.spec_policy = policy()
     elif name == OFF:
         engine.spec_policy = ScriptedPolicy([None])
     elif name != PLAIN:
@@ -126,10 +129,15 @@ def sweep(engine, args, levels: list[int], modes: list[str], rate: float, comm: 
     its plot, the summary line and (--log) an experiments row."""
     table = engine.spec_cost_table
     shapes = {n: (m.shape.topk, m.shape.num_steps) for n, m in engine.drafter.modes.items()}
+    server = AdaptivePolicy(shapes, table)  # one for the sweep, unless --policy fresh
+
+    def policy() -> AdaptivePolicy:
+        return AdaptivePolicy(shapes, table) if args.policy == "fresh" else server
     from specserve.bench.prompts import make_prompts
 
     report = {"model": args.model, "accept_rate": rate, "modes": modes,
               "prompts": args.prompts or "random ids", "emulate_comm": comm or None,
+              "policy": args.policy,
               "cost_table_ms": {m: {b: t * 1e3 for b, t in row.items()}
                                 for m, row in table.items()},
               "startup_s": engine.startup_seconds, "points": []}
@@ -144,17 +152,17 @@ def sweep(engine, args, levels: list[int], modes: list[str], rate: float, comm: 
         # paths of mixed steps, catch-ups and folds compile per new shape class, a second
         # or so each, which would land in a short timed run)
         for name in configs if args.warmup_each else [PLAIN]:
-            use(engine, name, shapes, table)
+            use(engine, name, policy)
             run(engine, prompts[:c], min(args.output_len, 16), c)
         runs: dict[str, list[dict]] = {name: [] for name in configs}
         for _ in range(args.repeats):  # rounds of every configuration, interleaved
             for name in configs:
-                use(engine, name, shapes, table)
+                use(engine, name, policy)
                 runs[name].append(run(engine, prompts, args.output_len, c))
                 if name == ADAPTIVE:  # what the policy learnt in this run
                     pol = engine.spec_policy
                     runs[name][-1]["learnt"] = {
-                        "switch_steps": dict(pol.switch_steps), "scale": dict(pol.scale),
+                        "steps": pol.steps, "switch_steps": dict(pol.switch_steps), "scale": dict(pol.scale),
                         "mixed_share": pol.mixed_share,
                         "mixed_extra_ms": {m: t * 1e3 for m, t in pol.mixed_extra.items()}}
         for name in configs:
@@ -242,6 +250,9 @@ def main() -> int:
     ap.add_argument("--no-warmup-each", dest="warmup_each", action="store_false",
                     help="warm up with plain decoding only (not every configuration)")
     ap.add_argument("--min-requests", type=int, default=16)
+    ap.add_argument("--policy", default="server", choices=("server", "fresh"),
+                    help="server: one adaptive policy for the sweep of a rate (what it "
+                         "learnt carries across loads); fresh: a new one every run")
     ap.add_argument("--repeats", type=int, default=2,
                     help="rounds of every configuration per concurrency (tok/s: their mean)")
     ap.add_argument("--out", required=True)

@@ -68,6 +68,13 @@ def test_policy_sweep_script_runs(tmp_path: Path, pair: tuple[str, str]) -> None
         assert set(point["forced-off"]["mode_steps"]) == {"off"}
         assert "off" in point["plain"]["mode_steps"] or not point["plain"]["mode_steps"]
     assert set(report["cost_table_ms"]) == {"off", "chain2", "chain1"}
+    # one adaptive policy for the sweep (a server's): its step count runs on across runs,
+    # the untimed run before the first timed one included
+    assert report["policy"] == "server"
+    runs = [r for p in report["points"] for r in p["adaptive"]["runs"]]
+    counts = [r["learnt"]["steps"] for r in runs]
+    assert counts == sorted(counts) and len(set(counts)) == len(counts)
+    assert counts[0] > sum(runs[0]["mode_steps"].values())
     assert (out / "rate-0.5" / "spec_policy.png").stat().st_size > 0
 
 
@@ -82,7 +89,7 @@ def test_policy_sweep_real_acceptance_and_emulated_comm(tmp_path: Path,
            "--load-format", "auto", "--draft-model", head, "--device", "cpu", "--concurrency",
            "2", "--modes", "chain2", "--accept-rate", "0", "--prompts", "code", "--prompt-len",
            "12", "--output-len", "5", "--min-requests", "2", "--emulate-comm", "pcie-nccl-8gpu",
-           "--out", str(out)]  # fmt: skip
+           "--policy", "fresh", "--out", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((out / "spec_policy.json").read_text())
@@ -90,6 +97,10 @@ def test_policy_sweep_real_acceptance_and_emulated_comm(tmp_path: Path,
     assert report["emulate_comm"]["emulate_comm"] == "pcie-nccl-8gpu"
     (point,) = report["points"]
     assert [r["tokens"] for r in point["chain2"]["runs"]] == [point["requests"] * 5] * 2
+    # --policy fresh: every run's policy starts anew (its steps are that run's only)
+    assert report["policy"] == "fresh"
+    for r in point["adaptive"]["runs"]:
+        assert 0 < r["learnt"]["steps"] <= sum(r["mode_steps"].values())
 
 
 @pytest.mark.parametrize("flags,message", [
