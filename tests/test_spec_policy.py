@@ -59,11 +59,15 @@ def test_policy_picks_the_best_goodput_with_hysteresis_and_dwell() -> None:
     policy.costs["chain1"] = [(1, 1.0), (8, 2.0 * 2 / 1.04)]  # chain1 ~4% better than off
     assert all(policy.choose(eight) is None for _ in range(5))
     policy.costs["chain1"] = saved
-    # batch 1: chain3 wins at once (7 steps since the last switch); back at batch 8, off
-    # again only once 3 steps (the dwell) passed since that switch
+    # batch 1: chain3 wins at once (7 steps since the last switch); back at batch 8 (8x the
+    # load of that switch: the dwell is for a steady load), off at once
     assert policy.choose(one) == "chain3", policy.last_scores
+    assert policy.choose(eight) is None, policy.last_scores
+    # at a steady batch of 8: chain1 made 12% better than off waits out the dwell of 3
+    # steps since that switch (the gain is under the leap)
+    policy.costs["chain1"] = [(1, 1.0), (8, 2.0 * 2 / 1.12)]
     picks = [policy.choose(eight) for _ in range(3)]
-    assert picks == ["chain3", "chain3", None], (picks, policy.last_scores)
+    assert picks == [None, None, "chain1"], (picks, policy.last_scores)
 
 
 def test_policy_leaps_past_the_dwell_when_the_load_jumps() -> None:
@@ -74,12 +78,12 @@ def test_policy_leaps_past_the_dwell_when_the_load_jumps() -> None:
     eight = [f"r{i}" for i in range(8)]
     for rid in eight:
         policy.observe("chain3", {rid: 0}, None, 8)
-    policy.since_switch = 0  # as if chain3 had just been chosen
+    policy.since_switch, policy.switch_batch = 0, 8  # as if chain3 had just been chosen
     picks = [policy.choose(eight) for _ in range(4)]
     assert picks[-1] is None and picks[0] == "chain3", (picks, policy.last_scores)
     calm = AdaptivePolicy(MODES, COSTS, dwell=50, explore_every=10**6)
     calm.costs["off"] = [(1, 1.0), (8, 4.5 / 1.15)]  # off 15% better than chain1 at 8
-    calm.current, calm.since_switch = "chain1", 0
+    calm.current, calm.since_switch, calm.switch_batch = "chain1", 0, 8
     for _ in range(30):
         calm.observe("chain1", dict.fromkeys(eight, 0), None, 8)
     assert calm.acceptance.rates("r0", 1)[0] < 0.01

@@ -268,7 +268,9 @@ class Engine:
         outputs = self._postprocess(out)
         if policy is not None:
             seconds = time.perf_counter() - t0
-            policy.observe(mode, accepted, seconds, len(decodes), mixed=mixed, folded=fold)
+            chunk_tokens = sum(s.num_new_tokens for s in out.scheduled if not s.is_decode)
+            policy.observe(mode, accepted, seconds, len(decodes), mixed=mixed, folded=fold,
+                           chunk_tokens=chunk_tokens)
             # wall time per kind of step: what the policy's model must explain
             kind = ("fold" if fold else mode or "off") + ("+mixed" if mixed else "")
             n, total = self.step_seconds.get(kind, (0, 0.0))

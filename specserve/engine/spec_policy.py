@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from specserve.engine.acceptance import AcceptanceEstimates
+from specserve.engine.chunk_cost import ChunkCost
 
 __all__ = ["AcceptanceEstimates", "AdaptivePolicy", "ScriptedPolicy", "SpecPolicy",
            "StaticPolicy"]
@@ -32,10 +33,11 @@ class SpecPolicy(Protocol):
         ...
 
     def observe(self, mode: str | None, accepted: dict[str, int], seconds: float | None,
-                batch: int, mixed: bool = False, folded: bool = False) -> None:
+                batch: int, mixed: bool = False, folded: bool = False,
+                chunk_tokens: int | None = None) -> None:
         """After a step: per speculating request the drafts it accepted; the step's wall time
-        (None: not measured) with `batch` decode rows; mixed: prefill chunks ran in it too;
-        folded: fold() said so for it."""
+        (None: not measured) with `batch` decode rows; mixed: prefill chunks ran in it too
+        (chunk_tokens of them, when known); folded: fold() said so for it."""
         ...
 
     def forget(self, request_id: str) -> None:
@@ -52,7 +54,8 @@ class _Fixed:
         return False
 
     def observe(self, mode: str | None, accepted: dict[str, int], seconds: float | None,
-                batch: int, mixed: bool = False, folded: bool = False) -> None:
+                batch: int, mixed: bool = False, folded: bool = False,
+                chunk_tokens: int | None = None) -> None:
         pass
 
     def forget(self, request_id: str) -> None:
@@ -107,7 +110,8 @@ class AdaptivePolicy:
     cost per kind of switch (on, off, between modes) from the steps that switched, in step
     times of the new mode, and keeps those steps out of the rescaling. It switches when the
     gain exceeds `hysteresis`, `dwell` steps passed since the last switch (or the gain
-    exceeds `leap`: a load that grows fast must not wait out the dwell mode by mode), and
+    exceeds `leap`, or the decode batch has halved or doubled since that switch: a load
+    that changes fast must not wait out the dwell mode by mode), and
     the gain over `horizon` steps pays for the switch. Acceptance is only learnt by running a mode: every
     `explore_every` steps at most, one step of a drafter family (method, topk) not run for
     that long is tried (a family never run: once the first dwell passed, so that a tree
@@ -150,8 +154,14 @@ class AdaptivePolicy:
         off_1 = _interpolate(self.costs["off"], 1)
         self.mixed_extra = {m: 0.0 if m == "off" else off_1 / 4 for m in costs}
         self.mixed_extra["fold"] = 0.0  # a folded step over the plain one (the drafter's feed)
+        self.mixed_prior = dict(self.mixed_extra)
+        # with steps' chunk tokens known: each kind's extra as fixed + per token, and the
+        # chunk tokens per emitted token (decayed sums over steps)
+        self.chunk_cost = ChunkCost()
+        self.chunk_ema = self.emitted_ema = 0.0
         self.current: str | None = next(iter(modes))
         self.since_switch = dwell  # the first decision needs no dwell: the start is no switch
+        self.switch_batch = 0  # the decode batch of the last switch (the dwell's load)
         self.steps = 0
         self.families = {self._family(m) for m in self.modes}
         # step a family last ran (-1: never; the first mode's runs from the start)
@@ -168,12 +178,6 @@ class AdaptivePolicy:
         row = self.costs["off" if mode is None else mode]
         return self.scale["off" if mode is None else mode] * _interpolate(row, batch)
 
-    def expected_step_time(self, mode: str | None, batch: int) -> float:
-        """The decode step's time plus the prefill chunks' extra, weighted by the share of
-        steps that carry chunks."""
-        key = "off" if mode is None else mode
-        return self.step_time(mode, batch) + self.mixed_share * self.mixed_extra[key]
-
     def _totals(self, decoding: list[str], family: tuple[str, int]) -> list[float]:
         """Expected tokens of one cycle summed over the rows, at every depth 0 .. max."""
         est = self.acceptance
@@ -189,18 +193,45 @@ class AdaptivePolicy:
                 totals[d] += total
         return totals
 
+    def _mixed_line(self, kind: str) -> tuple[float, float]:
+        """(fixed seconds, seconds per chunk token) of a mixed step of `kind` over its decode
+        step: fitted, or for a kind not seen yet its prior fixed part and the pooled slope."""
+        line = self.chunk_cost.line(kind)
+        if line is not None:
+            return line
+        return self.mixed_prior[kind], self.chunk_cost.pooled_slope() or 0.0
+
     def _goodput(self, name: str, tokens: float, b: int, share: float) -> tuple[float, bool]:
-        """Tokens per second of mode `name` (`tokens` a cycle for the batch of b) when
-        `share` of its steps carry prefill chunks, and whether those steps should fold: the
-        choice that maximizes the whole rate (not the mixed step's own: a verify beside the
-        chunks may yield more per second than the fold and still cost more than its extra
-        tokens are worth at the rate the other steps run)."""
-        t = self.step_time(name, b)
-        spec = tokens, t + self.mixed_extra[name]
-        fold = float(b), self.step_time(None, b) + self.mixed_extra["fold"]
-        rates = [((1.0 - share) * tokens + share * x) / ((1.0 - share) * t + share * y)
-                 for x, y in (spec, fold)]
-        return max(rates), rates[1] > rates[0]
+        """Tokens per second of mode `name` (`tokens` a cycle for the batch of b; "off":
+        b tokens) counting the steps that carry prefill chunks, and whether those steps
+        should fold: the choice that maximizes the whole rate (not the mixed step's own: a
+        verify beside the chunks may yield more per second than the fold and still cost
+        more than its extra tokens are worth at the rate the other steps run).
+
+        With steps' chunk tokens known: the prompt tokens to prefill per emitted token
+        (rho) do not depend on the mode, so a mode emitting E tokens a step carries rho E
+        of them a step, in a share s = min(1, rho E / mean chunk) of its steps, each paying
+        the kind's fixed part, plus its per-token cost on all of them. Else `share` of the
+        steps (the recent share of mixed steps) pays the kind's mean extra."""
+        key = "off" if name == "off" else name
+        t = self.step_time(None if key == "off" else key, b)
+        t_off = self.step_time(None, b)
+        if self.chunk_cost.mean_tokens and self.emitted_ema > 0.0:
+            rho = self.chunk_ema / self.emitted_ema
+            s = min(1.0, rho * tokens / self.chunk_cost.mean_tokens)
+            a, c = self._mixed_line(key)
+            rates = [tokens / (t + s * a + c * rho * tokens)]
+            if key != "off":  # its mixed steps folded: b tokens, the plain step's time
+                a_f, c_f = self._mixed_line("fold")
+                x = (1.0 - s) * tokens + s * b
+                rates.append(x / ((1.0 - s) * t + s * (t_off + a_f) + c_f * rho * x))
+        else:
+            spec = tokens, t + self.mixed_extra[key]
+            kinds = [spec] if key == "off" else [
+                spec, (float(b), t_off + self.mixed_extra["fold"])]
+            rates = [((1.0 - share) * tokens + share * x) / ((1.0 - share) * t + share * y)
+                     for x, y in kinds]
+        return max(rates), len(rates) > 1 and rates[1] > rates[0]
 
     def fold(self, mode: str, decoding: list[str]) -> bool:
         tokens = self._totals(decoding, self._family(mode))[self.modes[mode][2]]
@@ -210,7 +241,7 @@ class AdaptivePolicy:
     def scores(self, decoding: list[str]) -> dict[str, float]:
         """Expected tokens per second of every mode ("off" included) for this batch."""
         b = len(decoding)
-        out = {"off": b / self.expected_step_time(None, b)}
+        out = {"off": self._goodput("off", float(b), b, self.mixed_share)[0]}
         for family in self.families:  # summed expected tokens at every depth, per family
             totals = self._totals(decoding, family)
             for name, (m, k, steps) in self.modes.items():
@@ -265,8 +296,10 @@ class AdaptivePolicy:
                       / self.probe_budget)  # the shortest interval _probe allows
         stale = any(self.steps - t >= soonest or (t < 0 and self.steps >= self.dwell)
                     for t in self.family_run.values())
-        if not stale and self.steps % 4 and (self.since_switch < self.dwell
-                                             or len(decoding) > 64):
+        b, b0 = len(decoding), self.switch_batch
+        steady = b0 <= 2 * b <= 4 * b0  # the load neither halved nor doubled since the switch
+        if not stale and self.steps % 4 and (self.since_switch < self.dwell and steady
+                                             or b > 64):
             return self.current
         scores = self.last_scores = self.scores(decoding)
         key = "off" if self.current is None else self.current
@@ -275,20 +308,24 @@ class AdaptivePolicy:
             self.family_run[self._family(probe)] = self.steps
             return probe
         best = max(scores, key=scores.get)
-        settled = self.since_switch >= self.dwell or scores[best] > (1.0 + self.leap) * scores[key]
+        settled = (self.since_switch >= self.dwell or not steady
+                   or scores[best] > (1.0 + self.leap) * scores[key])
         if best != key and settled and self._pays(key, best, scores):
-            self.since_switch = 0
+            self.since_switch, self.switch_batch = 0, b
             self.current = None if best == "off" else best
         return self.current
 
     def observe(self, mode: str | None, accepted: dict[str, int], seconds: float | None,
-                batch: int, mixed: bool = False, folded: bool = False) -> None:
+                batch: int, mixed: bool = False, folded: bool = False,
+                chunk_tokens: int | None = None) -> None:
         if folded:  # no cycle ran and no switch: the fold's time over the plain step's
+            if chunk_tokens is not None:
+                self._count_tokens(chunk_tokens, batch)
             if seconds is not None and batch:
                 self.mixed_share += 0.05 * (1.0 - self.mixed_share)
                 extra = min(4.0 * _interpolate(self.costs["off"], batch),
                             max(0.0, seconds - self.step_time(None, batch)))
-                self.mixed_extra["fold"] += 0.1 * (extra - self.mixed_extra["fold"])
+                self._learn_mixed("fold", extra, chunk_tokens)
             return
         key = "off" if mode is None else mode
         prev, self._prev = self._prev, key
@@ -296,6 +333,8 @@ class AdaptivePolicy:
             method, topk, steps = self.modes[mode]
             self.family_run[(method, topk)] = self.steps
             self.acceptance.observe_step(accepted, topk, steps, method)
+        if chunk_tokens is not None:
+            self._count_tokens(chunk_tokens, batch + sum(accepted.values()))
         if seconds is None or not batch:
             return
         self.mixed_share += 0.05 * (float(mixed) - self.mixed_share)
@@ -308,10 +347,26 @@ class AdaptivePolicy:
             return
         if mixed:  # the prefill chunks' time on top of the decode step (clipped at 4 steps)
             extra = min(4.0 * tabled, max(0.0, seconds - self.step_time(mode, batch)))
-            self.mixed_extra[key] += 0.1 * (extra - self.mixed_extra[key])
+            self._learn_mixed(key, extra, chunk_tokens)
             return
         ratio = min(2.0, max(0.5, seconds / tabled))
         self.scale[key] += self.rescale * (ratio - self.scale[key])
+
+    def _count_tokens(self, chunk_tokens: int, emitted: int) -> None:
+        """A step's prefill chunk tokens and decode tokens emitted (decayed per step)."""
+        self.chunk_ema = 0.98 * self.chunk_ema + chunk_tokens
+        self.emitted_ema = 0.98 * self.emitted_ema + emitted
+
+    def _learn_mixed(self, key: str, extra: float, chunk_tokens: int | None) -> None:
+        """A mixed step's extra seconds: with its chunk tokens known, every kind's extra is
+        re-read from its fitted line at the recent mean chunk size (engine/chunk_cost.py);
+        else a decayed mean of the kind's extras."""
+        if chunk_tokens is None:
+            self.mixed_extra[key] += 0.1 * (extra - self.mixed_extra[key])
+            return
+        self.chunk_cost.observe(key, chunk_tokens, extra)
+        for kind in self.chunk_cost.stats:
+            self.mixed_extra[kind] = self.chunk_cost.extra(kind)
 
     def forget(self, request_id: str) -> None:
         self.acceptance.forget(request_id)

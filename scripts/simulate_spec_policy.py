@@ -1,0 +1,110 @@
+"""The adaptive speculation policy in a step-level model engine (specserve/bench/policy_sim.py):
+adaptive against off and each static mode at every concurrency, from a GPU run's start-up
+cost table, with no GPU. What it shows is the policy's own logic (exploration, dwell,
+hysteresis, what it learns of mixed steps) under the model's costs; fit those (--prefill-ms-
+per-token, --mixed-ms, ...) to a policy sweep's per-kind step times before reading tok/s.
+
+    python scripts/simulate_spec_policy.py --report OUT/policy-0.65/spec_policy.json
+    python scripts/simulate_spec_policy.py --results experiments/results.jsonl --sha dd72cd7 \
+        --accept-rate 0.65,0.3 --concurrency 1,2,4,8,16,32,64,128,256 --seeds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from specserve.bench.policy_sim import ADAPTIVE, OFF, SimConfig, sweep  # noqa: E402
+from specserve.bench.stats import parse_positive_list  # noqa: E402
+from specserve.spec_modes import parse_mode, split_mode  # noqa: E402
+
+
+def load_table(args) -> dict:
+    """The cost_table_ms of a spec_policy report, or of the newest results.jsonl row of a
+    policy sweep whose SHA starts with --sha."""
+    if args.report:
+        report = json.loads(Path(args.report).read_text())
+    else:
+        rows = [json.loads(line) for line in Path(args.results).read_text().splitlines()
+                if '"spec_policy"' in line]
+        rows = [r for r in rows if r.get("git_sha", "").startswith(args.sha or "")]
+        if not rows:
+            raise ValueError(f"no policy sweep row in {args.results} with SHA "
+                             f"{args.sha!r}: pass --sha of a row there, or --report")
+        report = rows[-1]
+    table = report.get("cost_table_ms")
+    if not table or "off" not in table:
+        raise ValueError("the report has no cost_table_ms with an 'off' row")
+    return {m: {int(b): t / 1e3 for b, t in row.items()} for m, row in table.items()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--report", help="a spec_policy.json of scripts/bench_spec_policy.py")
+    src.add_argument("--results", help="experiments/results.jsonl (with --sha)")
+    ap.add_argument("--sha", default="", help="with --results: the sweep's SHA prefix")
+    ap.add_argument("--accept-rate", default="0.65")
+    ap.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,256")
+    ap.add_argument("--seeds", type=int, default=3, help="sweeps averaged (seeds)")
+    ap.add_argument("--repeats", type=int, default=6, help="runs per configuration per sweep")
+    ap.add_argument("--policy", default="server", choices=("server", "fresh"))
+    for name, default in (("prompt-len", 128), ("output-len", 64), ("token-budget", 2048)):
+        ap.add_argument(f"--{name}", type=int, default=default)
+    for name, default in (("prefill-ms-per-token", 0.03), ("mixed-ms", 2.0), ("fold-ms", 1.0),
+                          ("catchup-ms", 1.0), ("catchup-ms-per-token", 0.002),
+                          ("noise", 0.02)):
+        ap.add_argument(f"--{name}", type=float, default=default)
+    args = ap.parse_args()
+    try:
+        rates = parse_positive_list(args.accept_rate, float, "--accept-rate")
+        levels = parse_positive_list(args.concurrency, int, "--concurrency")
+    except ValueError as e:
+        ap.error(str(e))
+    if any(not 0 < r < 1 for r in rates):
+        ap.error("--accept-rate must be in (0, 1)")
+    if min(args.seeds, args.repeats, args.prompt_len, args.output_len, args.token_budget) < 1:
+        ap.error("--seeds, --repeats, --prompt-len, --output-len and --token-budget must be "
+                 "at least 1")
+    try:
+        costs = load_table(args)
+    except (OSError, ValueError) as e:
+        ap.error(f"cannot read the cost table: {e}")
+    modes = {}
+    for name in costs:
+        if name != OFF:
+            topk, steps, _ = parse_mode(split_mode(name)[1])
+            modes[name] = (topk, steps)
+    for rate in rates:
+        cfg = SimConfig(costs=costs, modes=modes, accept_rate=rate, prompt_len=args.prompt_len,
+                        output_len=args.output_len, token_budget=args.token_budget,
+                        prefill_ms_per_token=args.prefill_ms_per_token, mixed_ms=args.mixed_ms,
+                        fold_ms=args.fold_ms, catchup_ms=args.catchup_ms,
+                        catchup_ms_per_token=args.catchup_ms_per_token, noise=args.noise)
+        names = [OFF, *modes, ADAPTIVE]
+        per: dict[int, dict[str, list[float]]] = {c: {} for c in levels}
+        for seed in range(args.seeds):
+            for p in sweep(cfg, levels, seed=1000 * seed, repeats=args.repeats,
+                           server=args.policy == "server"):
+                for n in names + ["adaptive_vs_best"]:
+                    value = p[n] if n == "adaptive_vs_best" else p[n]["tok_s"]
+                    per[p["concurrency"]].setdefault(n, []).append(value)
+        print(f"accept rate {rate} (mean tok/s of {args.seeds} x {args.repeats} runs)")
+        print("C " + " ".join(names) + " adaptive/best")
+        worst = 1e9
+        for c in levels:
+            ratio = statistics.mean(per[c]["adaptive_vs_best"])
+            worst = min(worst, ratio)
+            print(f"{c} " + " ".join(f"{statistics.mean(per[c][n]):.0f}" for n in names)
+                  + f" {ratio:.3f}")
+        print(f"adaptive / best >= {worst:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

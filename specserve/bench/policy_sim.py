@@ -1,0 +1,213 @@
+"""A step-level simulation of load-adaptive speculation (torch-free): the real policy
+(engine/spec_policy.py) driving a modelled engine, to see what the policy's own logic costs
+(exploration, dwell, hysteresis, learning) apart from GPU noise, and to tune it without a GPU.
+
+The model, per step:
+- a closed loop of `concurrency` slots: a finished request's slot takes the next prompt;
+  prompts prefill in chunks within the step's token budget (decode rows take theirs first,
+  lookahead included), and a request's last chunk also samples its first token;
+- time = the cost table's decode-step time of the step's mode at its decode batch
+  (interpolated as the policy does), plus, when the step carries prefill chunks,
+  `prefill_ms_per_token` per chunk token and a fixed extra: `mixed_ms` for a speculative step
+  (the cycle then runs eagerly, chunks in its verify forward), `fold_ms` for a folded step;
+  plus, for rows whose drafter state is behind (tokens made while off), a catch-up of
+  `catchup_ms` + `catchup_ms_per_token` per missed token (an off step's prefill chunks are
+  missed too; a speculative or folded step's feed the drafter); plus, when the mode changes away
+  from a speculative mode, that mode's step (the cycle launched ahead is discarded);
+  everything times a random factor (1 + noise * N(0, 1));
+- acceptance as the engine's synthetic model: request r's rate is uniform on [a - d, a + d]
+  (d = min(a, 1 - a)); a cycle walks its draft's deepest path, depth i passing with
+  1 - (1 - rate)^c_i (c_i: the path node's candidates, 1 for a chain).
+
+tok/s is the benchmark's steady window (scripts/bench_spec_policy.py): from the first finish
+to the last admission. The model's numbers (costs of mixed steps, catch-ups, switches) are
+inputs: fit them to a GPU run's per-kind step times before reading its absolute tok/s.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+from specserve.engine.spec_policy import AdaptivePolicy, StaticPolicy, _interpolate
+
+ADAPTIVE, OFF = "adaptive", "off"
+
+
+@dataclass
+class SimConfig:
+    costs: dict[str, dict[int, float]]  # {mode | "off": {batch: seconds}} decode steps
+    modes: dict[str, tuple[int, int]]  # {mode: (topk, num_steps)}
+    accept_rate: float = 0.65
+    prompt_len: int = 128
+    output_len: int = 64
+    token_budget: int = 2048
+    prefill_ms_per_token: float = 0.03
+    mixed_ms: float = 2.0
+    fold_ms: float = 1.0
+    catchup_ms: float = 1.0
+    catchup_ms_per_token: float = 0.002
+    noise: float = 0.02
+    children: dict[str, list[int]] = field(default_factory=dict)  # candidates per depth
+
+    def path_children(self, mode: str) -> list[int]:
+        """Candidates at each depth of a mode's deepest path (default: topk at the root,
+        halving per depth, at least 1)."""
+        if mode in self.children:
+            return self.children[mode]
+        topk, steps = self.modes[mode]
+        return [max(1, topk >> i) for i in range(steps)]
+
+
+@dataclass
+class _Request:
+    rid: str
+    rate: float
+    prefilled: int = 0
+    emitted: int = 0
+    behind: int = 0  # tokens made while the drafter was off (the next cycle catches up)
+
+
+def _step_seconds(cfg: SimConfig, mode: str | None, batch: int) -> float:
+    return _interpolate(sorted(cfg.costs[OFF if mode is None else mode].items()), max(batch, 1))
+
+
+def simulate(cfg: SimConfig, policy, concurrency: int, num_requests: int,
+             seed: int = 0) -> dict:
+    """One run: `num_requests` prompts through `concurrency` slots under `policy` (an
+    AdaptivePolicy, a StaticPolicy, or None: off on every step). Returns tok_s (the steady
+    window's), tok_s_all, steps per mode ("fold" for folded steps) and seconds."""
+    rng = random.Random(seed)
+    half = min(cfg.accept_rate, 1.0 - cfg.accept_rate)
+    pending = deque(_Request(f"s{seed}-{i}", cfg.accept_rate + (2 * rng.random() - 1) * half)
+                    for i in range(num_requests))
+    active: list[_Request] = []
+    clock, tokens = 0.0, 0
+    first: tuple[float, int] | None = None
+    last: tuple[float, int] | None = None
+    steps: dict[str, int] = {}
+    prev_mode: str | None = None
+    overhead = {"switch": 0.0, "catch_up": 0.0}  # seconds of the run spent on these
+    while pending or active:
+        while pending and len(active) < concurrency:
+            active.append(pending.popleft())
+            if not pending:
+                last = clock, tokens
+        decoding = [r for r in active if r.prefilled == cfg.prompt_len]
+        mode = policy.choose([r.rid for r in decoding]) if policy is not None else None
+        # the step's plan: decode rows first (with the mode's lookahead), then chunks
+        steps_k = cfg.modes[mode][1] if mode is not None else 0
+        budget = cfg.token_budget - len(decoding) * (1 + steps_k)
+        chunks: list[tuple[_Request, int]] = []
+        for r in active:
+            if r.prefilled < cfg.prompt_len and budget > 0:
+                n = min(cfg.prompt_len - r.prefilled, budget)
+                chunks.append((r, n))
+                budget -= n
+        mixed = bool(chunks)
+        fold = bool(mode is not None and mixed and decoding
+                    and policy.fold(mode, [r.rid for r in decoding]))
+        spec = mode is not None and not fold
+        b = len(decoding)
+        seconds = _step_seconds(cfg, mode if spec else None, b) if b else 0.0
+        if mixed:
+            seconds += 1e-3 * cfg.prefill_ms_per_token * sum(n for _, n in chunks)
+            seconds += 1e-3 * (cfg.mixed_ms if spec else cfg.fold_ms if fold else 0.0)
+        behind = sum(r.behind for r in decoding) if spec else 0
+        if behind:
+            extra = 1e-3 * (cfg.catchup_ms + cfg.catchup_ms_per_token * behind)
+            seconds += extra
+            overhead["catch_up"] += extra
+        if prev_mode is not None and mode != prev_mode and b:
+            extra = _step_seconds(cfg, prev_mode, b)  # the discarded launch ahead
+            seconds += extra
+            overhead["switch"] += extra
+        seconds *= max(0.5, 1.0 + cfg.noise * rng.gauss(0.0, 1.0))
+        clock += seconds
+        key = "fold" if fold else mode or OFF
+        steps[key] = steps.get(key, 0) + 1
+        accepted: dict[str, int] = {}
+        finished: list[_Request] = []
+        for r in decoding:
+            n = 1
+            if spec:
+                r.behind = 0
+                acc = 0
+                for c in cfg.path_children(mode):
+                    if rng.random() >= 1.0 - (1.0 - r.rate) ** c:
+                        break
+                    acc += 1
+                accepted[r.rid] = acc
+                n += acc
+            elif not fold:
+                r.behind += 1
+            n = min(n, cfg.output_len - r.emitted)
+            r.emitted += n
+            tokens += n
+            if r.emitted >= cfg.output_len:
+                finished.append(r)
+        for r, n in chunks:
+            r.prefilled += n
+            if mode is None:  # an off step's chunks do not feed the drafter
+                r.behind += n
+            if r.prefilled == cfg.prompt_len:  # the last chunk samples the first token
+                r.emitted = 1
+                tokens += 1
+        if policy is not None:
+            policy.observe(mode, accepted, seconds, b, mixed=mixed, folded=fold,
+                           chunk_tokens=sum(n for _, n in chunks))
+        for r in finished:
+            active.remove(r)
+            if policy is not None:
+                policy.forget(r.rid)
+            if first is None:
+                first = clock, tokens
+        prev_mode = mode if spec else prev_mode if fold else None
+    if first is not None and last is not None and last[0] > first[0] and last[1] > first[1]:
+        window, counted = last[0] - first[0], last[1] - first[1]
+    else:
+        window, counted = clock, tokens
+    return {"tok_s": counted / window, "tok_s_all": tokens / clock, "seconds": clock,
+            "steps": steps, "overhead_s": overhead}
+
+
+def sweep(cfg: SimConfig, levels: list[int], requests_per_slot: int = 4,
+          min_requests: int = 12, seed: int = 0, server: bool = True,
+          repeats: int = 3) -> list[dict]:
+    """Every configuration (off, each static mode, adaptive) at every concurrency, `repeats`
+    runs each (their mean): [{concurrency, <config>: {tok_s, steps}, adaptive_vs_best}].
+    server: one adaptive policy for the whole sweep, with a warm-up run at each
+    concurrency first (the benchmark's default); else a fresh one every run."""
+    shapes = dict(cfg.modes)
+    server_policy = AdaptivePolicy(shapes, cfg.costs)
+    points = []
+    for c in levels:
+        n = max(c * requests_per_slot, min_requests)
+        point: dict = {"concurrency": c}
+        configs: list[tuple[str, object]] = [(OFF, None)]
+        configs += [(m, StaticPolicy(m)) for m in cfg.modes]
+        for name, pol in configs:
+            runs = [simulate(cfg, pol, c, n, seed=seed + i) for i in range(repeats)]
+            point[name] = _mean(runs)
+        if server:
+            simulate(cfg, server_policy, c, c, seed=seed + 1000 + c)  # the warm-up run
+        runs = []
+        for i in range(repeats):
+            pol = server_policy if server else AdaptivePolicy(shapes, cfg.costs)
+            runs.append(simulate(cfg, pol, c, n, seed=seed + i))
+        point[ADAPTIVE] = _mean(runs)
+        best = max(point[name]["tok_s"] for name, _ in configs)
+        point["adaptive_vs_best"] = point[ADAPTIVE]["tok_s"] / best
+        point["adaptive_vs_off"] = point[ADAPTIVE]["tok_s"] / point[OFF]["tok_s"]
+        points.append(point)
+    return points
+
+
+def _mean(runs: list[dict]) -> dict:
+    steps: dict[str, int] = {}
+    for r in runs:
+        for k, v in r["steps"].items():
+            steps[k] = steps.get(k, 0) + v
+    return {"tok_s": math.fsum(r["tok_s"] for r in runs) / len(runs), "steps": steps}

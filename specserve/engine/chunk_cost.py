@@ -1,0 +1,69 @@
+"""What prefill chunks add to a step, per kind of step, for the adaptive speculation policy
+(engine/spec_policy.py; torch-free).
+
+A step that carries prefill chunks takes longer than its decode step by about
+a + c x (chunk tokens): a fixed part of the kind (a speculative cycle that runs eagerly, a
+fold's drafter feed) and the chunks' own forward work. Kinds differ in how much room they
+leave the chunks (a deeper draft reserves more lookahead tokens of the step's budget), so
+their raw extras are not comparable: a kind whose mixed steps carry fewer tokens looks
+cheaper while it leaves more prefill for later steps. Each kind's line is fitted by
+decayed least squares, its slope shrunk toward the slope pooled over every kind; the policy
+charges a kind its fixed part per mixed step and its slope per chunk token, the chunk tokens
+being a share of the tokens the kind emits (prompt tokens per output token do not depend on
+the mode).
+"""
+
+from __future__ import annotations
+
+
+class ChunkCost:
+    def __init__(self, decay: float = 0.97, token_scale: float = 64.0) -> None:
+        """decay: weight kept by earlier observations of a kind per new one; token_scale:
+        the chunk-size spread one pseudo-observation of the pooled slope stands for."""
+        self.decay, self.token_scale = decay, token_scale
+        self.stats: dict[str, list[float]] = {}  # kind -> [w, w N, w N^2, w y, w N y]
+        self.pooled = [0.0] * 5
+        self.mean_tokens: float | None = None  # chunk tokens of recent mixed steps
+
+    def observe(self, kind: str, tokens: int, extra: float) -> None:
+        """A mixed step of `kind` with `tokens` chunk tokens took `extra` seconds more than
+        its decode step."""
+        n = float(tokens)
+        self.mean_tokens = n if self.mean_tokens is None else \
+            self.mean_tokens + 0.1 * (n - self.mean_tokens)
+        point = (1.0, n, n * n, extra, n * extra)
+        st = self.stats.setdefault(kind, [0.0] * 5)
+        for acc in (st, self.pooled):
+            for i, v in enumerate(point):
+                acc[i] = acc[i] * self.decay + v
+
+    def _line(self, st: list[float], slope_prior: float) -> tuple[float, float, float]:
+        """(mean N, mean y, slope) of a kind's decayed points, the slope shrunk toward
+        slope_prior by one pseudo-observation of spread token_scale; never negative."""
+        w, sn, snn, sy, sny = st
+        nbar, ybar = sn / w, sy / w
+        sxx = max(0.0, snn - w * nbar * nbar)
+        sxy = sny - w * nbar * ybar
+        lam = self.token_scale ** 2
+        return nbar, ybar, max(0.0, (sxy + lam * slope_prior) / (sxx + lam))
+
+    def extra(self, kind: str) -> float | None:
+        """The kind's expected extra seconds at the mean chunk size (None: never seen)."""
+        st = self.stats.get(kind)
+        if st is None or st[0] <= 0.0 or self.mean_tokens is None:
+            return None
+        pooled = self._line(self.pooled, 0.0)[2]
+        nbar, ybar, slope = self._line(st, pooled)
+        return max(0.0, ybar + slope * (self.mean_tokens - nbar))
+
+    def pooled_slope(self) -> float | None:
+        """Seconds per chunk token pooled over every kind (None: no mixed step seen)."""
+        return self._line(self.pooled, 0.0)[2] if self.pooled[0] > 0.0 else None
+
+    def line(self, kind: str) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per chunk token) of the kind's extra (None: never seen)."""
+        st = self.stats.get(kind)
+        if st is None or st[0] <= 0.0:
+            return None
+        nbar, ybar, slope = self._line(st, self.pooled_slope() or 0.0)
+        return max(0.0, ybar - slope * nbar), slope
