@@ -164,7 +164,12 @@ def sweep(engine, args, levels: list[int], modes: list[str], rate: float, comm: 
                     runs[name][-1]["learnt"] = {
                         "steps": pol.steps, "switch_steps": dict(pol.switch_steps), "scale": dict(pol.scale),
                         "mixed_share": pol.mixed_share,
-                        "mixed_extra_ms": {m: t * 1e3 for m, t in pol.mixed_extra.items()}}
+                        "mixed_extra_ms": {m: t * 1e3 for m, t in pol.mixed_extra.items()},
+                        # prompt tokens per emitted token; per kind (fixed ms, us a token)
+                        "rho": pol.chunk_ema / pol.emitted_ema if pol.emitted_ema else None,
+                        "chunk_lines": {k: (pol.chunk_cost.line(k)[0] * 1e3,
+                                            pol.chunk_cost.line(k)[1] * 1e6)
+                                        for k in pol.chunk_cost.stats}}
         for name in configs:
             rs = runs[name]
             steps: dict[str, int] = {}
@@ -193,7 +198,10 @@ def sweep(engine, args, levels: list[int], modes: list[str], rate: float, comm: 
         print(f"C={c} adaptive learnt: switch steps "
               f"{ {k: round(v, 2) for k, v in learnt['switch_steps'].items()} }, mixed share "
               f"{learnt['mixed_share']:.2f}, mixed extra ms "
-              f"{ {k: round(v, 2) for k, v in learnt['mixed_extra_ms'].items()} }", flush=True)
+              f"{ {k: round(v, 2) for k, v in learnt['mixed_extra_ms'].items()} }, chunk "
+              f"tokens per emitted {learnt['rho'] or 0:.2f}, lines (fixed ms, us a token) "
+              f"{ {k: (round(a, 2), round(c, 2)) for k, (a, c) in learnt['chunk_lines'].items()} }",
+              flush=True)
         best = max(point[m]["tok_s"] for m in configs if m not in (ADAPTIVE, OFF))
         point["adaptive_vs_best"] = point[ADAPTIVE]["tok_s"] / best
         point["adaptive_vs_plain"] = point[ADAPTIVE]["tok_s"] / point[PLAIN]["tok_s"]

@@ -75,6 +75,11 @@ def test_policy_sweep_script_runs(tmp_path: Path, pair: tuple[str, str]) -> None
     counts = [r["learnt"]["steps"] for r in runs]
     assert counts == sorted(counts) and len(set(counts)) == len(counts)
     assert counts[0] > sum(runs[0]["mode_steps"].values())
+    # the engine told it each step's chunk tokens: prompt tokens per emitted token (8-token
+    # prompts, 6 tokens out; a line per kind of mixed step it saw, if any)
+    assert 0.5 < runs[-1]["learnt"]["rho"] < 3
+    assert isinstance(runs[-1]["learnt"]["chunk_lines"], dict)
+    assert "chunk tokens per emitted" in proc.stdout
     assert (out / "rate-0.5" / "spec_policy.png").stat().st_size > 0
 
 
