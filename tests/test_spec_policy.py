@@ -40,6 +40,26 @@ def test_acceptance_estimates_follow_the_counts() -> None:
     assert ("a", 1) not in est._counts
 
 
+def test_a_new_request_starts_from_the_mean_of_finished_requests_rates() -> None:
+    """Fast requests (rate 0.9, few cycles) and slow ones (0.1, many cycles): the cycle
+    counts lean to the slow ones, which a batch keeps longest; a new request's prior is the
+    mean over requests, each once. A running request's counts stay out of it."""
+    est = AcceptanceEstimates(1, prior=0.5)
+    rng = random.Random(0)
+    for i in range(40):
+        rid, rate, cycles = (f"f{i}", 0.9, 5) if i % 2 else (f"s{i}", 0.1, 50)
+        for _ in range(cycles):
+            est.observe(rid, 1, 1, int(rng.random() < rate))
+        est.forget(rid)
+    hits, trials = est._counts[(None, 1)]
+    assert hits[0] / trials[0] < 0.25  # the cycle-weighted view
+    assert 0.42 < est.rates("new", 1)[0] < 0.58
+    before = est.rates("new", 1)
+    for _ in range(30):
+        est.observe("running", 1, 1, 0)
+    assert est.rates("new", 1)[0] >= 0.97 * before[0]  # the cycles moved it, a little
+
+
 def test_policy_picks_the_best_goodput_with_hysteresis_and_dwell() -> None:
     policy = AdaptivePolicy(MODES, COSTS, hysteresis=0.05, dwell=3, explore_every=1000)
     one, eight = ["r0"], [f"r{i}" for i in range(8)]

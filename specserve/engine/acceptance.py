@@ -17,6 +17,11 @@ class AcceptanceEstimates:
         # (request id | None for global, topk | (method, topk)) -> ([hits per depth],
         # [trials per depth]); the primary drafter's family is its bare topk
         self._counts: dict[tuple[str | None, object], tuple[list[float], list[float]]] = {}
+        # family -> ([sum of finished requests' own rates], [their weight]) per depth, each
+        # request once (decayed per request): the prior of a new request. The cycle counts
+        # weight requests by their cycles, so they lean toward the slow, low-acceptance
+        # requests that a batch keeps longest (all of them, in a run's tail).
+        self._finished: dict[object, tuple[list[float], list[float]]] = {}
 
     def _row(self, key: tuple[str | None, object]) -> tuple[list[float], list[float]]:
         row = self._counts.get(key)
@@ -78,10 +83,21 @@ class AcceptanceEstimates:
         w = self.prior_weight
         base = ([self.prior] * self.max_depth if chain is None
                 else [(h + w * self.prior) / (t + w) for h, t in zip(*chain)])
+        base = self._per_request(self.family(1, method), base)
         row = self._counts.get((None, self.family(topk, method)))
-        if topk == 1 or row is None:
+        if topk == 1:
             return base
-        return [(h + w * g) / (t + w) for h, t, g in zip(*row, base)]
+        if row is not None:
+            base = [(h + w * g) / (t + w) for h, t, g in zip(*row, base)]
+        return self._per_request(self.family(topk, method), base)
+
+    def _per_request(self, fam: object, base: list[float]) -> list[float]:
+        """`base` moved toward the mean of finished requests' own rates (each request once;
+        two requests' worth of weight stay with base)."""
+        done = self._finished.get(fam)
+        if done is None:
+            return base
+        return [(s + 2.0 * g) / (n + 2.0) for s, n, g in zip(*done, base)]
 
     def expected_tokens(self, request_id: str, topk: int, depth: int,
                         method: str = "") -> float:
@@ -93,5 +109,13 @@ class AcceptanceEstimates:
         return total
 
     def forget(self, request_id: str) -> None:
+        """A request finished (or was aborted): its own rates join the per-request means of
+        their families (at the depths it tried at least once), its counts go."""
         for key in [k for k in self._counts if k[0] == request_id]:
-            del self._counts[key]
+            hits, trials = self._counts.pop(key)
+            sums, weights = self._finished.setdefault(
+                key[1], ([0.0] * self.max_depth, [0.0] * self.max_depth))
+            for d in range(self.max_depth):
+                if trials[d] >= 1.0:
+                    sums[d] = sums[d] * 0.97 + hits[d] / trials[d]
+                    weights[d] = weights[d] * 0.97 + 1.0

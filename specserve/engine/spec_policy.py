@@ -323,7 +323,7 @@ class AdaptivePolicy:
                 self._count_tokens(chunk_tokens, batch)
             if seconds is not None and batch:
                 self.mixed_share += 0.05 * (1.0 - self.mixed_share)
-                extra = min(4.0 * _interpolate(self.costs["off"], batch),
+                extra = min(_extra_cap(_interpolate(self.costs["off"], batch), chunk_tokens),
                             max(0.0, seconds - self.step_time(None, batch)))
                 self._learn_mixed("fold", extra, chunk_tokens)
             return
@@ -345,8 +345,9 @@ class AdaptivePolicy:
                 self.mixed_extra[key] if mixed else 0.0)) - 1.0)
             self.switch_steps[kind] += 0.2 * (extra - self.switch_steps[kind])
             return
-        if mixed:  # the prefill chunks' time on top of the decode step (clipped at 4 steps)
-            extra = min(4.0 * tabled, max(0.0, seconds - self.step_time(mode, batch)))
+        if mixed:  # the prefill chunks' time on top of the decode step (clipped: _extra_cap)
+            extra = min(_extra_cap(tabled, chunk_tokens),
+                        max(0.0, seconds - self.step_time(mode, batch)))
             self._learn_mixed(key, extra, chunk_tokens)
             return
         ratio = min(2.0, max(0.5, seconds / tabled))
@@ -370,6 +371,13 @@ class AdaptivePolicy:
 
     def forget(self, request_id: str) -> None:
         self.acceptance.forget(request_id)
+
+
+def _extra_cap(step: float, chunk_tokens: int | None) -> float:
+    """The most a mixed step's extra counts (an outlier's weight): 4 decode steps, and
+    with its chunk tokens known 4 more per 256 of them (the extra grows with them: a cap
+    that did not would bend the fitted line)."""
+    return 4.0 * step * (1.0 + (chunk_tokens or 0) / 256)
 
 
 def _interpolate(row: list[tuple[int, float]], batch: int) -> float:
