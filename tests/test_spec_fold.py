@@ -134,6 +134,25 @@ def test_folded_steps_are_lossless_and_feed_the_drafter_as_a_catch_up_would(
         torch.testing.assert_close(row, states[(rid, covered)], rtol=tol, atol=tol)
 
 
+def test_the_engine_tells_the_policy_each_steps_chunk_tokens(pair) -> None:
+    """observe() gets the prompt tokens the step's chunks ran (mixed iff any), which add up
+    to every prompt's length: the adaptive policy's prompt tokens per emitted token."""
+    prompts, params = _workload()
+    llm = _llm(pair, "cpu", 512)
+    seen = []
+
+    class Recording(StaticPolicy):
+        def observe(self, mode, accepted, seconds, batch, mixed=False, folded=False,
+                    chunk_tokens=None):
+            seen.append((mixed, chunk_tokens))
+
+    llm.engine.spec_policy = Recording("chain3")
+    llm.generate(prompts, params)
+    assert all(mixed == (n > 0) for mixed, n in seen), seen
+    assert sum(n for _, n in seen) == sum(len(p) for p in prompts)
+    assert sum(1 for mixed, _ in seen if mixed) > 5
+
+
 def test_folded_steps_under_preemption(pair, device: str) -> None:
     prompts, params = _workload(seed=8)
     ref = [o.token_ids for o in _llm(pair, device, 512, spec=False).generate(prompts, params)]
