@@ -44,6 +44,7 @@ class ChunksInVerify:
         self.batch = runner.prepare(chunks)
         self.chunks = chunks
         self.node_pages = decodes.page_lists()
+        self.roots = decodes.starts.tolist()  # the cycle's root positions, on the host
         self.hidden: torch.Tensor | None = None
         self.feats: torch.Tensor | None = None
 
@@ -53,7 +54,10 @@ class ChunksInVerify:
         bs, n = tree.tokens.shape
         t = self.batch.input_ids.numel()
         if self.causal:  # a chain: one causal extend over chunks and nodes
-            roots = root_pos.tolist()
+            # (root_pos holds the same positions on the device: reading it here would stall
+            # the host until the draft is done, before it launches the verify forward)
+            roots = self.roots
+            assert len(roots) == bs
             q_lens = chunks.num_new_tokens.tolist() + [n] * bs
             seq_lens = (chunks.starts + chunks.num_new_tokens).tolist() + [p + n for p in roots]
             # each decode row owns the pages of P .. P + n - 1 (the scheduler reserved them)
