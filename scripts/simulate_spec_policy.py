@@ -5,6 +5,8 @@ hysteresis, what it learns of mixed steps) under the model's costs; fit those (-
 per-token, --mixed-ms, ...) to a policy sweep's per-kind step times before reading tok/s.
 
     python scripts/simulate_spec_policy.py --report OUT/policy-0.65/spec_policy.json
+    python scripts/simulate_spec_policy.py --report OUT/policy-0.65/spec_policy.json --fit \
+        --accept-rate 0.65    # the chunk costs the sweep's adaptive policy learnt
     python scripts/simulate_spec_policy.py --results experiments/results.jsonl --sha dd72cd7 \
         --accept-rate 0.65,0.3 --concurrency 1,2,4,8,16,32,64,128,256 --seeds 3
 """
@@ -43,11 +45,35 @@ def load_table(args) -> dict:
     return {m: {int(b): t / 1e3 for b, t in row.items()} for m, row in table.items()}
 
 
+def fitted_costs(report: dict) -> dict[str, float]:
+    """Model costs from what a policy sweep's adaptive policy learnt (its report's last
+    `learnt` chunk lines, fixed ms and us a chunk token per kind of step): the plain step's
+    slope as the prefill cost a token, the speculative modes' mean fixed part as the mixed
+    step's, the fold's fixed part; {} when the report has none."""
+    learnt = {}
+    for point in report.get("points", ()):
+        for run in point.get("adaptive", {}).get("runs", ()):
+            learnt = run.get("learnt") or learnt
+    lines = learnt.get("chunk_lines") or {}
+    out: dict[str, float] = {}
+    if "off" in lines:
+        out["prefill_ms_per_token"] = lines["off"][1] / 1e3
+    spec = [a for k, (a, _) in lines.items() if k not in ("off", "fold")]
+    if spec:
+        out["mixed_ms"] = sum(spec) / len(spec)
+    if "fold" in lines:
+        out["fold_ms"] = lines["fold"][0]
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--report", help="a spec_policy.json of scripts/bench_spec_policy.py")
     src.add_argument("--results", help="experiments/results.jsonl (with --sha)")
+    ap.add_argument("--fit", action="store_true",
+                    help="with --report: the model's prefill, mixed-step and fold costs from "
+                         "what the sweep's adaptive policy learnt (overrides those flags)")
     ap.add_argument("--sha", default="", help="with --results: the sweep's SHA prefix")
     ap.add_argument("--accept-rate", default="0.65")
     ap.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,256")
@@ -75,6 +101,17 @@ def main() -> int:
         costs = load_table(args)
     except (OSError, ValueError) as e:
         ap.error(f"cannot read the cost table: {e}")
+    model = {k.replace("-", "_"): getattr(args, k.replace("-", "_")) for k in (
+        "prefill-ms-per-token", "mixed-ms", "fold-ms")}
+    if args.fit:
+        if not args.report:
+            ap.error("--fit reads a --report (a spec_policy.json of the sweep)")
+        fit = fitted_costs(json.loads(Path(args.report).read_text()))
+        if not fit:
+            ap.error("--fit: the report's adaptive runs carry no learnt chunk lines "
+                     "(a sweep from before they were recorded)")
+        model.update(fit)
+        print("fitted: " + ", ".join(f"{k} {v:.4g}" for k, v in fit.items()))
     modes = {}
     for name in costs:
         if name != OFF:
@@ -83,8 +120,7 @@ def main() -> int:
     for rate in rates:
         cfg = SimConfig(costs=costs, modes=modes, accept_rate=rate, prompt_len=args.prompt_len,
                         output_len=args.output_len, token_budget=args.token_budget,
-                        prefill_ms_per_token=args.prefill_ms_per_token, mixed_ms=args.mixed_ms,
-                        fold_ms=args.fold_ms, catchup_ms=args.catchup_ms,
+                        **model, catchup_ms=args.catchup_ms,
                         catchup_ms_per_token=args.catchup_ms_per_token, noise=args.noise)
         names = [OFF, *modes, ADAPTIVE]
         per: dict[int, dict[str, list[float]]] = {c: {} for c in levels}

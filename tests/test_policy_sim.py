@@ -122,3 +122,17 @@ def test_simulation_script_reads_a_report_and_refuses_bad_flags(tmp_path) -> Non
     missing = subprocess.run([sys.executable, str(script), "--report", str(tmp_path / "no")],
                              capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "cannot read the cost table" in missing.stderr
+    # --fit: the model's chunk costs from what the sweep's adaptive policy learnt
+    cmd = [sys.executable, str(script), "--report", str(report), "--fit", "--concurrency", "2",
+           "--seeds", "1", "--repeats", "1"]
+    unfit = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert unfit.returncode == 2 and "no learnt chunk lines" in unfit.stderr
+    lines = {"off": [0.1, 30.0], "chain2": [2.0, 31.0], "tree4x3x8": [3.0, 29.0],
+             "fold": [1.5, 30.0]}
+    learnt = {"adaptive": {"runs": [{"learnt": {"chunk_lines": lines}}]}}
+    report.write_text(json.dumps({"cost_table_ms": {
+        m: H100_MS[m] for m in ("off", "chain2", "tree4x3x8")}, "points": [learnt]}))
+    fit = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert fit.returncode == 0, fit.stderr[-2000:]
+    assert fit.stdout.splitlines()[0] == "fitted: prefill_ms_per_token 0.03, mixed_ms 2.5, " \
+                                        "fold_ms 1.5"
