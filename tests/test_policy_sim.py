@@ -4,9 +4,9 @@ prefill chunks in the adaptive policy (engine/chunk_cost.py).
 - ChunkCost fits each kind's line a + c x tokens and reads it at the recent mean chunk size.
 - The simulation's accounting, against a closed form (one slot, off).
 - On the H100 start-up table of the Llama-3.1-8B shape (dd72cd7, ms), with chunks costing
-  per token: adaptive reaches 0.95 of the best static choice at high concurrency, where every
-  step carries chunks and a deeper draft leaves them less room per step (the policy's earlier
-  model, a mean extra per mixed step of each mode, scored 0.90 at C=256 here).
+  per token: adaptive reaches 0.97 of the best static choice where the earlier policy lost
+  (a mean extra per mixed step of each mode: deeper drafts leave chunks less room per step
+  and looked cheaper; a new request's acceptance prior leaning to the slowest requests).
 """
 
 from __future__ import annotations
@@ -68,13 +68,15 @@ def test_simulation_matches_the_closed_form_of_one_slot() -> None:
     assert run["steps"] == {"off": 6 * 16}
 
 
-@pytest.mark.parametrize("rate, level", [(0.65, 256), (0.65, 32), (0.3, 128)])
+@pytest.mark.parametrize("rate, level", [(0.65, 256), (0.65, 32), (0.3, 128), (0.3, 32)])
 def test_adaptive_reaches_the_best_static_choice_in_the_simulation(rate: float,
                                                                    level: int) -> None:
+    """0.97 of the best static choice (the goal); the policy of 84c5390 scored 0.894 and
+    0.967 at rate 0.3, C=32 and 128 (off for whole runs after a tail), 0.98 at the others."""
     cfg = SimConfig(costs=COSTS, modes=MODES, accept_rate=rate)
     (point,) = sweep(cfg, [level], repeats=3)
     best = max(point[m]["tok_s"] for m in ("off", *MODES))
-    assert point["adaptive"]["tok_s"] >= 0.95 * best, point
+    assert point["adaptive"]["tok_s"] >= 0.97 * best, point
 
 
 def test_the_policy_learns_chunk_tokens_per_emitted_token() -> None:
