@@ -213,7 +213,7 @@ class AdaptivePolicy:
         of them a step, in a share s = min(1, rho E / mean chunk) of its steps, each paying
         the kind's fixed part, plus its per-token cost on all of them. Else `share` of the
         steps (the recent share of mixed steps) pays the kind's mean extra."""
-        key = "off" if name == "off" else name
+        key = name
         t = self.step_time(None if key == "off" else key, b)
         t_off = self.step_time(None, b)
         if self.chunk_cost.mean_tokens and self.emitted_ema > 0.0:
