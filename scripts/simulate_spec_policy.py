@@ -112,13 +112,14 @@ def main() -> int:
                      "(a sweep from before they were recorded)")
         model.update(fit)
         print("fitted: " + ", ".join(f"{k} {v:.4g}" for k, v in fit.items()))
-    modes = {}
+    modes, verify = {}, {}
     for name in costs:
         if name != OFF:
-            topk, steps, _ = parse_mode(split_mode(name)[1])
+            topk, steps, verify[name] = parse_mode(split_mode(name)[1])
             modes[name] = (topk, steps)
     for rate in rates:
-        cfg = SimConfig(costs=costs, modes=modes, accept_rate=rate, prompt_len=args.prompt_len,
+        cfg = SimConfig(costs=costs, modes=modes, verify_tokens=verify, accept_rate=rate,
+                        prompt_len=args.prompt_len,
                         output_len=args.output_len, token_budget=args.token_budget,
                         **model, catchup_ms=args.catchup_ms,
                         catchup_ms_per_token=args.catchup_ms_per_token, noise=args.noise)

@@ -4,8 +4,8 @@
 
 The model, per step:
 - a closed loop of `concurrency` slots: a finished request's slot takes the next prompt;
-  prompts prefill in chunks within the step's token budget (decode rows take theirs first,
-  lookahead included), and a request's last chunk also samples its first token;
+  prompts prefill in chunks within the step's token budget (decode rows take theirs first:
+  the mode's verified nodes a row), and a request's last chunk also samples its first token;
 - time = the cost table's decode-step time of the step's mode at its decode batch
   (interpolated as the policy does), plus, when the step carries prefill chunks,
   `prefill_ms_per_token` per chunk token and a fixed extra: `mixed_ms` for a speculative step
@@ -51,6 +51,14 @@ class SimConfig:
     catchup_ms_per_token: float = 0.002
     noise: float = 0.02
     children: dict[str, list[int]] = field(default_factory=dict)  # candidates per depth
+    verify_tokens: dict[str, int] = field(default_factory=dict)  # a row's lookahead per mode
+
+    def lookahead(self, mode: str | None) -> int:
+        """Tokens of the step's budget a decode row takes: the verified nodes (default: a
+        chain's, steps + 1)."""
+        if mode is None:
+            return 1
+        return self.verify_tokens.get(mode, self.modes[mode][1] + 1)
 
     def path_children(self, mode: str) -> list[int]:
         """Candidates at each depth of a mode's deepest path (default: topk at the root,
@@ -98,8 +106,7 @@ def simulate(cfg: SimConfig, policy, concurrency: int, num_requests: int,
         decoding = [r for r in active if r.prefilled == cfg.prompt_len]
         mode = policy.choose([r.rid for r in decoding]) if policy is not None else None
         # the step's plan: decode rows first (with the mode's lookahead), then chunks
-        steps_k = cfg.modes[mode][1] if mode is not None else 0
-        budget = cfg.token_budget - len(decoding) * (1 + steps_k)
+        budget = cfg.token_budget - len(decoding) * cfg.lookahead(mode)
         chunks: list[tuple[_Request, int]] = []
         for r in active:
             if r.prefilled < cfg.prompt_len and budget > 0:
