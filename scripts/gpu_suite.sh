@@ -368,6 +368,13 @@ if has policy; then
   # The whole step runs ~25 min: POLICY_PARTS picks parts (default all) to fit a time limit,
   # e.g. POLICY_PARTS=tests,0.65 then 0.3 then pcie,pair (~9, ~7 and ~9 min on an H100).
   pparts=",${POLICY_PARTS:-tests,0.65,0.3,pcie,pair},"
+  # the same table in the model engine (CPU, ~1 min; scripts/simulate_spec_policy.py), its
+  # chunk costs those the sweep's adaptive policy learnt: the policy's own losses vs the GPU's
+  simulated() {
+    timeout 150 python scripts/simulate_spec_policy.py --report "$1/spec_policy.json" --fit \
+      --accept-rate "$2" --seeds 3 > "$1-sim.log" 2>&1
+    echo "  simulated rc=$?: $(tail -1 "$1-sim.log")"
+  }
   ppart() { [[ $pparts == *",$1,"* ]]; }
   for p in ${pparts//,/ }; do
     case $p in tests|0.65|0.3|pcie|pair) ;;
@@ -389,6 +396,7 @@ if has policy; then
       --out "$out/policy-$rate" --label "llama-3.1-8b policy sweep rate {rate}" \
       --log --exp-dir experiments > "$out/policy-$rate.log" 2>&1
     echo "policy rate $rate rc=$?"; grep "adaptive /\|Error" "$out/policy-$rate.log" | tail -3
+    simulated "$out/policy-$rate" "$rate"
   done
   # the comm-bound regime: every all-reduce of a TP-8 model costs the 8-GPU PCIe table's
   # latency (rank 0's shard computes), so speculation's verify got expensive
@@ -400,6 +408,7 @@ if has policy; then
       --emulate-compute shard --out "$out/policy-pcie" --log --exp-dir experiments \
       --label "llama-3.1-8b policy sweep rate 0.65 PCIe-TP8 shard" > "$out/policy-pcie.log" 2>&1
     echo "policy PCIe TP8 rc=$?"; grep "adaptive /\|Error" "$out/policy-pcie.log" | tail -3
+    simulated "$out/policy-pcie" 0.65
   fi
   # real acceptance: the bundled pair on its code prompts
   if [ -d "$pair" ] && ppart pair; then
