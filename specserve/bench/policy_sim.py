@@ -78,8 +78,9 @@ class _Request:
     behind: int = 0  # tokens made while the drafter was off (the next cycle catches up)
 
 
-def _step_seconds(cfg: SimConfig, mode: str | None, batch: int) -> float:
-    return _interpolate(sorted(cfg.costs[OFF if mode is None else mode].items()), max(batch, 1))
+def _step_seconds(rows: dict[str, list[tuple[int, float]]], mode: str | None,
+                  batch: int) -> float:
+    return _interpolate(rows[OFF if mode is None else mode], max(batch, 1))
 
 
 def simulate(cfg: SimConfig, policy, concurrency: int, num_requests: int,
@@ -88,6 +89,7 @@ def simulate(cfg: SimConfig, policy, concurrency: int, num_requests: int,
     AdaptivePolicy, a StaticPolicy, or None: off on every step). Returns tok_s (the steady
     window's), tok_s_all, steps per mode ("fold" for folded steps) and seconds."""
     rng = random.Random(seed)
+    rows = {m: sorted(row.items()) for m, row in cfg.costs.items()}  # the table, sorted once
     half = min(cfg.accept_rate, 1.0 - cfg.accept_rate)
     pending = deque(_Request(f"s{seed}-{i}", cfg.accept_rate + (2 * rng.random() - 1) * half)
                     for i in range(num_requests))
@@ -118,7 +120,7 @@ def simulate(cfg: SimConfig, policy, concurrency: int, num_requests: int,
                     and policy.fold(mode, [r.rid for r in decoding]))
         spec = mode is not None and not fold
         b = len(decoding)
-        seconds = _step_seconds(cfg, mode if spec else None, b) if b else 0.0
+        seconds = _step_seconds(rows, mode if spec else None, b) if b else 0.0
         if mixed:
             seconds += 1e-3 * cfg.prefill_ms_per_token * sum(n for _, n in chunks)
             seconds += 1e-3 * (cfg.mixed_ms if spec else cfg.fold_ms if fold else 0.0)
@@ -128,7 +130,7 @@ def simulate(cfg: SimConfig, policy, concurrency: int, num_requests: int,
             seconds += extra
             overhead["catch_up"] += extra
         if prev_mode is not None and mode != prev_mode and b:
-            extra = _step_seconds(cfg, prev_mode, b)  # the discarded launch ahead
+            extra = _step_seconds(rows, prev_mode, b)  # the discarded launch ahead
             seconds += extra
             overhead["switch"] += extra
         seconds *= max(0.5, 1.0 + cfg.noise * rng.gauss(0.0, 1.0))

@@ -213,21 +213,20 @@ class AdaptivePolicy:
         of them a step, in a share s = min(1, rho E / mean chunk) of its steps, each paying
         the kind's fixed part, plus its per-token cost on all of them. Else `share` of the
         steps (the recent share of mixed steps) pays the kind's mean extra."""
-        key = name
-        t = self.step_time(None if key == "off" else key, b)
+        t = self.step_time(None if name == "off" else name, b)
         t_off = self.step_time(None, b)
         if self.chunk_cost.mean_tokens and self.emitted_ema > 0.0:
             rho = self.chunk_ema / self.emitted_ema
             s = min(1.0, rho * tokens / self.chunk_cost.mean_tokens)
-            a, c = self._mixed_line(key)
+            a, c = self._mixed_line(name)
             rates = [tokens / (t + s * a + c * rho * tokens)]
-            if key != "off":  # its mixed steps folded: b tokens, the plain step's time
+            if name != "off":  # its mixed steps folded: b tokens, the plain step's time
                 a_f, c_f = self._mixed_line("fold")
                 x = (1.0 - s) * tokens + s * b
                 rates.append(x / ((1.0 - s) * t + s * (t_off + a_f) + c_f * rho * x))
         else:
-            spec = tokens, t + self.mixed_extra[key]
-            kinds = [spec] if key == "off" else [
+            spec = tokens, t + self.mixed_extra[name]
+            kinds = [spec] if name == "off" else [
                 spec, (float(b), t_off + self.mixed_extra["fold"])]
             rates = [((1.0 - share) * tokens + share * x) / ((1.0 - share) * t + share * y)
                      for x, y in kinds]
