@@ -142,6 +142,10 @@ class EngineConfig:
         False, "batch-invariant kernels: a row's logits do not depend on how many rows or "
         "which requests share its forward, so greedy speculative output equals plain greedy "
         "output token for token (and a request alone equals it batched); costs speed")
+    exact_attention: bool = option(
+        False, "batch-invariant attention only (one tile shape and a fixed KV split length for "
+        "decode, extend and verify; the GEMMs keep their fastest plans): what --exact costs "
+        "and gains for attention alone; --exact implies it")
     cuda_graph_max_bs: int = option(128, "largest decode batch captured in a CUDA graph", min=1)
     decode_overlap: str = option(
         "auto", "launch the next decode step (or speculative cycle) before the host reads "

@@ -40,6 +40,15 @@ def exact_on():
     set_exact(False)
 
 
+@pytest.fixture(params=["exact", "attention only"])
+def exact_attention(request):
+    """Exact mode, or its attention part alone (EngineConfig.exact_attention): the attention
+    kernels' invariance holds in both."""
+    set_exact(request.param == "exact", max_positions=1024, attention=True)
+    yield
+    set_exact(False)
+
+
 # --------------------------------------------------------------------------------------------
 # torch paths (CPU)
 
@@ -117,7 +126,7 @@ def _attend_case(dtype: torch.dtype, seed: int):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_torch_attention_decode_equals_extend_and_verify(exact_on, dtype: torch.dtype) -> None:
+def test_torch_attention_decode_equals_extend_and_verify(exact_attention, dtype: torch.dtype) -> None:
     from specserve.layers.backends.torch_ref import attend
 
     q, k, v, attention_mask = _attend_case(dtype, 3)
@@ -157,7 +166,7 @@ def test_rms_norm_is_row_invariant() -> None:
         _row_alone_vs_batched(lambda t: norm(t), x, 11)
 
 
-def test_exact_attention_plan_is_fixed(exact_on) -> None:
+def test_exact_attention_plan_is_fixed(exact_attention) -> None:
     plans = {
         pa.launch_plan(bs, q, 4, 2, masked, torch.device("cpu"))[2:]
         for bs in (1, 16, 64)
@@ -175,7 +184,7 @@ def test_exact_attention_plan_is_fixed(exact_on) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mla_torch_path_decode_equals_extend_and_verify(exact_on, dtype: torch.dtype) -> None:
+def test_mla_torch_path_decode_equals_extend_and_verify(exact_attention, dtype: torch.dtype) -> None:
     check_mla_decode_equals_extend_and_verify(mla.mla_attention_ref, "cpu", dtype)
 
 
@@ -201,7 +210,30 @@ def test_mla_absorption_and_router_are_row_invariant(exact_on) -> None:
             _row_alone_vs_batched(lambda t, part=part: gate(t)[part], h, 6)
 
 
-def test_exact_mla_takes_the_absorbed_form(exact_on) -> None:
+def test_attention_only_leaves_the_gemms_default(monkeypatch) -> None:
+    """exact_attention alone: attention plans fixed, dense linears on their default path."""
+    from specserve.layers.linear import ReplicatedLinear
+    from specserve.layers.quantization import unquantized
+
+    def no_exact_gemm(*a, **k):
+        raise AssertionError("exact GEMM under attention-only exactness")
+
+    monkeypatch.setattr(unquantized, "exact_linear", no_exact_gemm)
+    set_exact(False, max_positions=1024, attention=True)
+    try:
+        assert EXACT.attention and not EXACT.on
+        layer = ReplicatedLinear(8, 4, bias=False)
+        with torch.no_grad():
+            layer(torch.randn(3, 8))  # F.linear: no exact GEMM
+        plan = pa.launch_plan(64, 4, 4, 2, True, torch.device("cpu"))[2:]
+        assert plan == (EXACT.kv_splits, pa.EXACT_BLOCK_N, 4, 2)
+    finally:
+        set_exact(False)
+    assert not EXACT.attention
+    assert pa.launch_plan(64, 4, 4, 2, True, torch.device("cpu"))[2:] != plan
+
+
+def test_exact_mla_takes_the_absorbed_form(exact_attention) -> None:
     from specserve.config import MLAConfig
     from specserve.layers.attention_metadata import AttentionMetadata
     from specserve.layers.mla import choose_form

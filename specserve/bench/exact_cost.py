@@ -1,7 +1,8 @@
-"""`bench latency --exact`: the cost of exact mode against the default, in one invocation.
+"""`bench latency --exact` (or `--exact-attention`): the cost of exact mode (or of its attention
+part alone) against the default, in one invocation.
 
 After the exact-mode points are timed, the same grid (contexts x batch sizes, same prompts,
-same modes) is timed again on an engine built from the same config with exact off; each point
+same modes) is timed again on an engine built from the same config with both off; each point
 reports both throughputs and the cost (default tok/s / exact tok/s - 1).
 """
 
@@ -20,7 +21,7 @@ def measure_default(
     from specserve.bench.prompts import make_prompts
     from specserve.llm import LLM
 
-    llm = LLM(config.replace(exact=False))
+    llm = LLM(config.replace(exact=False, exact_attention=False))
     try:
         out = {}
         for ctx, bs in grid:
@@ -54,8 +55,8 @@ def cost_rows(
     return rows
 
 
-def format_cost(rows: list[dict[str, Any]]) -> str:
-    lines = ["exact mode vs default (cost = default tok/s / exact tok/s - 1):"]
+def format_cost(rows: list[dict[str, Any]], what: str = "exact mode") -> str:
+    lines = [f"{what} vs default (cost = default tok/s / exact tok/s - 1):"]
     for r in rows:
         cost = "n/a" if r["cost"] is None else f"{100 * r['cost']:+.1f}%"
         lines.append(

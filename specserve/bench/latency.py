@@ -323,12 +323,13 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
         "points": [{**_point_dict(p, refs, _roofline(engine, refs, copy, p, args.output_len)),
                     "comm_table": t and t.name} for t, p in points],
     }
-    if config.exact:  # the same grid with exact off: the mode's cost (bench/exact_cost.py)
+    exact = "exact mode" if config.exact else "exact attention" if config.exact_attention else ""
+    if exact:  # the same grid with exact off: the mode's cost (bench/exact_cost.py)
         llm.close()  # its KV cache and graphs go before the default engine sizes its own
         report["exact_cost"] = cost_rows(points, measure_default(config, grid, modes, args))
     print(format_report(report))
-    if config.exact:
-        print(format_cost(report["exact_cost"]))
+    if exact:
+        print(format_cost(report["exact_cost"], exact))
     if args.log:
         write_log(report, args.exp_dir)
     if args.json_out:

@@ -58,7 +58,8 @@ EXACT_KV_SPLIT_TOKENS = 256  # KV positions per attention split in exact mode
 
 
 class _ExactMode:
-    on: bool = False
+    on: bool = False  # every kernel (EngineConfig.exact)
+    attention: bool = False  # attention kernels only (EngineConfig.exact_attention; on implies it)
     kv_split_tokens: int = EXACT_KV_SPLIT_TOKENS
     kv_splits: int = 16
 
@@ -66,15 +67,18 @@ class _ExactMode:
 EXACT = _ExactMode()
 
 
-def set_exact(on: bool, max_positions: int = 4096, max_splits: int = 16) -> None:
-    """Turn exact (batch-invariant) mode on or off for this process. Attention then cuts the
-    KV into splits of a fixed length (EXACT_KV_SPLIT_TOKENS, doubled until at most max_splits
-    of them cover max_positions) and launches that many splits whatever the batch: the
-    split count never depends on sequence lengths (CUDA graphs stay valid)."""
+def set_exact(on: bool, max_positions: int = 4096, max_splits: int = 16,
+              attention: bool = False) -> None:
+    """Turn exact (batch-invariant) mode on or off for this process; `attention` alone makes
+    only the attention kernels invariant (the GEMMs keep their fastest plans). Attention then
+    cuts the KV into splits of a fixed length (EXACT_KV_SPLIT_TOKENS, doubled until at most
+    max_splits of them cover max_positions) and launches that many splits whatever the batch:
+    the split count never depends on sequence lengths (CUDA graphs stay valid)."""
     tokens = EXACT_KV_SPLIT_TOKENS
     while -(-max_positions // tokens) > max_splits:
         tokens *= 2
     EXACT.on = bool(on)
+    EXACT.attention = bool(on or attention)
     EXACT.kv_split_tokens = tokens
     EXACT.kv_splits = -(-max_positions // tokens)
 

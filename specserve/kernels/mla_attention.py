@@ -166,14 +166,14 @@ def mla_launch_plan(
     if max_rows is None:
         max_rows = 16 if rank >= 256 else 64
     block_h = min(next_power_of_2(num_heads), max_rows)
-    if EXACT.on:  # one tile shape whatever the query length, a fixed split count (and length)
+    if EXACT.attention:  # one tile shape whatever the query length, a fixed split count (and length)
         block_m = max(1, MIN_DOT // block_h)
         num_splits = EXACT.kv_splits
     else:
         block_m = max(1, min(next_power_of_2(max_query_len), max_rows // block_h))
         block_m = max(block_m, MIN_DOT // block_h)
     num_m_blocks = math.ceil(max_query_len / block_m)
-    if EXACT.on and masked:
+    if EXACT.attention and masked:
         num_m_blocks = max_query_len
     num_head_blocks = math.ceil(num_heads / block_h)
     if num_splits is None:
@@ -215,7 +215,7 @@ def mla_attention(
     assert not is_decode or (max_query_len == 1 and num_tokens == bs and custom_mask is None)
     plan = mla_launch_plan(bs, max_query_len, num_heads, rank, q_lat.device, num_splits,
                            block_n, max_rows, masked=custom_mask is not None)
-    exact_tree = EXACT.on and custom_mask is not None
+    exact_tree = EXACT.attention and custom_mask is not None
     block_m, block_h, num_m_blocks, num_head_blocks, num_splits, block_n = plan
     assert block_n >= MIN_DOT and block_n == next_power_of_2(block_n)
     if out is None:
@@ -241,7 +241,7 @@ def mla_attention(
         PAGE_SIZE=latent_cache.shape[1], NUM_SPLITS=num_splits, IS_DECODE=is_decode,
         HAS_MASK=custom_mask is not None,
         DOT_PRECISION="ieee" if q_lat.dtype == torch.float32 else None,  # keep fp32 exact
-        SPLIT_TOKENS=EXACT.kv_split_tokens if EXACT.on else 0, EXACT_TREE=exact_tree,
+        SPLIT_TOKENS=EXACT.kv_split_tokens if EXACT.attention else 0, EXACT_TREE=exact_tree,
         BLOCK_W=next_power_of_2(custom_mask.shape[-1]) if exact_tree else 1,
         **launch,
     )  # fmt: skip
@@ -304,7 +304,7 @@ def mla_attention_ref(
         mask = visible_mask(
             b - a, seq_len, None if custom_mask is None else custom_mask[r], q_lat.device
         )
-        if EXACT.on:  # each query alone over the rows it sees, in position order
+        if EXACT.attention:  # each query alone over the rows it sees, in position order
             for i in range(b - a):
                 seen = mask[i].nonzero().squeeze(1)
                 s_i = (torch.einsum("hl,sl->hs", q_lat[a + i].float(), c[seen])

@@ -205,7 +205,7 @@ def launch_plan(bs: int, max_query_len: int, group: int, num_kv_heads: int, mask
     H200 (q_len 16 tree at batch 1: 23.3 -> 13.8 us, batch 16: 94 -> 56 us; q_len 4: 12.0 ->
     9.0 us; scripts/bench_attention.py, experiments/2026-11-30-attention-sweep.json)."""
     block_g = next_power_of_2(group)
-    if EXACT.on:
+    if EXACT.attention:
         return exact_launch_plan(bs, max_query_len, group, num_kv_heads, masked)
     block_m = min(next_power_of_2(max_query_len), max(1, TARGET_ROWS // block_g))
     block_m = max(block_m, MIN_DOT // block_g, 1)
@@ -289,7 +289,7 @@ def paged_attention(
     mask = custom_mask.view(torch.uint8) if custom_mask is not None else page_table
     mask_strides = custom_mask.stride() if custom_mask is not None else (0, 0, 0)
     mask_width = custom_mask.shape[-1] if custom_mask is not None else 0
-    exact_tree = EXACT.on and custom_mask is not None
+    exact_tree = EXACT.attention and custom_mask is not None
     launch: dict[str, int] = {}  # only what was asked: None keeps Triton's defaults
     if num_warps is not None:
         launch["num_warps"] = num_warps
@@ -309,7 +309,7 @@ def paged_attention(
         BLOCK_S=next_power_of_2(num_splits), FUSED_COMBINE=fused,
         IS_DECODE=is_decode, HAS_MASK=custom_mask is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,  # keep fp32 exact
-        SPLIT_TOKENS=EXACT.kv_split_tokens if EXACT.on else 0,
+        SPLIT_TOKENS=EXACT.kv_split_tokens if EXACT.attention else 0,
         EXACT_TREE=exact_tree, BLOCK_W=next_power_of_2(mask_width) if exact_tree else 1,
         **launch,
     )  # fmt: skip

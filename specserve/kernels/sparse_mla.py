@@ -137,7 +137,7 @@ def sparse_mla_attention(
     slots = slots.contiguous()
     block_h = max(min(block_h, next_power_of_2(num_heads)), MIN_DOT)
     head_blocks = -(-num_heads // block_h)
-    if num_splits is None and EXACT.on:  # a token's splits never depend on the batch
+    if num_splits is None and EXACT.attention:  # a token's splits never depend on the batch
         num_splits = -(-topk // EXACT.kv_split_tokens)
     if num_splits is None:
         num_splits = default_num_splits(num_tokens * head_blocks, q_lat.device)

@@ -155,7 +155,7 @@ def choose_form(md: AttentionMetadata, num_heads: int, mla: MLAConfig) -> str:
     fewer FLOPs per head, counting (query, key) pairs, the expansion of cached tokens (compute)
     and the q/o absorption of new tokens (absorbed)."""
     if (md.custom_mask is not None or md.query_lens_cpu is None or md.seq_lens_cpu is None
-            or EXACT.on):  # exact mode: prefill, decode and verify share one form
+            or EXACT.attention):  # exact mode: prefill, decode and verify share one form
         return "absorbed"
     rank, nope, rope, v = (
         mla.kv_lora_rank,

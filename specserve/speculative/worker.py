@@ -109,7 +109,9 @@ class SpecWorker:
         # a cycle's verify forward runs the step's prefill chunks too (a tree's: MHA/GQA only)
         self.chunks_in_verify = True
         self.trees_split = takes_trees(runner)
-        self.exact = bool(runner.config.exact)
+        # invariant attention (exact mode, or its attention alone): verify keeps a chain on
+        # the tree-masked kernels, whose exact launches read a path as a decode would
+        self.exact = bool(runner.config.exact or runner.config.exact_attention)
         # one capture over every drafter's aux layers; each reads its own through a view
         readers = {m: p for m, p in self.proposers.items() if p.needs_target_features}
         self.capture = None

@@ -75,7 +75,8 @@ class ModelRunner:
                 torch.set_num_threads(threads)
         self.page_size = config.cache.page_size
         # before any launch: exact mode fixes kernel plans (kernels/dispatch.py)
-        set_exact(config.exact, max_positions=config.scheduler.max_model_len + 256, max_splits=32)
+        set_exact(config.exact, max_positions=config.scheduler.max_model_len + 256, max_splits=32,
+                  attention=config.exact_attention)
         init_comm(config.comm, hidden=model_config.hidden_size, dtype=self.dtype,
                   device=self.device, rows=comm_message_rows(config))
         if config.load_format == "dummy" or model_path is None:

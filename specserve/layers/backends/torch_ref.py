@@ -54,7 +54,7 @@ def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
     # q [q_len, num_heads, d]; k, v [seq_len, num_kv_heads, d]; mask [q_len, seq_len]
-    if EXACT.on:
+    if EXACT.attention:
         return attend_rowwise(q, k, v, mask, scale)
     group = q.shape[1] // k.shape[1]
     k = k.float().repeat_interleave(group, dim=1)  # [seq_len, num_heads, d]
