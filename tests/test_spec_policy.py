@@ -40,6 +40,21 @@ def test_acceptance_estimates_follow_the_counts() -> None:
     assert ("a", 1) not in est._counts
 
 
+def test_global_acceptance_remembers_steps_not_rows() -> None:
+    """At 256 rows a step, 0.99 a cycle alone would keep ~2 steps of the global counts: one
+    bad step would erase the rest. The step decay floor keeps ~10 steps at any batch."""
+    est = AcceptanceEstimates(max_depth=1, prior=0.5)
+    for _ in range(20):  # 20 steps of 256 rows accepting 80%
+        est.observe_step({f"r{i}": int(i % 5 != 0) for i in range(256)}, 1, 1)
+    est.observe_step({f"r{i}": 0 for i in range(256)}, 1, 1)  # one step accepting nothing
+    hits, trials = est._counts[(None, 1)]
+    assert 0.65 < hits[0] / trials[0] < 0.75  # (0.9 of ~0.8 + 0.1 of 0): not ~0.1
+    one = AcceptanceEstimates(max_depth=1, prior=0.5)  # one row a step: 0.99 a cycle
+    for _ in range(50):
+        one.observe_step({"a": 1}, 1, 1)
+    assert one._counts[(None, 1)][1][0] == pytest.approx((1 - 0.99 ** 50) / (1 - 0.99))
+
+
 def test_a_new_request_starts_from_the_mean_of_finished_requests_rates() -> None:
     """Fast requests (rate 0.9, few cycles) and slow ones (0.1, many cycles): the cycle
     counts lean to the slow ones, which a batch keeps longest; a new request's prior is the

@@ -3,6 +3,8 @@ decayed counts per request and drafter family, shrunk toward global estimates (t
 
 from __future__ import annotations
 
+GLOBAL_STEP_DECAY = 0.9  # the global counts remember at least ~10 steps, whatever the batch
+
 
 class AcceptanceEstimates:
     """Per request and per draft family (the mode's drafter and topk), the conditional
@@ -42,7 +44,8 @@ class AcceptanceEstimates:
     def observe_step(self, accepted: dict[str, int], topk: int, depth: int,
                      method: str = "") -> None:
         """One step's cycles (request id -> drafts accepted) of one mode: each request's own
-        counts as observe() does; the global counts once, decayed by 0.99 per cycle."""
+        counts as observe() does; the global counts once, decayed by 0.99 per cycle but by no
+        less than GLOBAL_STEP_DECAY a step (at 256 rows 0.99 a cycle would keep ~2 steps)."""
         fam = self.family(topk, method)
         tried, hit = [0.0] * depth, [0.0] * depth
         for request_id, m in accepted.items():
@@ -58,7 +61,7 @@ class AcceptanceEstimates:
                     hit[d] += 1.0
         if accepted:
             hits, trials = self._row((None, fam))
-            decay = 0.99 ** len(accepted)
+            decay = max(0.99 ** len(accepted), GLOBAL_STEP_DECAY)
             for d in range(depth):
                 hits[d] = hits[d] * decay + hit[d]
                 trials[d] = trials[d] * decay + tried[d]
