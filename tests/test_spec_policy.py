@@ -55,6 +55,31 @@ def test_global_acceptance_remembers_steps_not_rows() -> None:
     assert one._counts[(None, 1)][1][0] == pytest.approx((1 - 0.99 ** 50) / (1 - 0.99))
 
 
+def test_a_tree_family_starts_optimistic_and_learns() -> None:
+    """A tree family with no counts of its own: each of its topk candidates as likely as the
+    chain's draft (1 - (1 - a)^topk); its own cycles then pull it to what they show."""
+    est = AcceptanceEstimates(max_depth=2, decay=1.0, prior=0.5, prior_weight=2.0)
+    chain = est._global(1)
+    assert est._global(4) == pytest.approx([1 - (1 - a) ** 4 for a in chain])
+    for _ in range(200):
+        est.observe_step({"r": 0}, 4, 2)  # the tree never accepted
+    assert est._global(4)[0] < 0.05
+
+
+def test_one_slow_finished_request_does_not_keep_the_policy_off() -> None:
+    """At batch 1 a first request that accepts nothing turns the policy off; when it
+    finishes, the next request must not inherit its rate as a certainty (off, nothing more
+    would be learnt): it starts speculating again."""
+    policy = AdaptivePolicy(MODES, COSTS, dwell=1, hysteresis=0.01)
+    for _ in range(60):
+        mode = policy.choose(["r0"])
+        policy.observe(mode, {"r0": 0} if mode else {}, None, 1)
+    assert policy.choose(["r0"]) is None, policy.last_scores  # off for r0
+    policy.forget("r0")
+    picks = [policy.choose(["r1"]) for _ in range(3)]
+    assert picks[-1] is not None, (picks, policy.last_scores)
+
+
 def test_a_new_request_starts_from_the_mean_of_finished_requests_rates() -> None:
     """Fast requests (rate 0.9, few cycles) and slow ones (0.1, many cycles): the cycle
     counts lean to the slow ones, which a batch keeps longest; a new request's prior is the
@@ -136,7 +161,9 @@ def test_policy_turns_off_for_drafts_that_fail() -> None:
 
 def test_policy_probes_stale_drafter_families_within_the_margin() -> None:
     modes = {"chain3": (1, 3), "chain1": (1, 1), "tree": (4, 3)}
-    costs = {**COSTS, "tree": {1: 1.25, 8: 9.0}}
+    # a tree step costly enough that its optimistic prior scores below chain3, within the
+    # probe margin (3.85 / 2.5 tokens a second against chain3's 2.18 / 1.2)
+    costs = {**COSTS, "tree": {1: 2.5, 8: 20.0}}
     policy = AdaptivePolicy(modes, costs, dwell=1, explore_every=4, probe_budget=1.0)
     picks = [policy.choose(["r0"]) for _ in range(8)]
     # chain1 shares chain3's acceptance family (topk 1), so only the tree family is probed:

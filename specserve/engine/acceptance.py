@@ -90,17 +90,23 @@ class AcceptanceEstimates:
         row = self._counts.get((None, self.family(topk, method)))
         if topk == 1:
             return base
+        # optimistic toward a tree: each of its topk candidates as likely as the chain's one
+        # (an upper bound; the tree's own counts correct it), so a tree is tried early
+        base = [1.0 - (1.0 - g) ** topk for g in base]
         if row is not None:
             base = [(h + w * g) / (t + w) for h, t, g in zip(*row, base)]
         return self._per_request(self.family(topk, method), base)
 
     def _per_request(self, fam: object, base: list[float]) -> list[float]:
         """`base` moved toward the mean of finished requests' own rates (each request once;
-        two requests' worth of weight stay with base)."""
+        two requests' worth of weight stay with base, two with `prior`: requests differ, and
+        a few slow ones finished must not set every new request's start, or a policy that
+        turned off would learn nothing more and stay off)."""
         done = self._finished.get(fam)
         if done is None:
             return base
-        return [(s + 2.0 * g) / (n + 2.0) for s, n, g in zip(*done, base)]
+        p = self.prior
+        return [(s + 2.0 * g + 2.0 * p) / (n + 4.0) for s, n, g in zip(*done, base)]
 
     def expected_tokens(self, request_id: str, topk: int, depth: int,
                         method: str = "") -> float:
