@@ -31,8 +31,12 @@ def test_acceptance_estimates_follow_the_counts() -> None:
     assert est.expected_tokens("a", 1, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
     for accepted in (3, 1, 0, 3):  # depth 1 tried 4x, hit 3x; depth 2 tried 3x, hit 2x; ...
         est.observe("a", 1, 3, accepted)
-    # global counts (decay 0.99) shrunk to 0.5 with weight 2, then a's own counts on top
-    g = [(h + 1.0) / (t + 2.0) for h, t in zip(*est._counts[(None, 1)])]
+    # global counts (decay 0.99), each depth shrunk with weight 2 toward the one above it
+    # (the first toward the prior 0.5), then a's own counts on top
+    g, above = [], 0.5
+    for h, t in zip(*est._counts[(None, 1)]):
+        g.append((h + 2.0 * above) / (t + 2.0))
+        above = g[-1]
     want = [(3 + 2 * g[0]) / (4 + 2), (2 + 2 * g[1]) / (3 + 2), (2 + 2 * g[2]) / (2 + 2)]
     assert est.rates("a", 1) == pytest.approx(want)
     assert est.rates("new", 1) == pytest.approx(g)  # a new request starts from the global view
@@ -64,6 +68,23 @@ def test_a_tree_family_starts_optimistic_and_learns() -> None:
     for _ in range(200):
         est.observe_step({"r": 0}, 4, 2)  # the tree never accepted
     assert est._global(4)[0] < 0.05
+
+
+def test_depths_a_shallow_mode_does_not_try_fade_toward_the_tried_ones() -> None:
+    """Deep chains once accepted little at depth 2; then only chain1 runs (depth 1 accepted
+    80%): the depth-2 estimate must not stay frozen at the old value (a mode that runs one
+    depth would keep looking best), it fades toward depth 1's."""
+    est = AcceptanceEstimates(max_depth=2, prior=0.5)
+    for i in range(30):  # chain2 cycles: depth 1 passes, depth 2 fails
+        est.observe(f"a{i}", 1, 2, 1)
+        est.forget(f"a{i}")
+    assert est._global(1)[1] < 0.2
+    for i in range(60):  # chain1 cycles only, 80% accepted, requests finishing
+        est.observe_step({f"b{i}-{j}": int(j % 5 != 0) for j in range(8)}, 1, 1)
+        for j in range(8):
+            est.forget(f"b{i}-{j}")
+    d1, d2 = est._global(1)
+    assert d1 > 0.65 and d2 > 0.55, (d1, d2)
 
 
 def test_one_slow_finished_request_does_not_keep_the_policy_off() -> None:
@@ -101,7 +122,10 @@ def test_a_new_request_starts_from_the_mean_of_finished_requests_rates() -> None
 
 
 def test_policy_picks_the_best_goodput_with_hysteresis_and_dwell() -> None:
-    policy = AdaptivePolicy(MODES, COSTS, hysteresis=0.05, dwell=3, explore_every=1000)
+    # chain3 at batch 8: at most 8 * 4 tokens / 9 s, well under off's 8 / 2 (beyond the
+    # hysteresis, however high the acceptance estimates)
+    costs = {**COSTS, "chain3": {1: 1.2, 8: 9.0}}
+    policy = AdaptivePolicy(MODES, costs, hysteresis=0.05, dwell=3, explore_every=1000)
     one, eight = ["r0"], [f"r{i}" for i in range(8)]
     for _ in range(3):
         for rid in eight:
@@ -110,7 +134,7 @@ def test_policy_picks_the_best_goodput_with_hysteresis_and_dwell() -> None:
     e3 = policy.acceptance.expected_tokens("r0", 1, 3)
     assert scores["chain3"] == pytest.approx(e3 / 1.2) and scores["off"] == pytest.approx(1.0)
     assert policy.choose(one) == "chain3"  # the initial mode is the configured one
-    # batch 8: off is best (8 / 2 = 4 tokens/s; chain3 < 8 * 4 / 8, chain1 < 8 * 2 / 4.5),
+    # batch 8: off is best (8 / 2 = 4 tokens/s; chain3 < 8 * 4 / 9, chain1 < 8 * 2 / 4.5),
     # taken at once (the start is no switch: no dwell before the first decision)
     picks = [policy.choose(eight) for _ in range(2)]
     assert picks == [None, None], (picks, policy.last_scores)

@@ -50,7 +50,7 @@ class AcceptanceEstimates:
         tried, hit = [0.0] * depth, [0.0] * depth
         for request_id, m in accepted.items():
             hits, trials = self._row((request_id, fam))
-            for d in range(depth):
+            for d in range(self.max_depth):  # depths this mode did not try fade too
                 hits[d] *= self.decay
                 trials[d] *= self.decay
             for d in range(min(m + 1, depth)):  # depth d + 1 was tried
@@ -62,9 +62,12 @@ class AcceptanceEstimates:
         if accepted:
             hits, trials = self._row((None, fam))
             decay = max(0.99 ** len(accepted), GLOBAL_STEP_DECAY)
+            for d in range(self.max_depth):
+                hits[d] *= decay
+                trials[d] *= decay
             for d in range(depth):
-                hits[d] = hits[d] * decay + hit[d]
-                trials[d] = trials[d] * decay + tried[d]
+                hits[d] += hit[d]
+                trials[d] += tried[d]
 
     def rates(self, request_id: str, topk: int, method: str = "",
               base: list[float] | None = None) -> list[float]:
@@ -84,8 +87,11 @@ class AcceptanceEstimates:
         and those toward `prior`."""
         chain = self._counts.get((None, self.family(1, method)))
         w = self.prior_weight
-        base = ([self.prior] * self.max_depth if chain is None
-                else [(h + w * self.prior) / (t + w) for h, t in zip(*chain)])
+        base = [self.prior] * self.max_depth
+        if chain is not None:  # each depth shrunk toward the one above it (the first: prior)
+            above = self.prior
+            for d, (h, t) in enumerate(zip(*chain)):
+                base[d] = above = (h + w * above) / (t + w)
         base = self._per_request(self.family(1, method), base)
         row = self._counts.get((None, self.family(topk, method)))
         if topk == 1:
@@ -124,7 +130,9 @@ class AcceptanceEstimates:
             hits, trials = self._counts.pop(key)
             sums, weights = self._finished.setdefault(
                 key[1], ([0.0] * self.max_depth, [0.0] * self.max_depth))
-            for d in range(self.max_depth):
+            for d in range(self.max_depth):  # every depth fades; the tried ones add
+                sums[d] *= 0.97
+                weights[d] *= 0.97
                 if trials[d] >= 1.0:
-                    sums[d] = sums[d] * 0.97 + hits[d] / trials[d]
-                    weights[d] = weights[d] * 0.97 + 1.0
+                    sums[d] += hits[d] / trials[d]
+                    weights[d] += 1.0
