@@ -134,3 +134,22 @@ def test_mla_target_with_mha_draft() -> None:
     assert torch.equal(flat[:, 9], old[:, 9])
     for name in ("k", "v"):  # the draft layer is never compacted
         assert torch.equal(pool.groups[1].tensors[name], before[name])
+
+
+def test_kv_budget_leaves_room_for_sampling_the_widest_verify() -> None:
+    """A tree's sampled verify graph at the largest batch bucket sorts bucket x nodes rows of
+    the vocabulary: the KV pool's budget leaves that room (an OOM at capture on an 80 GB card
+    with a 16-node tree at batch 128 before)."""
+    from specserve import defaults
+    from specserve.llm import LLM
+
+    pair = defaults.tiny_code_path()
+    tree = dict(algorithm="eagle3", draft_model=defaults.tiny_code_draft_path(), num_steps=3,
+                topk=4, num_draft_tokens=16)
+    llm = LLM(pair, device="cpu", dtype="float32", speculative_config=tree,
+              scheduler=dict(max_num_seqs=32))
+    rows = 32 * 16  # min(cuda_graph_max_bs, max_num_seqs) x nodes
+    logits = torch.empty(rows, llm.engine.model_config.vocab_size)
+    values, order = logits.sort(dim=-1)
+    workspace = sum(t.numel() * t.element_size() for t in (logits, values, order, logits))
+    assert llm.engine.runner.reserve_bytes >= workspace

@@ -119,4 +119,3 @@ def test_cli_generate_with_mtp_and_the_one_line_refusal(ckpts, capsys) -> None:
                       capsys)
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
     assert "has no MTP layer (num_nextn_predict_layers is absent)" in err
-

@@ -14,7 +14,7 @@ from typing import Any
 from specserve.config import EngineConfig, ModelConfig
 from specserve.distributed import comm
 from specserve.distributed.comm import configure_shard_emulation
-from specserve.engine.memory import drafter_bytes, drafter_configs
+from specserve.engine.memory import drafter_bytes, drafter_configs, verify_sampling_bytes
 from specserve.layers.quantization import check_device, resolve_quantization
 from specserve.models.loader import load_model_config, resolve_model_path
 from specserve.models.presets import PRESET_FORMATS, PRESETS
@@ -123,6 +123,12 @@ def build_local_worker(config: EngineConfig, model_path: str | None,
         drafter_configs(config, model_config, model_path),
         resolve_dtype(config.dtype, model_config, resolve_device(config.device)),
         config.parallel.tp_size)
+    if config.spec.enabled:  # and for sampling over the widest verify at the largest batch
+        from specserve.speculative.proposer import draft_shapes
+
+        width = max(s.num_draft_tokens for s in draft_shapes(config.spec))
+        rows = min(config.cuda_graph_max_bs, config.scheduler.max_num_seqs) * width
+        reserve += verify_sampling_bytes(rows, model_config.vocab_size)
     runner = ModelRunner(config, model_config, model_path, draft_kv, reserve)
     if proposer is None and config.spec.enabled:
         from specserve.speculative.methods import proposer_factory

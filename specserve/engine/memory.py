@@ -57,6 +57,16 @@ def drafter_bytes(drafts: Sequence[ModelConfig], dtype: torch.dtype, tp_size: in
     return -(-sum(d.num_parameters() for d in drafts) * elem // tp_size)
 
 
+SAMPLER_BYTES_PER_LOGIT = 20  # fp32 logits, their sorted copy and int64 order, fp32 probs
+
+
+def verify_sampling_bytes(rows: int, vocab_size: int) -> int:
+    """Device bytes the sampler takes over `rows` verify rows of the full vocabulary (top-k /
+    top-p sort them): the largest captured speculative graph's rows (a tree's batch bucket x
+    its nodes) can need GBs that the KV pool's budget must leave free."""
+    return rows * vocab_size * SAMPLER_BYTES_PER_LOGIT
+
+
 def required_bytes(
     target: ModelConfig,
     draft: ModelConfig | Sequence[ModelConfig] | None,
