@@ -44,6 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from specserve.bench.jit_watch import triton_compiles  # noqa: E402
 from specserve.bench.stats import parse_positive_list  # noqa: E402
 from specserve.engine.spec_policy import (  # noqa: E402
     AdaptivePolicy,
@@ -78,17 +79,18 @@ def run(engine, prompts: list[list[int]], output_len: int, concurrency: int) -> 
     in_verify = stats.get("num_chunks_in_verify", 0)
     seconds_before = dict(stats.get("step_seconds", {}))
     t0 = time.perf_counter()
-    while pending or in_flight:
-        while pending and in_flight < concurrency:
-            engine.add_request(None, *pending.popleft())
-            in_flight += 1
-            if not pending:
-                last = time.perf_counter() - t0, done_tokens
-        for out in engine.step():
-            done_tokens += len(out.new_token_ids)
-            in_flight -= out.finished
-            if out.finished and first is None:
-                first = time.perf_counter() - t0, done_tokens
+    with triton_compiles() as compiles:  # each a slow step of this run
+        while pending or in_flight:
+            while pending and in_flight < concurrency:
+                engine.add_request(None, *pending.popleft())
+                in_flight += 1
+                if not pending:
+                    last = time.perf_counter() - t0, done_tokens
+            for out in engine.step():
+                done_tokens += len(out.new_token_ids)
+                in_flight -= out.finished
+                if out.finished and first is None:
+                    first = time.perf_counter() - t0, done_tokens
     seconds = time.perf_counter() - t0
     stats = engine.stats()
     after = stats.get("mode_steps", {})
@@ -109,7 +111,8 @@ def run(engine, prompts: list[list[int]], output_len: int, concurrency: int) -> 
             "window_s": window, "tokens": done_tokens,
             "mode_steps": {m: n for m, n in steps.items() if n}, "step_seconds": by_kind,
             # steps whose prefill chunks ran in a chain's verify forward
-            "chunks_in_verify": stats.get("num_chunks_in_verify", 0) - in_verify}
+            "chunks_in_verify": stats.get("num_chunks_in_verify", 0) - in_verify,
+            "triton_compiles": compiles}  # {kernel: compilations inside the run}
 
 
 def use(engine, name: str, policy) -> None:
@@ -191,6 +194,8 @@ def sweep(engine, args, levels: list[int], modes: list[str], rate: float, comm: 
             per = ", ".join(f"{k} {1e3 * t / n:.1f} ms x{n}" for k, (n, t) in sorted(kinds.items()))
             joined = sum(r["chunks_in_verify"] for r in rs)
             per += f"; chunks in verify x{joined}" if joined else ""
+            jit = sum(sum(r["triton_compiles"].values()) for r in rs)
+            per += f"; {jit} Triton compiles" if jit else ""
             print(f"C={c} {name}: {point[name]['tok_s']:.1f} tok/s{spread} (whole run "
                   f"{point[name]['tok_s_all']:.1f}) {steps}" + (f" [{per}]" if per else ""),
                   flush=True)
