@@ -41,6 +41,11 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 ss=(python -m specserve.cli)
 has() { [[ ",$steps," == *",$1,"* ]]; }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv > "$out/gpu.txt" 2>&1
+# clock slowdowns (thermal, power) accumulated since the GPU started, before and after the
+# run: a throttled card's timings are not measurements (2026-12-06: an H100 that spent ~575 s
+# of a ~680 s run in software thermal slowdown ran at half speed)
+slowdowns() { nvidia-smi -q -d PERFORMANCE 2>/dev/null | awk '/Slowdown/ && / us$/ {print}'; }
+slowdowns > "$out/gpu_slowdown_before.txt"
 "${ss[@]}" doctor > "$out/doctor.txt" 2>&1
 
 if has tests; then
@@ -484,5 +489,10 @@ if has drafters; then
     --spec-topk 1 --spec-method ngram --spec-num-steps 4 --out "$out/profile-ngram" \
     > "$out/profile-ngram.log" 2>&1
   echo "profile ngram rc=$?"; grep -v "^ " "$out/profile-ngram.log" | tail -6
+fi
+slowdowns > "$out/gpu_slowdown_after.txt"
+if ! cmp -s "$out/gpu_slowdown_before.txt" "$out/gpu_slowdown_after.txt"; then
+  echo "WARNING: the GPU slowed its clocks during this run (us, since it started; before/after):"
+  paste "$out/gpu_slowdown_before.txt" "$out/gpu_slowdown_after.txt" | awk '{print "  " $0}'
 fi
 collect
