@@ -126,7 +126,9 @@ def build_local_worker(config: EngineConfig, model_path: str | None,
     if config.spec.enabled:  # and for sampling over the widest verify at the largest batch
         from specserve.speculative.proposer import draft_shapes
 
-        width = max(s.num_draft_tokens for s in draft_shapes(config.spec))
+        spec = config.spec
+        width = max(s.num_draft_tokens for m in (spec.algorithm, *spec.extra_methods)
+                    for s in draft_shapes(spec.for_method(m)))
         rows = min(config.cuda_graph_max_bs, config.scheduler.max_num_seqs) * width
         reserve += verify_sampling_bytes(rows, model_config.vocab_size)
     runner = ModelRunner(config, model_config, model_path, draft_kv, reserve)
