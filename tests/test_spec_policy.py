@@ -1,4 +1,4 @@
-"""The adaptive speculation policy: acceptance estimates against hand-computed values, the
+"""The adaptive speculation policy (the acceptance estimates: tests/test_acceptance.py): the
 choice against the goodput formula, hysteresis, dwell and exploration; through the engine,
 the start-up cost table and a policy that turns speculation off under load and back on as
 the batch drains, with greedy output equal to plain decoding."""
@@ -11,7 +11,7 @@ import pytest
 from tiny_eagle import make_tiny_pair
 
 from specserve.config import CacheConfig, SchedulerConfig
-from specserve.engine.spec_policy import AcceptanceEstimates, AdaptivePolicy, _interpolate
+from specserve.engine.spec_policy import AdaptivePolicy, _interpolate
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
 
@@ -26,67 +26,6 @@ def test_interpolation() -> None:
     assert _interpolate([(2, 3.0)], 4) == 6.0
 
 
-def test_acceptance_estimates_follow_the_counts() -> None:
-    est = AcceptanceEstimates(max_depth=3, decay=1.0, prior=0.5, prior_weight=2.0)
-    assert est.expected_tokens("a", 1, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
-    for accepted in (3, 1, 0, 3):  # depth 1 tried 4x, hit 3x; depth 2 tried 3x, hit 2x; ...
-        est.observe("a", 1, 3, accepted)
-    # global counts (decay 0.99), each depth shrunk with weight 2 toward the one above it
-    # (the first toward the prior 0.5), then a's own counts on top
-    g, above = [], 0.5
-    for h, t in zip(*est._counts[(None, 1)]):
-        g.append((h + 2.0 * above) / (t + 2.0))
-        above = g[-1]
-    want = [(3 + 2 * g[0]) / (4 + 2), (2 + 2 * g[1]) / (3 + 2), (2 + 2 * g[2]) / (2 + 2)]
-    assert est.rates("a", 1) == pytest.approx(want)
-    assert est.rates("new", 1) == pytest.approx(g)  # a new request starts from the global view
-    est.forget("a")
-    assert ("a", 1) not in est._counts
-
-
-def test_global_acceptance_remembers_steps_not_rows() -> None:
-    """At 256 rows a step, 0.99 a cycle alone would keep ~2 steps of the global counts: one
-    bad step would erase the rest. The step decay floor keeps ~10 steps at any batch."""
-    est = AcceptanceEstimates(max_depth=1, prior=0.5)
-    for _ in range(20):  # 20 steps of 256 rows accepting 80%
-        est.observe_step({f"r{i}": int(i % 5 != 0) for i in range(256)}, 1, 1)
-    est.observe_step({f"r{i}": 0 for i in range(256)}, 1, 1)  # one step accepting nothing
-    hits, trials = est._counts[(None, 1)]
-    assert 0.65 < hits[0] / trials[0] < 0.75  # (0.9 of ~0.8 + 0.1 of 0): not ~0.1
-    one = AcceptanceEstimates(max_depth=1, prior=0.5)  # one row a step: 0.99 a cycle
-    for _ in range(50):
-        one.observe_step({"a": 1}, 1, 1)
-    assert one._counts[(None, 1)][1][0] == pytest.approx((1 - 0.99 ** 50) / (1 - 0.99))
-
-
-def test_a_tree_family_starts_optimistic_and_learns() -> None:
-    """A tree family with no counts of its own: each of its topk candidates as likely as the
-    chain's draft (1 - (1 - a)^topk); its own cycles then pull it to what they show."""
-    est = AcceptanceEstimates(max_depth=2, decay=1.0, prior=0.5, prior_weight=2.0)
-    chain = est._global(1)
-    assert est._global(4) == pytest.approx([1 - (1 - a) ** 4 for a in chain])
-    for _ in range(200):
-        est.observe_step({"r": 0}, 4, 2)  # the tree never accepted
-    assert est._global(4)[0] < 0.05
-
-
-def test_depths_a_shallow_mode_does_not_try_fade_toward_the_tried_ones() -> None:
-    """Deep chains once accepted little at depth 2; then only chain1 runs (depth 1 accepted
-    80%): the depth-2 estimate must not stay frozen at the old value (a mode that runs one
-    depth would keep looking best), it fades toward depth 1's."""
-    est = AcceptanceEstimates(max_depth=2, prior=0.5)
-    for i in range(30):  # chain2 cycles: depth 1 passes, depth 2 fails
-        est.observe(f"a{i}", 1, 2, 1)
-        est.forget(f"a{i}")
-    assert est._global(1)[1] < 0.2
-    for i in range(60):  # chain1 cycles only, 80% accepted, requests finishing
-        est.observe_step({f"b{i}-{j}": int(j % 5 != 0) for j in range(8)}, 1, 1)
-        for j in range(8):
-            est.forget(f"b{i}-{j}")
-    d1, d2 = est._global(1)
-    assert d1 > 0.65 and d2 > 0.55, (d1, d2)
-
-
 def test_one_slow_finished_request_does_not_keep_the_policy_off() -> None:
     """At batch 1 a first request that accepts nothing turns the policy off; when it
     finishes, the next request must not inherit its rate as a certainty (off, nothing more
@@ -99,26 +38,6 @@ def test_one_slow_finished_request_does_not_keep_the_policy_off() -> None:
     policy.forget("r0")
     picks = [policy.choose(["r1"]) for _ in range(3)]
     assert picks[-1] is not None, (picks, policy.last_scores)
-
-
-def test_a_new_request_starts_from_the_mean_of_finished_requests_rates() -> None:
-    """Fast requests (rate 0.9, few cycles) and slow ones (0.1, many cycles): the cycle
-    counts lean to the slow ones, which a batch keeps longest; a new request's prior is the
-    mean over requests, each once. A running request's counts stay out of it."""
-    est = AcceptanceEstimates(1, prior=0.5)
-    rng = random.Random(0)
-    for i in range(40):
-        rid, rate, cycles = (f"f{i}", 0.9, 5) if i % 2 else (f"s{i}", 0.1, 50)
-        for _ in range(cycles):
-            est.observe(rid, 1, 1, int(rng.random() < rate))
-        est.forget(rid)
-    hits, trials = est._counts[(None, 1)]
-    assert hits[0] / trials[0] < 0.25  # the cycle-weighted view
-    assert 0.42 < est.rates("new", 1)[0] < 0.58
-    before = est.rates("new", 1)
-    for _ in range(30):
-        est.observe("running", 1, 1, 0)
-    assert est.rates("new", 1)[0] >= 0.97 * before[0]  # the cycles moved it, a little
 
 
 def test_policy_picks_the_best_goodput_with_hysteresis_and_dwell() -> None:
