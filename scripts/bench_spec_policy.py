@@ -131,11 +131,10 @@ def sweep(engine, args, levels: list[int], modes: list[str], rate: float, comm: 
     """Every configuration at every concurrency at one mean acceptance: out/spec_policy.json,
     its plot, the summary line and (--log) an experiments row."""
     table = engine.spec_cost_table
-    shapes = {n: (m.shape.topk, m.shape.num_steps) for n, m in engine.drafter.modes.items()}
-    server = AdaptivePolicy(shapes, table)  # one for the sweep, unless --policy fresh
+    server = engine.new_adaptive_policy()  # one for the sweep, unless --policy fresh
 
     def policy() -> AdaptivePolicy:
-        return AdaptivePolicy(shapes, table) if args.policy == "fresh" else server
+        return engine.new_adaptive_policy() if args.policy == "fresh" else server
     from specserve.bench.prompts import make_prompts
 
     report = {"model": args.model, "accept_rate": rate, "modes": modes,

@@ -57,6 +57,22 @@ def test_chunk_cost_fits_each_kind_and_reads_it_at_the_mean_chunk() -> None:
     assert c1 == pytest.approx(one.pooled_slope()) and a1 + c1 * 400 == pytest.approx(20e-3)
 
 
+def test_a_kinds_line_passes_through_its_mean_point() -> None:
+    """Chunks of nearly one size (a full budget) with noise read a steep slope; its fixed part
+    came out negative and was clipped to 0, so the line overestimated the kind's extra at
+    its own chunk size by 60% (the adaptive policy then kept a tree where plain decoding
+    won). Now the line through the origin and the mean point."""
+    cc = ChunkCost(decay=1.0, token_scale=1.0)
+    cc.observe("off", 1600, 0.049)
+    cc.observe("off", 1700, 0.054)
+    fixed, slope = cc.line("off")
+    assert fixed == 0.0
+    assert fixed + slope * 1650 == pytest.approx((0.049 + 0.054) / 2)
+    cc.observe("tree", 100, 0.005)  # a line with a positive fixed part is kept as fitted
+    cc.observe("tree", 900, 0.029)
+    assert cc.line("tree")[0] == pytest.approx(0.002, rel=0.05)
+
+
 def test_simulation_matches_the_closed_form_of_one_slot() -> None:
     """One slot, off: a request is one prefill step (chunk tokens only) and output_len - 1
     decode steps of batch 1; the steady window holds whole requests."""
@@ -93,7 +109,7 @@ def test_the_policy_learns_chunk_tokens_per_emitted_token() -> None:
     assert pol.chunk_ema / pol.emitted_ema == pytest.approx(2.0, rel=0.05)
     assert pol.chunk_cost.line("off")[1] == pytest.approx(3e-5, rel=0.2)
     # off's rate: 16 tokens a step, 32 chunk tokens each at 0.03 ms
-    rate = pol._goodput("off", float(b), b, pol.mixed_share)[0]
+    rate = pol.goodput("off", float(b), b, pol.mixed_share)[0]
     assert rate == pytest.approx(b / (t_off + 32 * 3e-5), rel=0.05)
 
 
@@ -138,3 +154,39 @@ def test_simulation_script_reads_a_report_and_refuses_bad_flags(tmp_path) -> Non
     assert fit.returncode == 0, fit.stderr[-2000:]
     assert fit.stdout.splitlines()[0] == "fitted: prefill_ms_per_token 0.03, mixed_ms 2.5, " \
                                         "fold_ms 1.5"
+
+
+def test_the_token_budget_bounds_each_modes_decode_batch() -> None:
+    """A mode of width w emitting E a row brings rho E prompt tokens a row per step, so a
+    budget of T tokens holds T / (w + rho E) rows; today's batch scales by the ratio of
+    the mode's bound to the current mode's."""
+    pol = AdaptivePolicy(MODES, COSTS, widths={"tree4x3x8": 8}, token_budget=2048,
+                         max_rows=512)
+    for _ in range(30):  # finished requests: 1024 prompt tokens, 128 output: rho 8
+        pol.forget("r", 1024, 128)
+    assert pol.prompt_per_output() == pytest.approx(8.0)
+    per_row = {"off": 1.0, "chain3": 2.0, "chain1": 1.5, "chain2": 1.8, "tree4x3x8": 3.0}
+    # off holds min(128 requests, 2048 / 9 = 227.6) = 128 rows; tree 2048 / (8 + 24) = 64
+    rows = pol.batches(per_row, 100, 28, "off")
+    assert rows["off"] == pytest.approx(100)
+    assert rows["tree4x3x8"] == pytest.approx(100 * 64 / 128)
+    assert rows["chain3"] == pytest.approx(100 * (2048 / 20) / 128)  # chain3: w 4 + 16
+    # from a budget-bound current mode, plain decoding would hold every request
+    rows = pol.batches(per_row, 64, 200, "tree4x3x8")
+    assert rows["off"] == pytest.approx(64 * (2048 / 9) / 64)
+    # no budget given: every mode at today's batch
+    assert set(AdaptivePolicy(MODES, COSTS).batches(per_row, 100, 28, "off").values()) == {100}
+
+
+def test_adaptive_turns_off_where_prefill_fills_the_budget() -> None:
+    """Prompts of 1024 tokens, 128 out, 256 in flight: prefill fills the 2048-token budget
+    and every verify slot a decode row takes is one prompt token fewer a step, so plain
+    decoding serves most. A policy scoring each mode at today's decode batch (which the
+    current mode's budget share set) stayed in the tree and chains: 0.88 of the best
+    (10 seeds); with the budget-bound batch per mode and the chunk lines through their
+    mean points, 0.99-1.0 (8 seeds)."""
+    cfg = SimConfig(costs=COSTS, modes=MODES, verify_tokens={"tree4x3x8": 8},
+                    accept_rate=0.65, prompt_len=1024, output_len=128)
+    (point,) = sweep(cfg, [256], repeats=2)
+    best = max(point[m]["tok_s"] for m in ("off", *MODES))
+    assert point["adaptive"]["tok_s"] >= 0.95 * best, point

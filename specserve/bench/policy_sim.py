@@ -31,7 +31,8 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
-from specserve.engine.spec_policy import AdaptivePolicy, StaticPolicy, _interpolate
+from specserve.engine.goodput import _interpolate
+from specserve.engine.spec_policy import AdaptivePolicy, StaticPolicy
 
 ADAPTIVE, OFF = "adaptive", "off"
 
@@ -106,7 +107,8 @@ def simulate(cfg: SimConfig, policy, concurrency: int, num_requests: int,
             if not pending:
                 last = clock, tokens
         decoding = [r for r in active if r.prefilled == cfg.prompt_len]
-        mode = policy.choose([r.rid for r in decoding]) if policy is not None else None
+        mode = (policy.choose([r.rid for r in decoding], len(active) - len(decoding))
+                if policy is not None else None)
         # the step's plan: decode rows first (with the mode's lookahead), then chunks
         budget = cfg.token_budget - len(decoding) * cfg.lookahead(mode)
         chunks: list[tuple[_Request, int]] = []
@@ -170,7 +172,7 @@ def simulate(cfg: SimConfig, policy, concurrency: int, num_requests: int,
         for r in finished:
             active.remove(r)
             if policy is not None:
-                policy.forget(r.rid)
+                policy.forget(r.rid, cfg.prompt_len, cfg.output_len)
             if first is None:
                 first = clock, tokens
         prev_mode = mode if spec else prev_mode if fold else None
@@ -190,7 +192,11 @@ def sweep(cfg: SimConfig, levels: list[int], requests_per_slot: int = 4,
     server: one adaptive policy for the whole sweep, with a warm-up run at each
     concurrency first (the benchmark's default); else a fresh one every run."""
     shapes = dict(cfg.modes)
-    server_policy = AdaptivePolicy(shapes, cfg.costs)
+
+    def adaptive() -> AdaptivePolicy:
+        return AdaptivePolicy(shapes, cfg.costs, widths={m: cfg.lookahead(m) for m in shapes},
+                              token_budget=cfg.token_budget)
+    server_policy = adaptive()
     points = []
     for c in levels:
         n = max(c * requests_per_slot, min_requests)
@@ -204,7 +210,7 @@ def sweep(cfg: SimConfig, levels: list[int], requests_per_slot: int = 4,
             simulate(cfg, server_policy, c, c, seed=seed + 1000 + c)  # the warm-up run
         runs = []
         for i in range(repeats):
-            pol = server_policy if server else AdaptivePolicy(shapes, cfg.costs)
+            pol = server_policy if server else adaptive()
             runs.append(simulate(cfg, pol, c, n, seed=seed + i))
         point[ADAPTIVE] = _mean(runs)
         best = max(point[name]["tok_s"] for name, _ in configs)

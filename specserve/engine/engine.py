@@ -150,9 +150,18 @@ class Engine:
         log.info("speculation cost table (ms per step, %.1f s to measure):\n%s",
                  time.perf_counter() - t0, format_table(table))
         self.spec_cost_table = table
+        return self.new_adaptive_policy()
+
+    def new_adaptive_policy(self) -> AdaptivePolicy:
+        """A fresh adaptive policy over the start-up cost table: the drafter's modes, each
+        row's share of the step's token budget, the scheduler's budget and row limit."""
         modes = {name: (m.method, m.shape.topk, m.shape.num_steps)
                  for name, m in self.drafter.modes.items()}
-        return AdaptivePolicy(modes, table)
+        widths = {name: 1 + self.drafter.lookahead_of(name) for name in modes}
+        sched = self.config.scheduler
+        return AdaptivePolicy(modes, self.spec_cost_table, widths=widths,
+                              token_budget=sched.max_num_batched_tokens,
+                              max_rows=sched.max_num_seqs)
 
     def set_speculation(self, enabled: bool) -> None:
         """Switch speculation off or on between runs (no request in flight): a plain step
@@ -242,7 +251,9 @@ class Engine:
         mode = None
         policy = self.spec_policy
         if self.drafter is not None:  # decided before scheduling: off reserves no lookahead
-            mode = policy.choose(self.scheduler.decoding_ids() if policy.needs_batch else [])
+            sched = self.scheduler
+            decoding = sched.decoding_ids() if policy.needs_batch else []
+            mode = policy.choose(decoding, sched.num_running + sched.num_waiting - len(decoding))
             if isinstance(mode, bool):  # True: the configured mode, False: off
                 mode = self.drafter.default_mode if mode else None
             self.scheduler.lookahead = self.drafter.lookahead_of(mode)
@@ -321,7 +332,9 @@ class Engine:
                 req.prompt_logprobs if first else None))
             if req.is_finished:
                 if self.spec_policy is not None:
-                    self.spec_policy.forget(req.request_id)
+                    self.spec_policy.forget(
+                        req.request_id, req.num_prompt_tokens - req.num_cached_tokens,
+                        req.num_output_tokens)
                 del self._text[req.request_id]
                 del self._requests[req.request_id]
         return results

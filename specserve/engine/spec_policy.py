@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from specserve.engine.acceptance import AcceptanceEstimates
-from specserve.engine.chunk_cost import ChunkCost
+from specserve.engine.goodput import GoodputModel, _extra_cap, _interpolate
 
 __all__ = ["AcceptanceEstimates", "AdaptivePolicy", "ScriptedPolicy", "SpecPolicy",
            "StaticPolicy"]
@@ -20,10 +20,10 @@ __all__ = ["AcceptanceEstimates", "AdaptivePolicy", "ScriptedPolicy", "SpecPolic
 class SpecPolicy(Protocol):
     needs_batch: bool  # choose() reads the ids of the requests about to decode
 
-    def choose(self, decoding: list[str]) -> str | bool | None:
+    def choose(self, decoding: list[str], others: int = 0) -> str | bool | None:
         """Before scheduling a step: the draft mode it runs (a DraftShape name; True: the
         configured one), None or False: off. decoding: ids of the running requests about to
-        decode ([] unless needs_batch)."""
+        decode ([] unless needs_batch); others: the requests prefilling or waiting."""
         ...
 
     def fold(self, mode: str, decoding: list[str]) -> bool:
@@ -40,8 +40,10 @@ class SpecPolicy(Protocol):
         (chunk_tokens of them, when known); folded: fold() said so for it."""
         ...
 
-    def forget(self, request_id: str) -> None:
-        """A request finished or was aborted."""
+    def forget(self, request_id: str, prompt_tokens: int = 0,
+               output_tokens: int = 0) -> None:
+        """A request finished (the prompt tokens it prefilled, the tokens it made) or was
+        aborted."""
         ...
 
 
@@ -58,7 +60,8 @@ class _Fixed:
                 chunk_tokens: int | None = None) -> None:
         pass
 
-    def forget(self, request_id: str) -> None:
+    def forget(self, request_id: str, prompt_tokens: int = 0,
+               output_tokens: int = 0) -> None:
         pass
 
 
@@ -68,7 +71,7 @@ class StaticPolicy(_Fixed):
     def __init__(self, mode: str) -> None:
         self.mode = mode
 
-    def choose(self, decoding: list[str]) -> str | None:
+    def choose(self, decoding: list[str], others: int = 0) -> str | None:
         return self.mode
 
 
@@ -82,18 +85,20 @@ class ScriptedPolicy(_Fixed):
         self.pattern = list(pattern)
         self.steps = 0
 
-    def choose(self, decoding: list[str]) -> str | bool | None:
+    def choose(self, decoding: list[str], others: int = 0) -> str | bool | None:
         mode = self.pattern[self.steps % len(self.pattern)]
         self.steps += 1
         return mode
 
 
-class AdaptivePolicy:
+class AdaptivePolicy(GoodputModel):
     """Per step, the mode of highest expected tokens per second (None: off):
 
         goodput(mode) = sum_r E_r(mode) / T(mode, B)        goodput(off) = B / T(off, B)
 
-    over the B requests about to decode, E_r from AcceptanceEstimates, T from the start-up
+    over the B requests about to decode (each mode at the batch the step's token budget lets
+    it hold beside the prefill its tokens bring: GoodputModel.batches), E_r from
+    AcceptanceEstimates, T from the start-up
     cost table (speculative/profile.py) interpolated in B and rescaled per mode by the ratio
     of measured to tabled step times of pure decode steps (decayed, each ratio clipped to
     [1/2, 2]), plus, weighted by the share of steps that also carry prefill chunks, the
@@ -127,38 +132,28 @@ class AdaptivePolicy:
     def __init__(self, modes: dict[str, tuple], costs: dict[str, dict[int, float]],
                  hysteresis: float = 0.05, dwell: int = 8, explore_every: int = 128,
                  rescale: float = 0.1, horizon: int = 64, probe_margin: float = 0.25,
-                 probe_budget: float = 0.005, leap: float = 0.25) -> None:
+                 probe_budget: float = 0.005, leap: float = 0.25,
+                 widths: dict[str, int] | None = None, token_budget: int | None = None,
+                 max_rows: int | None = None) -> None:
         """modes: {name: (topk, num_steps)} or {name: (method, topk, num_steps)} (several
         drafters: acceptance is learnt per method); costs: {mode or "off": {batch: seconds}};
-        rescale: weight of each measured step time in a mode's scale (0: the table as is)."""
+        rescale, widths, token_budget, max_rows: see GoodputModel (widths default to a
+        chain's, steps + 1)."""
         # name -> (acceptance family's method, topk, steps); the first mode's method is ""
         first = next(iter(modes.values()))
         primary = first[0] if len(first) == 3 else ""
         self.modes = {name: ("", *m) if len(m) == 2 else ("" if m[0] == primary else m[0],
                                                           *m[1:])
                       for name, m in modes.items()}
-        self.costs = {m: sorted(row.items()) for m, row in costs.items()}
+        widths = {name: (widths or {}).get(name, m[2] + 1) for name, m in self.modes.items()}
+        super().__init__(costs, rescale, widths, token_budget, max_rows)
         self.hysteresis, self.dwell, self.explore_every = hysteresis, dwell, explore_every
-        self.rescale, self.horizon, self.probe_margin = rescale, horizon, probe_margin
+        self.horizon, self.probe_margin = horizon, probe_margin
         self.probe_budget, self.leap = probe_budget, leap
         self.acceptance = AcceptanceEstimates(max(m[2] for m in self.modes.values()))
-        self.scale = dict.fromkeys(costs, 1.0)  # measured / tabled step time, per mode
         # extra time of a step that switched, in step times of its mode (priors: the
         # discarded launch ahead; a catch-up forward on the way back on)
         self.switch_steps = {"on": 2.0, "off": 1.0, "mode": 1.0}
-        # steps with prefill chunks: their share (decayed) and, per mode, their extra seconds
-        # over the decode step (prior: a speculative step runs the chunks in its verify
-        # forward, eagerly: a quarter of a small step; a plain step folds them into its
-        # forward)
-        self.mixed_share = 0.0
-        off_1 = _interpolate(self.costs["off"], 1)
-        self.mixed_extra = {m: 0.0 if m == "off" else off_1 / 4 for m in costs}
-        self.mixed_extra["fold"] = 0.0  # a folded step over the plain one (the drafter's feed)
-        self.mixed_prior = dict(self.mixed_extra)
-        # with steps' chunk tokens known: each kind's extra as fixed + per token, and the
-        # chunk tokens per emitted token (decayed sums over steps)
-        self.chunk_cost = ChunkCost()
-        self.chunk_ema = self.emitted_ema = 0.0
         self.current: str | None = next(iter(modes))
         self.since_switch = dwell  # the first decision needs no dwell: the start is no switch
         self.switch_batch = 0  # the decode batch of the last switch (the dwell's load)
@@ -173,10 +168,6 @@ class AdaptivePolicy:
     def _family(self, mode: str) -> tuple[str, int]:
         method, topk, _ = self.modes[mode]
         return method, topk
-
-    def step_time(self, mode: str | None, batch: int) -> float:
-        row = self.costs["off" if mode is None else mode]
-        return self.scale["off" if mode is None else mode] * _interpolate(row, batch)
 
     def _totals(self, decoding: list[str], family: tuple[str, int]) -> list[float]:
         """Expected tokens of one cycle summed over the rows, at every depth 0 .. max."""
@@ -193,60 +184,26 @@ class AdaptivePolicy:
                 totals[d] += total
         return totals
 
-    def _mixed_line(self, kind: str) -> tuple[float, float]:
-        """(fixed seconds, seconds per chunk token) of a mixed step of `kind` over its decode
-        step: fitted, or for a kind not seen yet its prior fixed part and the pooled slope."""
-        line = self.chunk_cost.line(kind)
-        if line is not None:
-            return line
-        return self.mixed_prior[kind], self.chunk_cost.pooled_slope() or 0.0
-
-    def _goodput(self, name: str, tokens: float, b: int, share: float) -> tuple[float, bool]:
-        """Tokens per second of mode `name` (`tokens` a cycle for the batch of b; "off":
-        b tokens) counting the steps that carry prefill chunks, and whether those steps
-        should fold: the choice that maximizes the whole rate (not the mixed step's own: a
-        verify beside the chunks may yield more per second than the fold and still cost
-        more than its extra tokens are worth at the rate the other steps run).
-
-        With steps' chunk tokens known: the prompt tokens to prefill per emitted token
-        (rho) do not depend on the mode, so a mode emitting E tokens a step carries rho E
-        of them a step, in a share s = min(1, rho E / mean chunk) of its steps, each paying
-        the kind's fixed part, plus its per-token cost on all of them. Else `share` of the
-        steps (the recent share of mixed steps) pays the kind's mean extra."""
-        t = self.step_time(None if name == "off" else name, b)
-        t_off = self.step_time(None, b)
-        if self.chunk_cost.mean_tokens and self.emitted_ema > 0.0:
-            rho = self.chunk_ema / self.emitted_ema
-            s = min(1.0, rho * tokens / self.chunk_cost.mean_tokens)
-            a, c = self._mixed_line(name)
-            rates = [tokens / (t + s * a + c * rho * tokens)]
-            if name != "off":  # its mixed steps folded: b tokens, the plain step's time
-                a_f, c_f = self._mixed_line("fold")
-                x = (1.0 - s) * tokens + s * b
-                rates.append(x / ((1.0 - s) * t + s * (t_off + a_f) + c_f * rho * x))
-        else:
-            spec = tokens, t + self.mixed_extra[name]
-            kinds = [spec] if name == "off" else [
-                spec, (float(b), t_off + self.mixed_extra["fold"])]
-            rates = [((1.0 - share) * tokens + share * x) / ((1.0 - share) * t + share * y)
-                     for x, y in kinds]
-        return max(rates), len(rates) > 1 and rates[1] > rates[0]
-
     def fold(self, mode: str, decoding: list[str]) -> bool:
         tokens = self._totals(decoding, self._family(mode))[self.modes[mode][2]]
         # one step's choice: its extra tokens against the rate of the other steps
-        return self._goodput(mode, tokens, len(decoding), max(self.mixed_share, 1e-3))[1]
+        return self.goodput(mode, tokens, len(decoding), max(self.mixed_share, 1e-3))[1]
 
-    def scores(self, decoding: list[str]) -> dict[str, float]:
-        """Expected tokens per second of every mode ("off" included) for this batch."""
+    def scores(self, decoding: list[str], others: int = 0) -> dict[str, float]:
+        """Expected tokens per second of every mode ("off" included) for this batch, each
+        at the decode batch it would hold (GoodputModel.batches; others: requests
+        prefilling or waiting)."""
         b = len(decoding)
-        out = {"off": self._goodput("off", float(b), b, self.mixed_share)[0]}
+        per_row = {"off": 1.0}
         for family in self.families:  # summed expected tokens at every depth, per family
             totals = self._totals(decoding, family)
             for name, (m, k, steps) in self.modes.items():
                 if (m, k) == family:
-                    out[name] = self._goodput(name, totals[steps], b, self.mixed_share)[0]
-        return out
+                    per_row[name] = totals[steps] / b
+        key = "off" if self.current is None else self.current
+        rows = self.batches(per_row, b, others, key)
+        return {name: self.goodput(name, per_row[name] * rows[name], rows[name],
+                                   self.mixed_share)[0] for name in per_row}
 
     def _kind(self, old: str, new: str) -> str:
         """A switch's kind: "on" (off -> a mode), "off" (a mode -> off) or "mode"."""
@@ -282,7 +239,7 @@ class AdaptivePolicy:
                 best = scores[mode], mode
         return None if best is None else best[1]
 
-    def choose(self, decoding: list[str]) -> str | None:
+    def choose(self, decoding: list[str], others: int = 0) -> str | None:
         self.steps += 1
         self.since_switch += 1
         if not decoding:
@@ -300,7 +257,7 @@ class AdaptivePolicy:
         if not stale and self.steps % 4 and (self.since_switch < self.dwell and steady
                                              or b > 64):
             return self.current
-        scores = self.last_scores = self.scores(decoding)
+        scores = self.last_scores = self.scores(decoding, others)
         key = "off" if self.current is None else self.current
         probe = self._probe(scores, key)
         if probe is not None:  # one step of it; the current mode stays
@@ -319,12 +276,12 @@ class AdaptivePolicy:
                 chunk_tokens: int | None = None) -> None:
         if folded:  # no cycle ran and no switch: the fold's time over the plain step's
             if chunk_tokens is not None:
-                self._count_tokens(chunk_tokens, batch)
+                self.count_tokens(chunk_tokens, batch)
             if seconds is not None and batch:
                 self.mixed_share += 0.05 * (1.0 - self.mixed_share)
                 extra = min(_extra_cap(_interpolate(self.costs["off"], batch), chunk_tokens),
                             max(0.0, seconds - self.step_time(None, batch)))
-                self._learn_mixed("fold", extra, chunk_tokens)
+                self.learn_mixed("fold", extra, chunk_tokens)
             return
         key = "off" if mode is None else mode
         prev, self._prev = self._prev, key
@@ -333,7 +290,7 @@ class AdaptivePolicy:
             self.family_run[(method, topk)] = self.steps
             self.acceptance.observe_step(accepted, topk, steps, method)
         if chunk_tokens is not None:
-            self._count_tokens(chunk_tokens, batch + sum(accepted.values()))
+            self.count_tokens(chunk_tokens, batch + sum(accepted.values()))
         if seconds is None or not batch:
             return
         self.mixed_share += 0.05 * (float(mixed) - self.mixed_share)
@@ -347,47 +304,12 @@ class AdaptivePolicy:
         if mixed:  # the prefill chunks' time on top of the decode step (clipped: _extra_cap)
             extra = min(_extra_cap(tabled, chunk_tokens),
                         max(0.0, seconds - self.step_time(mode, batch)))
-            self._learn_mixed(key, extra, chunk_tokens)
+            self.learn_mixed(key, extra, chunk_tokens)
             return
         ratio = min(2.0, max(0.5, seconds / tabled))
         self.scale[key] += self.rescale * (ratio - self.scale[key])
 
-    def _count_tokens(self, chunk_tokens: int, emitted: int) -> None:
-        """A step's prefill chunk tokens and decode tokens emitted (decayed per step)."""
-        self.chunk_ema = 0.98 * self.chunk_ema + chunk_tokens
-        self.emitted_ema = 0.98 * self.emitted_ema + emitted
-
-    def _learn_mixed(self, key: str, extra: float, chunk_tokens: int | None) -> None:
-        """A mixed step's extra seconds: with its chunk tokens known, every kind's extra is
-        re-read from its fitted line at the recent mean chunk size (engine/chunk_cost.py);
-        else a decayed mean of the kind's extras."""
-        if chunk_tokens is None:
-            self.mixed_extra[key] += 0.1 * (extra - self.mixed_extra[key])
-            return
-        self.chunk_cost.observe(key, chunk_tokens, extra)
-        for kind in self.chunk_cost.stats:
-            self.mixed_extra[kind] = self.chunk_cost.extra(kind)
-
-    def forget(self, request_id: str) -> None:
+    def forget(self, request_id: str, prompt_tokens: int = 0,
+               output_tokens: int = 0) -> None:
         self.acceptance.forget(request_id)
-
-
-def _extra_cap(step: float, chunk_tokens: int | None) -> float:
-    """The most a mixed step's extra counts (an outlier's weight): 4 decode steps, and
-    with its chunk tokens known 4 more per 256 of them (the extra grows with them: a cap
-    that did not would bend the fitted line)."""
-    return 4.0 * step * (1.0 + (chunk_tokens or 0) / 256)
-
-
-def _interpolate(row: list[tuple[int, float]], batch: int) -> float:
-    """Seconds at `batch` from sorted (batch, seconds) points: linear between them, linear
-    extrapolation past the last two."""
-    if batch <= row[0][0]:
-        return row[0][1]
-    for (b0, t0), (b1, t1) in zip(row, row[1:]):
-        if batch <= b1:
-            return t0 + (t1 - t0) * (batch - b0) / (b1 - b0)
-    if len(row) == 1:
-        return row[0][1] * batch / row[0][0]
-    (b0, t0), (b1, t1) = row[-2], row[-1]
-    return t1 + (t1 - t0) * (batch - b1) / (b1 - b0)
+        self.finished(prompt_tokens, output_tokens)
