@@ -334,3 +334,18 @@ GPU_DIM_CHECKS = {
 
 if __name__ == "__main__":
     report(INTERPRETER_CHECKS, GPU_DIM_CHECKS)
+
+
+def test_split_counts_are_few_powers_of_two(monkeypatch) -> None:
+    """The split count is a kernel constant (a compile per value): every grid gets a power of
+    two within 2x of the two-wave count (at most MAX_SPLITS), so any batch and query length
+    meet at most five values; before, an H100 sweep's steps with prefill chunks compiled the
+    attention kernel 1-7 times a run."""
+    monkeypatch.setattr(split_kv, "_num_sms", lambda device: 132)
+    seen = set()
+    for programs in range(1, 700):
+        want = max(1, min(split_kv.MAX_SPLITS, 2 * 132 // programs))
+        got = split_kv.default_num_splits(programs, torch.device("cpu"))
+        assert got & (got - 1) == 0 and got <= want < 2 * got, (programs, got, want)
+        seen.add(got)
+    assert seen == {1, 2, 4, 8, 16}

@@ -58,7 +58,8 @@ EXACT_BLOCK_N = 64  # KV block of every exact-mode launch (divides EXACT.kv_spli
 # attention
 
 
-@jit
+# per-step integers are not specialized on (1, multiples of 16): fewer compiles
+@jit(do_not_specialize=["num_m_blocks", "mask_width"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, counter_ptr,
     query_start_loc_ptr, seq_lens_ptr, page_table_ptr, mask_ptr,

@@ -114,9 +114,14 @@ def _num_sms(device: torch.device) -> int:
 
 
 def default_num_splits(num_programs: int, device: torch.device) -> int:
-    """KV splits so that about two waves of programs cover the GPU.
+    """KV splits so that about two waves of programs cover the GPU, rounded down to a power
+    of two.
 
     Depends only on the grid (batch size, heads, query blocks), never on sequence lengths, so a
     captured CUDA graph keeps a valid split count; splits past a short sequence exit at once.
+    The split count is a kernel constant: every distinct value compiles the kernel again, and
+    the eager launches of steps with prefill chunks (any batch, any query length) met a new
+    one step after step (1-2 s each, inside a serving step). Powers of two leave five.
     """
-    return max(1, min(MAX_SPLITS, 2 * _num_sms(device) // max(num_programs, 1)))
+    splits = max(1, min(MAX_SPLITS, 2 * _num_sms(device) // max(num_programs, 1)))
+    return 1 << (splits.bit_length() - 1)
