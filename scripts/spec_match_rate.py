@@ -46,10 +46,11 @@ def main() -> None:
                 exact_attention=args.exact_attention)
 
     rng = random.Random(0)
-    # the plain engine stays up beside each speculative one (divergence margins): its KV pool
-    # holds this run's requests and no more, so the other finds the GPU memory it needs
+    # the plain engine stays up beside each speculative one (divergence margins): both KV
+    # pools hold this run's requests and no more, so the graphs find the memory they need
     page = CacheConfig().page_size
-    llm = LLM(args.model, **mode, num_pages=args.num * -(-(128 + args.max_tokens + 64) // page))
+    num_pages = args.num * -(-(128 + args.max_tokens + 64) // page)
+    llm = LLM(args.model, **mode, num_pages=num_pages)
     vocab = llm.engine.model_config.vocab_size
     prompts = [[rng.randrange(10, vocab) for _ in range(rng.randint(8, 128))]
                for _ in range(args.num)]
@@ -64,7 +65,8 @@ def main() -> None:
     print(f"exact={args.exact} exact_attention={args.exact_attention} plain batch {args.num} vs batch 1: {bs1}/{args.num} identical")
     for cfg in args.configs.split(","):
         steps, topk, tokens = (int(x) for x in cfg.split("x"))
-        spec = LLM(args.model, **mode,
+        spec = LLM(args.model, **mode, num_pages=num_pages,  # this run's requests: the
+                   # rest of the memory is the CUDA graphs' (a tree's at every batch bucket)
                    speculative_config=dict(algorithm="eagle3", draft_model=args.draft,
                                     num_steps=steps, topk=topk, num_draft_tokens=tokens))
         outs = spec.generate(prompts, sp)
