@@ -56,6 +56,19 @@ class ChunkCost:
         nbar, ybar, slope = self._line(st, pooled)
         return max(0.0, ybar + slope * (self.mean_tokens - nbar))
 
+    def mean_chunk(self, kind: str) -> float | None:
+        """Chunk tokens of the kind's mixed steps (decayed), else (none seen) of every kind's
+        recent ones. Kinds differ: requests that finish together (plain steps, one token
+        each) leave in waves and their prompts arrive as one large chunk; a speculative
+        mode's finish apart and trickle in one prompt a step. The kind's own mean also keeps
+        its charge per chunk token at what its steps measured, however its line splits into
+        fixed part and slope (one large chunk and a slope borrowed from the other kinds read
+        as a 14 ms fixed part)."""
+        st = self.stats.get(kind)
+        if st is not None and st[0] > 0.0:
+            return st[1] / st[0]
+        return self.mean_tokens
+
     def pooled_slope(self) -> float | None:
         """Seconds per chunk token pooled over every kind (None: no mixed step seen)."""
         return self._line(self.pooled, 0.0)[2] if self.pooled[0] > 0.0 else None
