@@ -57,7 +57,7 @@ from specserve.sampling_params import SamplingParams  # noqa: E402
 PLAIN, OFF, ADAPTIVE = "plain", "forced-off", "adaptive"
 
 
-def run(engine, prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
+def run(engine, prompts: list[list[int]], output_lens: list[int], concurrency: int) -> dict:
     """Feed the prompts with at most `concurrency` in flight; output tok/s and mode steps.
     Prompt i is seeded i: its synthetic acceptance rate and per-cycle draws are the same in
     every configuration. tok_s is the steady state: tokens emitted from the first finish (the
@@ -69,8 +69,8 @@ def run(engine, prompts: list[list[int]], output_len: int, concurrency: int) -> 
     requests on few slots) depends on how acceptance varies between requests rather than on
     the load. step_seconds: (steps, seconds) per kind of step in the run (mode, "+mixed"
     when it carried prefill chunks)."""
-    pending = deque((p, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True,
-                                       seed=i)) for i, p in enumerate(prompts))
+    pending = deque((p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, seed=i))
+                    for i, (p, n) in enumerate(zip(prompts, output_lens)))
     in_flight, done_tokens = 0, 0
     first: tuple[float, int] | None = None  # (time, tokens) at the first finish
     last: tuple[float, int] | None = None  # at the last admission
@@ -135,9 +135,10 @@ def sweep(engine, args, levels: list[int], modes: list[str], rate: float, comm: 
 
     def policy() -> AdaptivePolicy:
         return engine.new_adaptive_policy() if args.policy == "fresh" else server
-    from specserve.bench.prompts import make_prompts
+    from specserve.bench.prompts import make_prompts, output_lengths
 
     report = {"model": args.model, "accept_rate": rate, "modes": modes,
+              "output_len": args.output_len, "output_len_spread": args.output_len_spread,
               "prompts": args.prompts or "random ids", "emulate_comm": comm or None,
               "policy": args.policy,
               "cost_table_ms": {m: {b: t * 1e3 for b, t in row.items()}
@@ -149,18 +150,19 @@ def sweep(engine, args, levels: list[int], modes: list[str], rate: float, comm: 
     for c in levels:
         n = max(c * args.requests_per_slot, args.min_requests)
         prompts = make_prompts(engine, args.prompts, n, args.prompt_len, seed=c)
+        lens = output_lengths(n, args.output_len, args.output_len_spread)
         point = {"concurrency": c, "requests": n}
         # untimed: kernels meet this load's shapes first (every configuration: eager
         # paths of mixed steps, catch-ups and folds compile per new shape class, a second
         # or so each, which would land in a short timed run)
         for name in configs if args.warmup_each else [PLAIN]:
             use(engine, name, policy)
-            run(engine, prompts[:c], min(args.output_len, 16), c)
+            run(engine, prompts[:c], [min(k, 16) for k in lens[:c]], c)
         runs: dict[str, list[dict]] = {name: [] for name in configs}
         for _ in range(args.repeats):  # rounds of every configuration, interleaved
             for name in configs:
                 use(engine, name, policy)
-                runs[name].append(run(engine, prompts, args.output_len, c))
+                runs[name].append(run(engine, prompts, lens, c))
                 if name == ADAPTIVE:  # what the policy learnt in this run
                     pol = engine.spec_policy
                     runs[name][-1]["learnt"] = {
@@ -256,6 +258,9 @@ def main() -> int:
     ap.add_argument("--emulate-compute", default="full", choices=("full", "shard"))
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--output-len-spread", type=float, default=0.0,
+                    help="request i's output tokens uniform on --output-len x [1 - S, 1 + S] "
+                         "(0: all equal; requests admitted together then finish together)")
     ap.add_argument("--requests-per-slot", type=int, default=4,
                     help="requests per concurrent slot (the steady window spans about this "
                          "many request lifetimes less one)")
@@ -275,6 +280,8 @@ def main() -> int:
     levels = parse_positive_list(args.concurrency, int, "--concurrency")
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, got {args.repeats}")
+    if not 0.0 <= args.output_len_spread < 1.0:
+        ap.error(f"--output-len-spread must be in [0, 1), got {args.output_len_spread}")
     if args.requests_per_slot < 1 or args.min_requests < 1:
         ap.error(f"--requests-per-slot and --min-requests must be at least 1, got "
                  f"{args.requests_per_slot} and {args.min_requests}")
@@ -316,7 +323,8 @@ def main() -> int:
               # every configuration re-runs the same prompts: a prefix cache would spare all
               # but the first their prefill
               cache={"enable_prefix_caching": False},
-              scheduler={"max_model_len": args.prompt_len + args.output_len + 64,
+              scheduler={"max_model_len": args.prompt_len + 64
+                         + round(args.output_len * (1 + args.output_len_spread)),
                          "max_num_seqs": top,
                          "max_num_batched_tokens": max(2048, args.prompt_len * 4)})
     engine = llm.engine

@@ -57,6 +57,7 @@ def fitted_costs(report: dict) -> dict[str, float]:
     lines = learnt.get("chunk_lines") or {}
     out: dict[str, float] = {}
     if "off" in lines:
+        out["plain_mixed_ms"] = lines["off"][0]
         out["prefill_ms_per_token"] = lines["off"][1] / 1e3
     spec = [a for k, (a, _) in lines.items() if k not in ("off", "fold")]
     if spec:
@@ -80,9 +81,12 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=3, help="sweeps averaged (seeds)")
     ap.add_argument("--repeats", type=int, default=6, help="runs per configuration per sweep")
     ap.add_argument("--policy", default="server", choices=("server", "fresh"))
+    ap.add_argument("--output-len-spread", type=float, default=0.0,
+                    help="request i's output tokens uniform on --output-len x [1 - S, 1 + S]")
     for name, default in (("prompt-len", 128), ("output-len", 64), ("token-budget", 2048)):
         ap.add_argument(f"--{name}", type=int, default=default)
     for name, default in (("prefill-ms-per-token", 0.03), ("mixed-ms", 2.0), ("fold-ms", 1.0),
+                          ("plain-mixed-ms", 0.0),
                           ("catchup-ms", 1.0), ("catchup-ms-per-token", 0.002),
                           ("noise", 0.02)):
         ap.add_argument(f"--{name}", type=float, default=default)
@@ -97,12 +101,14 @@ def main() -> int:
     if min(args.seeds, args.repeats, args.prompt_len, args.output_len, args.token_budget) < 1:
         ap.error("--seeds, --repeats, --prompt-len, --output-len and --token-budget must be "
                  "at least 1")
+    if not 0.0 <= args.output_len_spread < 1.0:
+        ap.error(f"--output-len-spread must be in [0, 1), got {args.output_len_spread}")
     try:
         costs = load_table(args)
     except (OSError, ValueError) as e:
         ap.error(f"cannot read the cost table: {e}")
     model = {k.replace("-", "_"): getattr(args, k.replace("-", "_")) for k in (
-        "prefill-ms-per-token", "mixed-ms", "fold-ms")}
+        "prefill-ms-per-token", "mixed-ms", "fold-ms", "plain-mixed-ms")}
     if args.fit:
         if not args.report:
             ap.error("--fit reads a --report (a spec_policy.json of the sweep)")
@@ -121,6 +127,7 @@ def main() -> int:
         cfg = SimConfig(costs=costs, modes=modes, verify_tokens=verify, accept_rate=rate,
                         prompt_len=args.prompt_len,
                         output_len=args.output_len, token_budget=args.token_budget,
+                        output_spread=args.output_len_spread,
                         **model, catchup_ms=args.catchup_ms,
                         catchup_ms_per_token=args.catchup_ms_per_token, noise=args.noise)
         names = [OFF, *modes, ADAPTIVE]

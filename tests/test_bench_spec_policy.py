@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from tiny_eagle import make_tiny_pair
 
+from specserve.bench.prompts import output_lengths
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -86,22 +88,25 @@ def test_policy_sweep_script_runs(tmp_path: Path, pair: tuple[str, str]) -> None
 @pytest.mark.slow
 def test_policy_sweep_real_acceptance_and_emulated_comm(tmp_path: Path,
                                                         pair: tuple[str, str]) -> None:
-    """--accept-rate 0 keeps the head's own acceptance over text prompts (--prompts), and
-    --emulate-comm reaches the engine (the report names the table)."""
+    """--accept-rate 0 keeps the head's own acceptance over text prompts (--prompts),
+    --emulate-comm reaches the engine (the report names the table), and with
+    --output-len-spread each request makes its own number of tokens."""
     target, head = pair
     out = tmp_path / "out"
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_spec_policy.py"), "--model", target,
            "--load-format", "auto", "--draft-model", head, "--device", "cpu", "--concurrency",
            "2", "--modes", "chain2", "--accept-rate", "0", "--prompts", "code", "--prompt-len",
            "12", "--output-len", "5", "--min-requests", "2", "--emulate-comm", "pcie-nccl-8gpu",
-           "--policy", "fresh", "--out", str(out)]  # fmt: skip
+           "--policy", "fresh", "--output-len-spread", "0.5", "--out", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((out / "spec_policy.json").read_text())
     assert report["prompts"] == "code" and report["accept_rate"] == 0
     assert report["emulate_comm"]["emulate_comm"] == "pcie-nccl-8gpu"
     (point,) = report["points"]
-    assert [r["tokens"] for r in point["chain2"]["runs"]] == [point["requests"] * 5] * 2
+    lens = output_lengths(point["requests"], 5, 0.5)
+    assert len(set(lens)) > 1 and report["output_len_spread"] == 0.5
+    assert [r["tokens"] for r in point["chain2"]["runs"]] == [sum(lens)] * 2
     # --policy fresh: every run's policy starts anew (its steps are that run's only)
     assert report["policy"] == "fresh"
     for r in point["adaptive"]["runs"]:
@@ -134,6 +139,7 @@ def test_policy_sweep_refuses_bad_flags_before_loading(
 @pytest.mark.parametrize("flags, says", [
     (["--requests-per-slot", "0"], "--requests-per-slot and --min-requests must be at least 1"),
     (["--repeats", "0"], "--repeats must be at least 1"),
+    (["--output-len-spread", "1"], "--output-len-spread must be in [0, 1)"),
 ])
 def test_bad_counts_exit_2_before_loading(tmp_path: Path, flags: list[str], says: str) -> None:
     script = ROOT / "scripts" / "bench_spec_policy.py"

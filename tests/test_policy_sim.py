@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 
 from specserve.bench.policy_sim import SimConfig, simulate, sweep
+from specserve.bench.prompts import output_lengths
 from specserve.engine.chunk_cost import ChunkCost
 from specserve.engine.spec_policy import AdaptivePolicy, _interpolate
 
@@ -133,7 +134,8 @@ def test_simulation_script_reads_a_report_and_refuses_bad_flags(tmp_path) -> Non
     assert lines[-1].startswith("adaptive / best >= ")
     for flags, says in ((["--accept-rate", "1.5"], "--accept-rate must be in (0, 1)"),
                         (["--seeds", "0"], "must be at least 1"),
-                        (["--concurrency", "x"], "--concurrency must be")):
+                        (["--concurrency", "x"], "--concurrency must be"),
+                        (["--output-len-spread", "-0.1"], "--output-len-spread must be")):
         bad = subprocess.run([sys.executable, str(script), "--report", str(report), *flags],
                              capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2 and says in bad.stderr, bad.stderr
@@ -152,8 +154,8 @@ def test_simulation_script_reads_a_report_and_refuses_bad_flags(tmp_path) -> Non
         m: H100_MS[m] for m in ("off", "chain2", "tree4x3x8")}, "points": [learnt]}))
     fit = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert fit.returncode == 0, fit.stderr[-2000:]
-    assert fit.stdout.splitlines()[0] == "fitted: prefill_ms_per_token 0.03, mixed_ms 2.5, " \
-                                        "fold_ms 1.5"
+    assert fit.stdout.splitlines()[0] == "fitted: plain_mixed_ms 0.1, prefill_ms_per_token " \
+                                        "0.03, mixed_ms 2.5, fold_ms 1.5"
 
 
 def test_the_token_budget_bounds_each_modes_decode_batch() -> None:
@@ -238,3 +240,16 @@ def test_adaptive_turns_off_where_eager_mixed_steps_sink_speculation() -> None:
                     prefill_ms_per_token=0.02125, mixed_ms=14.53, fold_ms=25.49)
     points = sweep(cfg, [1, 2, 4, 8, 16, 32], seed=2000, repeats=1)
     assert points[-1]["adaptive_vs_best"] >= 0.93, points[-1]
+
+
+def test_output_lengths_spread_per_request_and_the_simulation_follows_them() -> None:
+    """Request i's output length is drawn from its own seed (the same in every configuration),
+    uniform on mean x [1 - s, 1 + s]; the simulation makes exactly those tokens."""
+    lens = output_lengths(400, 64, 0.5)
+    assert lens == output_lengths(400, 64, 0.5) and output_lengths(5, 64, 0.0) == [64] * 5
+    assert 32 <= min(lens) < 36 and 92 < max(lens) <= 96 and 60 < sum(lens) / 400 < 68
+    with pytest.raises(ValueError, match="spread"):
+        output_lengths(3, 64, 1.0)
+    cfg = SimConfig(costs=COSTS, modes=MODES, output_spread=0.5, noise=0.0)
+    run = simulate(cfg, None, concurrency=4, num_requests=12)
+    assert round(run["tok_s_all"] * run["seconds"]) == sum(output_lengths(12, 64, 0.5))

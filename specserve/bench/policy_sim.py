@@ -9,7 +9,8 @@ The model, per step:
 - time = the cost table's decode-step time of the step's mode at its decode batch
   (interpolated as the policy does), plus, when the step carries prefill chunks,
   `prefill_ms_per_token` per chunk token and a fixed extra: `mixed_ms` for a speculative step
-  (the cycle then runs eagerly, chunks in its verify forward), `fold_ms` for a folded step;
+  (the cycle then runs eagerly, chunks in its verify forward), `fold_ms` for a folded step,
+  `plain_mixed_ms` for a plain one (its forward runs eagerly too);
   plus, for rows whose drafter state is behind (tokens made while off), a catch-up of
   `catchup_ms` + `catchup_ms_per_token` per missed token (an off step's prefill chunks are
   missed too; a speculative or folded step's feed the drafter); plus, when the mode changes away
@@ -31,6 +32,7 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
+from specserve.bench.prompts import output_lengths
 from specserve.engine.goodput import _interpolate
 from specserve.engine.spec_policy import AdaptivePolicy, StaticPolicy
 
@@ -44,10 +46,12 @@ class SimConfig:
     accept_rate: float = 0.65
     prompt_len: int = 128
     output_len: int = 64
+    output_spread: float = 0.0  # request i's output: output_len x U[1 - s, 1 + s] (bench/prompts)
     token_budget: int = 2048
     prefill_ms_per_token: float = 0.03
     mixed_ms: float = 2.0
     fold_ms: float = 1.0
+    plain_mixed_ms: float = 0.0
     catchup_ms: float = 1.0
     catchup_ms_per_token: float = 0.002
     noise: float = 0.02
@@ -74,6 +78,7 @@ class SimConfig:
 class _Request:
     rid: str
     rate: float
+    out_len: int = 64
     prefilled: int = 0
     emitted: int = 0
     behind: int = 0  # tokens made while the drafter was off (the next cycle catches up)
@@ -92,8 +97,9 @@ def simulate(cfg: SimConfig, policy, concurrency: int, num_requests: int,
     rng = random.Random(seed)
     rows = {m: sorted(row.items()) for m, row in cfg.costs.items()}  # the table, sorted once
     half = min(cfg.accept_rate, 1.0 - cfg.accept_rate)
-    pending = deque(_Request(f"s{seed}-{i}", cfg.accept_rate + (2 * rng.random() - 1) * half)
-                    for i in range(num_requests))
+    lens = output_lengths(num_requests, cfg.output_len, cfg.output_spread)
+    pending = deque(_Request(f"s{seed}-{i}", cfg.accept_rate + (2 * rng.random() - 1) * half,
+                             lens[i]) for i in range(num_requests))
     active: list[_Request] = []
     clock, tokens = 0.0, 0
     first: tuple[float, int] | None = None
@@ -125,7 +131,8 @@ def simulate(cfg: SimConfig, policy, concurrency: int, num_requests: int,
         seconds = _step_seconds(rows, mode if spec else None, b) if b else 0.0
         if mixed:
             seconds += 1e-3 * cfg.prefill_ms_per_token * sum(n for _, n in chunks)
-            seconds += 1e-3 * (cfg.mixed_ms if spec else cfg.fold_ms if fold else 0.0)
+            seconds += 1e-3 * (cfg.mixed_ms if spec else cfg.fold_ms if fold
+                               else cfg.plain_mixed_ms)
         behind = sum(r.behind for r in decoding) if spec else 0
         if behind:
             extra = 1e-3 * (cfg.catchup_ms + cfg.catchup_ms_per_token * behind)
@@ -154,10 +161,10 @@ def simulate(cfg: SimConfig, policy, concurrency: int, num_requests: int,
                 n += acc
             elif not fold:
                 r.behind += 1
-            n = min(n, cfg.output_len - r.emitted)
+            n = min(n, r.out_len - r.emitted)
             r.emitted += n
             tokens += n
-            if r.emitted >= cfg.output_len:
+            if r.emitted >= r.out_len:
                 finished.append(r)
         for r, n in chunks:
             r.prefilled += n
@@ -172,7 +179,7 @@ def simulate(cfg: SimConfig, policy, concurrency: int, num_requests: int,
         for r in finished:
             active.remove(r)
             if policy is not None:
-                policy.forget(r.rid, cfg.prompt_len, cfg.output_len)
+                policy.forget(r.rid, cfg.prompt_len, r.out_len)
             if first is None:
                 first = clock, tokens
         prev_mode = mode if spec else prev_mode if fold else None

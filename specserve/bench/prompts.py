@@ -195,3 +195,15 @@ def make_prompts(engine: Any, source: str | None, batch_size: int, context_len: 
     starts = list(itertools.accumulate((len(ids) for ids in encoded), initial=0))
     stream = flat * (context_len // len(flat) + 2)  # any start still has context_len after it
     return [stream[starts[j % len(encoded)]:][:context_len] for j in range(batch_size)]
+
+
+def output_lengths(n: int, mean: int, spread: float) -> list[int]:
+    """Output tokens of requests 0..n-1: `mean` each, or with `spread` in (0, 1) uniform on
+    mean x [1 - spread, 1 + spread], request i's drawn from its own seed (the same in every
+    configuration of a benchmark). Equal lengths make requests admitted together finish
+    together (plain decoding then prefills their successors in one wave), which variable
+    lengths in serving do not."""
+    if not 0.0 <= spread < 1.0:
+        raise ValueError(f"the output length spread must be in [0, 1), got {spread}")
+    return [max(1, round(mean * (1.0 + spread * (2.0 * random.Random(i).random() - 1.0))))
+            for i in range(n)]
