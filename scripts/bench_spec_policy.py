@@ -143,7 +143,10 @@ def sweep(engine, args, levels: list[int], modes: list[str], rate: float, comm: 
               "policy": args.policy,
               "cost_table_ms": {m: {b: t * 1e3 for b, t in row.items()}
                                 for m, row in table.items()},
-              "startup_s": engine.startup_seconds, "points": []}
+              "startup_s": engine.startup_seconds,
+              "cost_table_s": engine.spec_cost_seconds, "points": []}
+    print(f"start-up {engine.startup_seconds:.1f} s, the cost table's part "
+          f"{engine.spec_cost_seconds:.1f} s")
     # forced-off: the speculative engine with every step off (its cost over plain: the off
     # switch's tax)
     configs = [PLAIN, OFF, *modes, ADAPTIVE]

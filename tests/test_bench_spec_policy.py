@@ -70,6 +70,8 @@ def test_policy_sweep_script_runs(tmp_path: Path, pair: tuple[str, str]) -> None
         assert set(point["forced-off"]["mode_steps"]) == {"off"}
         assert "off" in point["plain"]["mode_steps"] or not point["plain"]["mode_steps"]
     assert set(report["cost_table_ms"]) == {"off", "chain2", "chain1"}
+    assert 0 < report["cost_table_s"] < report["startup_s"]
+    assert proc.stdout.count("the cost table's part") == 2
     # one adaptive policy for the sweep (a server's): its step count runs on across runs,
     # the untimed run before the first timed one included
     assert report["policy"] == "server"

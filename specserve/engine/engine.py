@@ -147,8 +147,9 @@ class Engine:
         sizes = sorted({min(1 << i, top) for i in range(top.bit_length() + 1)})
         t0 = time.perf_counter()
         table = self.executor.control("profile_costs", batch_sizes=sizes)  # on every rank
+        self.spec_cost_seconds = time.perf_counter() - t0
         log.info("speculation cost table (ms per step, %.1f s to measure):\n%s",
-                 time.perf_counter() - t0, format_table(table))
+                 self.spec_cost_seconds, format_table(table))
         self.spec_cost_table = table
         return self.new_adaptive_policy()
 
