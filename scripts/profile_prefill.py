@@ -106,6 +106,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--top", type=int, default=25, help="host functions listed")
     ap.add_argument("--device", default=None)
+    ap.add_argument("--cuda-graph-max-tokens", type=int, default=0,
+                    help="the engine option: steps of up to this many tokens through token "
+                    "CUDA graphs (0: eager)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     try:
@@ -121,12 +124,13 @@ def main() -> int:
     kwargs = {} if args.device is None else {"device": args.device}
     llm = LLM(args.model, load_format=args.load_format,
               cuda_graph_max_bs=max(max(rows_list), 1),
+              cuda_graph_max_tokens=args.cuda_graph_max_tokens,
               scheduler={"max_model_len": max(args.context_len, max(chunks)) + 256,
                          "max_num_seqs": max(rows_list) + 2,
                          "max_num_batched_tokens": budget},
               **kwargs)
     engine = llm.engine
-    report = {"model": args.model,
+    report = {"model": args.model, "cuda_graph_max_tokens": args.cuda_graph_max_tokens,
               "gpu": torch.cuda.get_device_name() if engine.runner.device.type == "cuda"
               else "none (CPU)", "points": []}
     seed = 0

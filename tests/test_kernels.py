@@ -139,6 +139,35 @@ def check_attention(
     check_counters_zeroed(out.device)
 
 
+def check_block_table(num_splits: int | None, group: int = 2) -> None:
+    """A launch over a token graph's fixed grid (worker/token_graphs.py): T tokens padded past
+    the batch's, rows with no queries past its rows, programs from a block table (pads
+    included). Real rows equal the reference; the attention launch writes no padded token."""
+    from specserve.worker.token_graphs import block_table
+
+    seq_lens, q_lens, rows, tokens = [9, 40, 70, 3, 5, 17], [9, 1, 40, 1, 1, 1], 8, 64
+    c = make_case(seq_lens, q_lens, group * 2, 2, 16, 4, F32, CPU, 3)
+    t = sum(q_lens)
+    gen = torch.Generator().manual_seed(4)
+    q = torch.cat([c.q, torch.randn(tokens - t, *c.q.shape[1:], generator=gen)])
+    pad = rows - len(q_lens)
+    qsl = torch.cat([c.query_start_loc, torch.full((pad,), t, dtype=torch.int32)])
+    lens = torch.cat([c.seq_lens, torch.zeros(pad, dtype=torch.int32)])
+    table = torch.cat([c.page_table, torch.zeros(pad, c.page_table.shape[1], dtype=torch.int32)])
+    block_m = pa.query_block_size(rows, tokens, group, 2)
+    blocks = torch.from_numpy(block_table(torch.tensor(q_lens).numpy(), block_m,
+                                          -(-tokens // block_m) + rows))
+    out = torch.full_like(q, float("nan"))
+    pa.paged_attention(q, c.k_cache, c.v_cache, qsl, lens, table, tokens, 0.25, out=out,
+                       num_splits=num_splits, block_table=blocks)
+    ref = pa.paged_attention_ref(c.q, c.k_cache, c.v_cache, c.query_start_loc, c.seq_lens,
+                                 c.page_table, 0.25)
+    err = row_rel_error(out[:t], ref)
+    assert err < TOL32, f"relative error {err:.3g} over a block table"
+    if num_splits == 1:  # (a second, combining launch writes every token: pads garbage)
+        assert out[t:].isnan().all(), "a padded token was written"
+
+
 def check_counters_zeroed(device: torch.device) -> None:
     """Every launch must leave the split arrival counters all zeros (CUDA-graph replays rely on
     it)."""
@@ -285,6 +314,8 @@ INTERPRETER_CHECKS = {
         [6, 30, 33], [2] * 3, 2, 1, 16, 8, F32, CPU, TOL32, mask_extra=5, num_splits=3, block_n=16
     ),
     "fused_counters": lambda: check_fused_combine_counters(F32, CPU, TOL32),
+    "block_table_one_split": lambda: check_block_table(1),
+    "block_table_splits2_gqa4": lambda: check_block_table(2, group=4),
     "unfused_decode_splits3": lambda: check_attention(
         [1, 7, 33, 70], None, 4, 2, 16, 4, F32, CPU, TOL32, **UNFUSED_SPLITS3
     ),

@@ -52,6 +52,7 @@ MIN_DOT = 16  # smallest tl.dot dimension on GPUs
 SMALL_GRID = 16  # masked launches of at most this many (request, query block, kv head) tiles
 LOG2E = 1.4426950408889634
 EXACT_BLOCK_N = 64  # KV block of every exact-mode launch (divides EXACT.kv_split_tokens)
+PAD_BLOCK = 1 << 20  # a block table's query block past every request: the program does nothing
 
 
 # --------------------------------------------------------------------------------------------
@@ -62,7 +63,7 @@ EXACT_BLOCK_N = 64  # KV block of every exact-mode launch (divides EXACT.kv_spli
 @jit(do_not_specialize=["num_m_blocks", "mask_width"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, counter_ptr,
-    query_start_loc_ptr, seq_lens_ptr, page_table_ptr, mask_ptr,
+    query_start_loc_ptr, seq_lens_ptr, page_table_ptr, mask_ptr, block_table_ptr,
     scale_log2, num_m_blocks, mask_width,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
@@ -74,9 +75,14 @@ def _paged_attention_kernel(
     BLOCK_S: tl.constexpr, FUSED_COMBINE: tl.constexpr,
     IS_DECODE: tl.constexpr, HAS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SPLIT_TOKENS: tl.constexpr, EXACT_TREE: tl.constexpr, BLOCK_W: tl.constexpr,
+    BLOCK_TABLE: tl.constexpr,
 ):  # fmt: skip
-    req = tl.program_id(0) // num_m_blocks
-    m_block = tl.program_id(0) % num_m_blocks
+    if BLOCK_TABLE:  # (request, query block) from a table: a grid fixed for a CUDA graph
+        req = tl.load(block_table_ptr + 2 * tl.program_id(0))
+        m_block = tl.load(block_table_ptr + 2 * tl.program_id(0) + 1)
+    else:
+        req = tl.program_id(0) // num_m_blocks
+        m_block = tl.program_id(0) % num_m_blocks
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if IS_DECODE:
@@ -223,6 +229,11 @@ def launch_plan(bs: int, max_query_len: int, group: int, num_kv_heads: int, mask
     return block_m, num_m_blocks, num_splits, block_n, num_warps, num_stages
 
 
+def query_block_size(bs: int, max_query_len: int, group: int, num_kv_heads: int) -> int:
+    """Queries per program of an unmasked launch (a block table's unit)."""
+    return launch_plan(bs, max_query_len, group, num_kv_heads, False, None, 1)[0]
+
+
 def exact_launch_plan(bs: int, max_query_len: int, group: int, num_kv_heads: int,
                       masked: bool = False) -> tuple:
     """The exact-mode plan: one tile shape (MIN_DOT rows, KV blocks of EXACT_BLOCK_N, 4 warps,
@@ -252,6 +263,7 @@ def paged_attention(
     fused_combine: bool = False,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    block_table: torch.Tensor | None = None,  # [NB, 2] int32 (request, query block)
 ) -> torch.Tensor:
     """Attention of T new query tokens over the paged KV (already holding their K/V).
 
@@ -262,7 +274,10 @@ def paged_attention(
     With num_splits > 1 the splits are merged by a second launch, or with `fused_combine` inside
     the attention launch (the last split of each tile to finish does it).
     `block_n` / `num_warps` / `num_stages` tune the attention launch (defaults: launch_plan);
-    the combine launch keeps its defaults.
+    the combine launch keeps its defaults. `block_table` (no custom mask): the launch has one
+    program per entry (request r, query block m of `query_block_size` queries; PAD_BLOCK as m:
+    nothing) instead of one per (request, query block up to max_query_len): a CUDA graph
+    captured for T tokens over R rows launches T / block + R programs, not R * T / block.
     """
     num_tokens, num_heads, head_dim = q.shape
     page_size, num_kv_heads, head_dim_v = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
@@ -275,7 +290,9 @@ def paged_attention(
     plan = launch_plan(bs, max_query_len, group, num_kv_heads, custom_mask is not None, q.device,
                        num_splits, block_n, num_warps, num_stages)
     block_m, num_m_blocks, num_splits, block_n, num_warps, num_stages = plan
-    grid_programs = bs * num_m_blocks * num_kv_heads
+    assert block_table is None or (custom_mask is None and not is_decode)
+    grid_m = bs * num_m_blocks if block_table is None else block_table.shape[0]
+    grid_programs = grid_m * num_kv_heads
     assert block_n >= MIN_DOT and block_n == next_power_of_2(block_n)
     if out is None:
         out = q.new_empty(num_tokens, num_heads, head_dim_v)
@@ -296,9 +313,10 @@ def paged_attention(
         launch["num_warps"] = num_warps
     if num_stages is not None:
         launch["num_stages"] = num_stages
-    _paged_attention_kernel[(bs * num_m_blocks, num_kv_heads, num_splits)](
+    _paged_attention_kernel[(grid_m, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, mid_o, mid_lse, counters,
         seq_lens if is_decode else query_start_loc, seq_lens, page_table, mask,
+        page_table if block_table is None else block_table,
         scale * LOG2E, num_m_blocks, mask_width,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
@@ -312,7 +330,7 @@ def paged_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,  # keep fp32 exact
         SPLIT_TOKENS=EXACT.kv_split_tokens if EXACT.attention else 0,
         EXACT_TREE=exact_tree, BLOCK_W=next_power_of_2(mask_width) if exact_tree else 1,
-        **launch,
+        BLOCK_TABLE=block_table is not None, **launch,
     )  # fmt: skip
     if num_splits > 1 and not fused:
         combine_splits(mid_o, mid_lse, out)

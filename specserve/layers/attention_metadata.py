@@ -37,6 +37,9 @@ class AttentionMetadata:
     # host copies (lists) for backends that loop on the CPU; filled by the planner
     query_lens_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
+    # [NB, 2] int32 (request, query block) of a token-bucket CUDA graph's padded batch: the
+    # attention grid follows it (kernels/paged_attention.py; worker/token_graphs.py)
+    block_table: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

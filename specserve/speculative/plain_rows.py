@@ -8,6 +8,7 @@ import numpy as np
 
 from specserve.worker.logits import logprob_lists, prompt_logprobs, sample_logits
 from specserve.worker.step_input import StepInput
+from specserve.worker.token_graphs import forward_step
 
 
 def target_rows(worker, rows: StepInput, index: list[int], tokens: list[list[int]],
@@ -26,35 +27,34 @@ def target_rows(worker, rows: StepInput, index: list[int], tokens: list[list[int
             if rows.speculate[j] and d.caught_up(ids[j], starts[j])]
         for d in worker.stateful
     }
+    feats = None
     if ran is not None:
         batch, hidden, feats = ran
+        sample_rows, sample_index = batch.sample_rows, batch.sample_index
         if feats is None:  # nothing captured: features are fed to no one
             feeds = {d: [] if d.method in worker.views else f for d, f in feeds.items()}
+    elif not any(feed and d.method in worker.views for d, feed in feeds.items()):
+        hidden, sample_rows, sample_index = forward_step(runner, rows)  # no features needed
     else:
-        capture = None
-        if any(feed and d.method in worker.views for d, feed in feeds.items()):
-            capture = worker.capture
         batch = runner.prepare(rows)
-        if capture is not None:
-            capture.enable()
+        sample_rows, sample_index = batch.sample_rows, batch.sample_index
+        worker.capture.enable()
         hidden = runner.forward(batch.input_ids, batch.positions, batch.md)
-        feats = None
-        if capture is not None:
-            feats = capture.pop()  # [T, F]
-            capture.disable()
+        feats = worker.capture.pop()  # [T, F]
+        worker.capture.disable()
     if prompt_lps is not None:
         for j, entries in enumerate(prompt_logprobs(runner, rows, hidden) or []):
             prompt_lps[index[j]] = entries
     sampled: dict[int, int] = {}
-    if batch.sample_index:
-        logits = runner.compute_logits(hidden[batch.sample_rows])
-        sub = rows.select(batch.sample_index)
+    if sample_index:
+        logits = runner.compute_logits(hidden[sample_rows])
+        sub = rows.select(sample_index)
         out, lp = sample_logits(runner, sub, logits, runner.sampling_tensors(sub))
-        for j, tok in zip(batch.sample_index, out.tolist()):
+        for j, tok in zip(sample_index, out.tolist()):
             sampled[j] = tok
             tokens[index[j]] = [tok]
         if lp is not None:
-            for j, entry in zip(batch.sample_index,
+            for j, entry in zip(sample_index,
                                 logprob_lists(lp, sub.logprobs.tolist())):
                 logprobs[index[j]] = None if entry is None else [entry]
     for d, feed in feeds.items():

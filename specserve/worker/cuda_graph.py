@@ -43,11 +43,16 @@ def batch_buckets(max_bs: int) -> list[int]:
 def comm_message_rows(config: EngineConfig) -> list[int]:
     """Rows of the all-reduce messages an engine sends: every graph batch bucket times 1
     (decode) and, with speculation, the verify width and the draft branching; plus powers of
-    two up to the prefill token budget."""
+    two up to the prefill token budget, and the token graphs' buckets."""
     spec = config.spec
     widths = [1] + ([spec.verify_tokens, spec.topk] if spec.enabled else [])
+    from specserve.worker.token_graphs import token_buckets  # (it imports this module)
+
     graph_bs = min(config.cuda_graph_max_bs, config.scheduler.max_num_seqs)
-    return message_rows(batch_buckets(graph_bs), widths, config.scheduler.max_num_batched_tokens)
+    budget = config.scheduler.max_num_batched_tokens
+    rows = message_rows(batch_buckets(graph_bs), widths, budget)
+    tokens = min(config.cuda_graph_max_tokens, budget)
+    return sorted(set(rows) | set(token_buckets(tokens))) if tokens > 0 else rows
 
 
 class StaticInputs:

@@ -47,6 +47,7 @@ from specserve.worker.forward_batch import (
 )
 from specserve.worker.logits import logprob_lists, prompt_logprobs, sample_logits
 from specserve.worker.step_input import StepInput, StepOutput
+from specserve.worker.token_graphs import build_token_graphs, forward_step
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,7 @@ class ModelRunner:
         self.max_positions = config.scheduler.max_model_len + 256
         ensure_rope_capacity(self.model, self.max_positions)
         self.decode_graphs = self._capture_decode_graphs()
+        self.token_graphs = build_token_graphs(self)  # steps with prefill chunks
         overlap = config.decode_overlap
         self.overlap = overlap == "on" or (overlap == "auto" and self.decode_graphs is not None)
         self._launched: LaunchedStep | None = None
@@ -182,7 +184,8 @@ class ModelRunner:
 
     @property
     def num_graphs(self) -> int:
-        return sum(len(g.graphs) for g in (self.decode_graphs or {}).values())
+        tokens = len(self.token_graphs.graphs) if self.token_graphs is not None else 0
+        return tokens + sum(len(g.graphs) for g in (self.decode_graphs or {}).values())
 
     # -- KV memory ---------------------------------------------------------------------------
     def _allocate_kv_pool(self) -> KVPool:
@@ -266,16 +269,14 @@ class ModelRunner:
         graphed = self._graph_decode(step)
         if graphed is not None:
             return list(range(step.bs)), graphed[0], None, None
-        batch = self.prepare(step)
-        hidden = self.forward(batch.input_ids, batch.positions, batch.md)
+        hidden, sample_rows, sample_index = forward_step(self, step)
         prompt_lps = prompt_logprobs(self, step, hidden)
-        if not batch.sample_index:
+        if not sample_index:
             return [], None, None, prompt_lps
-        logits = self.compute_logits(hidden[batch.sample_rows])
-        rows = step.select(batch.sample_index)
-        st = self.sampling_tensors(rows)
-        tokens, lp = sample_logits(self, rows, logits, st)
-        return batch.sample_index, tokens, lp, prompt_lps
+        logits = self.compute_logits(hidden[sample_rows])
+        rows = step.select(sample_index)
+        tokens, lp = sample_logits(self, rows, logits, self.sampling_tensors(rows))
+        return sample_index, tokens, lp, prompt_lps
 
     def _decode_rows(self, rows: StepInput, starts: np.ndarray, ids: torch.Tensor) -> torch.Tensor:
         """Sampled tokens [n] of one decode step whose input ids are already on the device."""
@@ -296,8 +297,7 @@ class ModelRunner:
         """Drop the CUDA graphs, the KV pool and the weights (idempotent): nothing of this
         runner holds device memory afterwards, even while the object itself is referenced."""
         self._launched = None
-        self.decode_graphs = None
-        self.graph_pool = None
+        self.decode_graphs = self.token_graphs = self.graph_pool = None
         for layer in self.attn_layers:  # the layers' views would keep the pool alive
             layer.bind_kv_cache({name: torch.empty(0) for name in layer.kv_spec.names})
         self.attn_layers = []

@@ -167,6 +167,7 @@ class TritonBackend:
             md.max_query_len,
             scale,
             custom_mask=md.custom_mask,
+            block_table=md.block_table,
         )
 
     def _forward_uncached(

@@ -1,0 +1,146 @@
+"""Token CUDA graphs (worker/token_graphs.py): steps with prefill chunks through a forward
+captured per token bucket over padded inputs.
+
+On the CPU the padded forward runs eagerly (TokenGraphs(capture=False)): the padding, the
+block table and the routing of a step through a bucket are checked against the plain eager
+forward and against an engine without them; the GPU test replays captured graphs."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from specserve.engine.step_builder import build_step_input
+from specserve.kernels.paged_attention import PAD_BLOCK
+from specserve.llm import LLM
+from specserve.sampling_params import SamplingParams
+from specserve.worker.token_graphs import TokenGraphs, block_table, token_buckets
+
+
+def test_token_buckets() -> None:
+    assert token_buckets(2048) == [16, 32, 64, 128, 256, *range(512, 2049, 256)]
+    assert token_buckets(100) == [16, 32, 64, 100]
+    assert token_buckets(16) == [16]
+    assert token_buckets(2144)[-3:] == [1792, 2048, 2144]
+
+
+def test_block_table_matches_a_naive_listing() -> None:
+    rng = random.Random(0)
+    for _ in range(50):
+        q_lens = [rng.randint(1, 40) for _ in range(rng.randint(1, 9))]
+        block_m = rng.choice([1, 4, 16, 32])
+        capacity = -(-sum(q_lens) // block_m) + len(q_lens)
+        want = [(r, m) for r, q in enumerate(q_lens) for m in range(-(-q // block_m))]
+        want += [(0, PAD_BLOCK)] * (capacity - len(want))
+        got = block_table(np.array(q_lens), block_m, capacity)
+        assert got.dtype == np.int32 and [tuple(x) for x in got.tolist()] == want
+    with pytest.raises(AssertionError, match="exceed"):
+        block_table(np.array([5, 5]), 4, 3)
+
+
+def cpu_llm(**kw) -> LLM:
+    return LLM("tiny-llama", load_format="dummy", device="cpu",
+               scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 64,
+                          "max_model_len": 512}, **kw)
+
+
+def eager_token_graphs(runner, max_tokens: int = 64, max_rows: int = 8) -> TokenGraphs:
+    layer = runner.attn_layers[0]
+    return TokenGraphs(runner.forward, max_tokens, max_rows, runner.max_pages,
+                       runner.max_positions, layer.num_heads // layer.num_kv_heads,
+                       layer.num_kv_heads, runner.page_size, runner.spare_page, runner.device,
+                       capture=False)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return cpu_llm()
+
+
+def test_padded_forward_equals_the_eager_forward(llm: LLM) -> None:
+    """Decodes beside a new prompt's chunk: the bucket's padded forward (pad tokens, pad rows,
+    slots -1) gives the real tokens' hidden states of the plain forward."""
+    engine, runner = llm.engine, llm.engine.runner
+    rng = random.Random(1)
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    for _ in range(3):
+        engine.add_request(None, [rng.randrange(3, 500) for _ in range(rng.randint(2, 20))],
+                           params)
+    engine.step()
+    engine.add_request(None, [rng.randrange(3, 500) for _ in range(23)], params)
+    step = build_step_input(engine.scheduler.schedule())
+    assert step.bs == 4 and sorted(step.num_new_tokens.tolist()) == [1, 1, 1, 23]
+    graphs = eager_token_graphs(runner)
+    table, _ = step.page_table(runner.spare_page)
+    before = kv_slots(runner)
+    padded = graphs.run(step.token_ids, step.positions(), step.num_new_tokens, step.seq_lens,
+                        table).clone()
+    assert graphs.replays == 1 and padded.shape[0] == 26  # bucket 32 over 8 rows
+    changed = set((kv_slots(runner) != before).any(-1).nonzero().flatten().tolist())
+    rows = np.repeat(np.arange(step.bs), step.num_new_tokens)
+    pos = step.positions()
+    ps = runner.page_size
+    own = set((table[rows, pos // ps].astype(np.int64) * ps + pos % ps).tolist())
+    assert changed <= own and len(changed) > 20, "padding wrote KV outside the step's slots"
+    batch = runner.prepare(step)
+    eager = runner.forward(batch.input_ids, batch.positions, batch.md)
+    torch.testing.assert_close(padded, eager, atol=1e-5, rtol=1e-5)
+
+
+def kv_slots(runner) -> torch.Tensor:
+    """[slots, everything the pool holds for a slot] (all layers)."""
+    parts = [t.movedim(0, 2).reshape(t.shape[1] * t.shape[2], -1)  # [L, P, S, ...]
+             for g in runner.kv_pool.groups for t in g.tensors.values()]
+    return torch.cat(parts, dim=1).clone()
+
+
+def test_no_bucket_holds_a_step_past_the_largest(llm: LLM) -> None:
+    graphs = eager_token_graphs(llm.engine.runner, max_tokens=32, max_rows=4)
+    assert graphs.bucket(33, 1) is None and graphs.bucket(32, 4) == 32
+    assert graphs.bucket(10, 5) is None  # more rows than any bucket holds
+    assert graphs.bucket(3, 3) == 16
+
+
+def test_engine_through_token_buckets_equals_eager_engine() -> None:
+    """Whole generations with chunked prefills beside decodes, every non-decode step routed
+    through the buckets, equal an engine without them (greedy and seeded sampling)."""
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(1, 90))] for _ in range(7)]
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=12, ignore_eos=True)]
+    plain = cpu_llm()
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params * 3 + params[:1])]
+    routed = cpu_llm()
+    runner = routed.engine.runner
+    runner.token_graphs = eager_token_graphs(runner)
+    got = [o.outputs[0].token_ids for o in routed.generate(prompts, params * 3 + params[:1])]
+    assert got == want
+    assert runner.token_graphs.replays > 5  # the prefill and mixed steps went through them
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_captured_token_graphs_equal_eager(dtype: str) -> None:
+    """Captured token graphs (mixed steps replayed) vs --cuda-graph-max-tokens 0: the same
+    greedy tokens (fp32), and in bf16 the same tokens for most requests (GEMMs over a padded
+    row count may take other cuBLAS plans)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(1, 300))] for _ in range(12)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs, replays = {}, {}
+    for tokens in (0, 256):
+        llm = LLM("tiny-llama", load_format="dummy", device="cuda", dtype=dtype,
+                  cuda_graph_max_tokens=tokens,
+                  scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 256})
+        outs[tokens] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        graphs = llm.engine.runner.token_graphs
+        replays[tokens] = 0 if graphs is None else graphs.replays
+        llm.shutdown() if hasattr(llm, "shutdown") else None
+    assert replays[0] == 0 and replays[256] > 10
+    same = sum(a == b for a, b in zip(outs[0], outs[256]))
+    assert same == len(prompts) if dtype == "float32" else same >= len(prompts) - 2
