@@ -275,6 +275,9 @@ def main() -> int:
                          "learnt carries across loads); fresh: a new one every run")
     ap.add_argument("--repeats", type=int, default=2,
                     help="rounds of every configuration per concurrency (tok/s: their mean)")
+    ap.add_argument("--cuda-graph-max-tokens", type=int, default=0,
+                    help="the engine option: steps with prefill chunks through token CUDA "
+                    "graphs up to this many tokens (0: eager)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--log", action="store_true", help="append to experiments/ (LOG.md)")
     ap.add_argument("--exp-dir", default="experiments")
@@ -323,6 +326,7 @@ def main() -> int:
     top = max(levels)
     llm = LLM(args.model, speculative_config=spec, load_format=args.load_format, device=args.device,
               cuda_graph_max_bs=top, comm=comm,
+              cuda_graph_max_tokens=args.cuda_graph_max_tokens,
               # every configuration re-runs the same prompts: a prefix cache would spare all
               # but the first their prefill
               cache={"enable_prefix_caching": False},

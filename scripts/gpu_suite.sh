@@ -75,6 +75,11 @@ if has profile; then
   timeout 200 python scripts/profile_prefill.py --model llama-3.1-8b --chunk-tokens 16,128,2048 \
     --decode-rows 0,32 --out "$out/profile-prefill" > "$out/profile-prefill.log" 2>&1
   echo "profile prefill rc=$?"; grep -E "^chunk" "$out/profile-prefill.log"
+  # the same steps through token CUDA graphs (buckets up to the 2144-token budget)
+  timeout 200 python scripts/profile_prefill.py --model llama-3.1-8b --chunk-tokens 16,128,2048 \
+    --decode-rows 0,32 --cuda-graph-max-tokens 2144 --out "$out/profile-prefill-graphs" \
+    > "$out/profile-prefill-graphs.log" 2>&1
+  echo "profile prefill (token graphs) rc=$?"; grep -E "^chunk" "$out/profile-prefill-graphs.log"
 fi
 if has plain; then
   timeout 200 "${ss[@]}" bench latency "${common[@]}" --batch-sizes 1,8,32,128 --floor --compare-hf \

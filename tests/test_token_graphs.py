@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from specserve.config import CacheConfig
 from specserve.engine.step_builder import build_step_input
 from specserve.kernels.paged_attention import PAD_BLOCK
 from specserve.llm import LLM
@@ -134,13 +135,12 @@ def test_captured_token_graphs_equal_eager(dtype: str) -> None:
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs, replays = {}, {}
     for tokens in (0, 256):
-        llm = LLM("tiny-llama", load_format="dummy", device="cuda", dtype=dtype,
-                  cuda_graph_max_tokens=tokens,
-                  scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 256})
-        outs[tokens] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        graphs = llm.engine.runner.token_graphs
-        replays[tokens] = 0 if graphs is None else graphs.replays
-        llm.shutdown() if hasattr(llm, "shutdown") else None
+        with LLM("tiny-llama", load_format="dummy", device="cuda", dtype=dtype,
+                 cuda_graph_max_tokens=tokens, cache=CacheConfig(page_size=16, num_pages=512),
+                 scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 256}) as llm:
+            outs[tokens] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+            graphs = llm.engine.runner.token_graphs
+            replays[tokens] = 0 if graphs is None else graphs.replays
     assert replays[0] == 0 and replays[256] > 10
     same = sum(a == b for a, b in zip(outs[0], outs[256]))
     assert same == len(prompts) if dtype == "float32" else same >= len(prompts) - 2
