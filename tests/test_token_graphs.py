@@ -78,8 +78,8 @@ def test_padded_forward_equals_the_eager_forward(llm: LLM) -> None:
     table, _ = step.page_table(runner.spare_page)
     before = kv_slots(runner)
     padded = graphs.run(step.token_ids, step.positions(), step.num_new_tokens, step.seq_lens,
-                        table).clone()
-    assert graphs.replays == 1 and padded.shape[0] == 26  # bucket 32 over 8 rows
+                        table)[0].clone()
+    assert graphs.replays == {"plain": 1} and padded.shape[0] == 26  # bucket 32 over 8 rows
     changed = set((kv_slots(runner) != before).any(-1).nonzero().flatten().tolist())
     rows = np.repeat(np.arange(step.bs), step.num_new_tokens)
     pos = step.positions()
@@ -119,7 +119,42 @@ def test_engine_through_token_buckets_equals_eager_engine() -> None:
     runner.token_graphs = eager_token_graphs(runner)
     got = [o.outputs[0].token_ids for o in routed.generate(prompts, params * 3 + params[:1])]
     assert got == want
-    assert runner.token_graphs.replays > 5  # the prefill and mixed steps went through them
+    assert runner.token_graphs.replays["plain"] > 5  # the prefill and mixed steps went through them
+
+
+@pytest.mark.parametrize("accept", ["real", "synthetic"])
+def test_speculative_chunks_through_token_buckets(tmp_path, accept: str) -> None:
+    """EAGLE-3 chain: prompt chunks that feed the drafter (the "features" variant: hidden
+    states and aux features) and chunks riding in the cycle's verify forward (the nodes' ids
+    from the device) through the buckets give the same tokens, acceptance and drafter state
+    rows as the eager forwards (synthetic acceptance: nodes past the root are accepted, so
+    their features and logits count)."""
+    from test_spec_fold import _llm, _states_after_each_step, _workload
+    from tiny_eagle import make_tiny_pair
+
+    from specserve.engine.spec_policy import StaticPolicy
+
+    pair = make_tiny_pair(tmp_path)
+    prompts, params = _workload(seed=7)
+    extra = dict(synthetic_accept_rate=0.7) if accept == "synthetic" else {}
+    runs = {}
+    for graphed in (False, True):
+        llm = _llm(pair, "cpu", 512, **extra)
+        llm.engine.spec_policy = StaticPolicy("chain3")
+        if graphed:
+            runner = llm.engine.runner
+            runner.token_graphs = eager_token_graphs(runner, max_tokens=64, max_rows=8)
+            runner.token_graphs.add_variant("features", llm.engine.drafter._features_forward)
+        states = _states_after_each_step(llm)
+        outs = [o.token_ids for o in llm.generate(prompts, params)]
+        runs[graphed] = outs, states, llm.engine.drafter.counters
+    (outs, states, c), (outs2, states2, c2) = runs[False], runs[True]
+    assert outs2 == outs and c2.accepted_per_pos == c.accepted_per_pos
+    assert c2.num_chunks_in_verify == c.num_chunks_in_verify > 5
+    assert llm.engine.runner.token_graphs.replays["features"] > c.num_chunks_in_verify
+    assert states.keys() == states2.keys() and len(states) > 50
+    for key, row in states.items():
+        torch.testing.assert_close(states2[key], row, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu
@@ -140,7 +175,35 @@ def test_captured_token_graphs_equal_eager(dtype: str) -> None:
                  scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 256}) as llm:
             outs[tokens] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
             graphs = llm.engine.runner.token_graphs
-            replays[tokens] = 0 if graphs is None else graphs.replays
+            replays[tokens] = 0 if graphs is None else graphs.replays["plain"]
     assert replays[0] == 0 and replays[256] > 10
     same = sum(a == b for a, b in zip(outs[0], outs[256]))
     assert same == len(prompts) if dtype == "float32" else same >= len(prompts) - 2
+
+
+@pytest.mark.gpu
+def test_captured_token_graphs_with_speculation(tmp_path) -> None:
+    """EAGLE-3 chain on CUDA (fp32, tiny pair): captured plain and feature variants (prompt
+    chunks feeding the drafter, chunks in the verify forward) give plain decoding's tokens."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from test_spec_fold import _workload
+    from tiny_eagle import make_tiny_pair
+
+    from specserve.config import SchedulerConfig
+    from specserve.engine.spec_policy import StaticPolicy
+
+    pair = make_tiny_pair(tmp_path)
+    prompts, params = _workload(seed=8)
+    kw = dict(device="cuda", dtype="float32", cache=CacheConfig(page_size=4, num_pages=512),
+              scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=24))
+    with LLM(pair[0], **kw) as plain:
+        ref = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    spec = dict(algorithm="eagle3", draft_model=pair[1], num_steps=3)
+    with LLM(pair[0], speculative_config=spec, cuda_graph_max_tokens=64, **kw) as llm:
+        llm.engine.spec_policy = StaticPolicy("chain3")
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        replays = llm.engine.runner.token_graphs.replays
+        chunks = llm.engine.drafter.counters.num_chunks_in_verify
+    assert got == ref
+    assert chunks > 3 and replays["features"] > chunks, (replays, chunks)

@@ -13,6 +13,7 @@ attention takes that, so MLA targets keep a tree's own verify forward.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from specserve.layers.attention_metadata import AttentionMetadata, SplitMetadata
@@ -53,6 +54,8 @@ class ChunksInVerify:
         runner, chunks = self.runner, self.chunks
         bs, n = tree.tokens.shape
         t = self.batch.input_ids.numel()
+        if self.causal and (graphed := self._graphed(tree)) is not None:
+            return graphed
         if self.causal:  # a chain: one causal extend over chunks and nodes
             # (root_pos holds the same positions on the device: reading it here would stall
             # the host until the draft is done, before it launches the verify forward)
@@ -78,6 +81,41 @@ class ChunksInVerify:
             every = self.capture.pop()
             self.capture.disable()
             self.feats = every[:t]
+            if self.view is not None:
+                feats = self.view.select(every[t:]).view(bs, n, -1)
+        return hidden[t:], feats
+
+    def _graphed(self, tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """A chain's chunks + nodes through the runner's token graphs (the nodes' ids straight
+        from the device), or None where none holds them. The chunk rows' hidden states and
+        features are copied out of the graph's buffers (the worker reads them later)."""
+        graphs = getattr(self.runner, "token_graphs", None)
+        variant = "plain" if self.capture is None else "features"
+        if graphs is None or not graphs.has(variant):
+            return None
+        chunks = self.chunks
+        bs, n = tree.tokens.shape
+        t = len(chunks.token_ids)
+        roots = np.asarray(self.roots, dtype=np.int64)
+        positions = np.concatenate([chunks.positions(), (roots[:, None] + np.arange(n)).ravel()])
+        q_lens = np.concatenate([chunks.num_new_tokens, np.full(bs, n, dtype=np.int64)])
+        seq_lens = np.concatenate([chunks.seq_lens, roots + n])
+        pages = chunks.page_lists() + self.node_pages
+        table = np.full((len(pages), max(len(p) for p in pages)), self.runner.spare_page,
+                        dtype=np.int32)
+        for r, p in enumerate(pages):
+            table[r, : len(p)] = p
+        ids = np.concatenate([chunks.token_ids, np.zeros(bs * n, dtype=np.int64)])
+        outs = graphs.run(ids, positions, q_lens, seq_lens, table, variant,
+                          tail_ids=tree.tokens)
+        if outs is None:
+            return None
+        hidden = outs[0]
+        self.hidden = hidden[:t].clone()
+        feats = None
+        if self.capture is not None:
+            every = outs[1]
+            self.feats = every[:t].clone()
             if self.view is not None:
                 feats = self.view.select(every[t:]).view(bs, n, -1)
         return hidden[t:], feats

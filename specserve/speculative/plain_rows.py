@@ -8,7 +8,7 @@ import numpy as np
 
 from specserve.worker.logits import logprob_lists, prompt_logprobs, sample_logits
 from specserve.worker.step_input import StepInput
-from specserve.worker.token_graphs import forward_step
+from specserve.worker.token_graphs import forward_step, run_step
 
 
 def target_rows(worker, rows: StepInput, index: list[int], tokens: list[list[int]],
@@ -35,6 +35,8 @@ def target_rows(worker, rows: StepInput, index: list[int], tokens: list[list[int
             feeds = {d: [] if d.method in worker.views else f for d, f in feeds.items()}
     elif not any(feed and d.method in worker.views for d, feed in feeds.items()):
         hidden, sample_rows, sample_index = forward_step(runner, rows)  # no features needed
+    elif (graphed := run_step(runner, rows, "features")) is not None:
+        (hidden, feats), sample_rows, sample_index = graphed
     else:
         batch = runner.prepare(rows)
         sample_rows, sample_index = batch.sample_rows, batch.sample_index

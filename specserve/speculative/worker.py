@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.config import SpecConfig
+from specserve.layers.attention_metadata import AttentionMetadata
 from specserve.models.capture import AuxHiddenCapture
 from specserve.spec_config import full_mode_name
 from specserve.speculative.catch_up import catch_up
@@ -125,6 +126,8 @@ class SpecWorker:
             hidden = runner.model_config.hidden_size
             self.views = {m: FeatureView(self.capture, p.aux_layer_ids, hidden, runner.device)
                           for m, p in readers.items()}
+            if getattr(runner, "token_graphs", None) is not None:  # chunks that feed them
+                runner.token_graphs.add_variant("features", self._features_forward)
         self.modes: dict[str, DraftMode] = {}
         t0, mem0 = time.perf_counter(), _device_memory(runner.device)
         for method, p in self.proposers.items():
@@ -348,6 +351,15 @@ class SpecWorker:
         self._observe(step, tokens)
         return StepOutput(tokens, computed, drafted, self._draft_computed(step), logprobs,
                           prompt_lps)
+
+    def _features_forward(self, ids: torch.Tensor, positions: torch.Tensor,
+                          md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's forward and every drafter's aux features [T, F] (a token graph)."""
+        self.capture.enable()
+        hidden = self.runner.forward(ids, positions, md)
+        feats = self.capture.pop()
+        self.capture.disable()
+        return hidden, feats
 
     def _target_rows(self, rows: StepInput, index: list[int], tokens: list[list[int]],
                      logprobs: list | None, prompt_lps: list | None,

@@ -17,7 +17,9 @@ holds it, its inputs padded:
 
 Only plain causal batches: no custom mask (tree verify keeps its own graphs), attention
 layers that take SplitMetadata (MHA / GQA: MLA's compute form sizes itself by host lengths),
-the Triton backend. The outputs are the bucket's buffers, valid until the next replay.
+the Triton backend. Variants (`add_variant`) are other functions of the same inputs: the
+speculative worker's returns the drafters' aux features beside the hidden states. The
+outputs are the bucket's buffers, valid until the next replay.
 """
 
 from __future__ import annotations
@@ -126,14 +128,29 @@ class TokenGraphs:
         self.host = {k: torch.zeros_like(v, device="cpu", pin_memory=pin)
                      for k, v in self.buf.items()}
         self._copied = torch.cuda.Event() if pin else None
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.replays = 0  # steps run through the buckets
-        if capture:
-            self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-            for t in tqdm(list(reversed(self.buckets)), desc="capturing token graphs",
-                          leave=False):
-                self._capture(t)
+        self.capture = capture
+        self.pool = (pool if pool is not None else torch.cuda.graph_pool_handle()) \
+            if capture else None
+        self.variants: dict[str, Callable[..., object]] = {}
+        self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[str, int], tuple[torch.Tensor, ...]] = {}
+        self.replays: dict[str, int] = {}  # steps run through the buckets, per variant
+        self.add_variant("plain", forward)
+
+    def add_variant(self, name: str, fn: Callable[..., object]) -> None:
+        """Another function of the buckets' inputs, fn(ids, positions, md) -> a tensor or a
+        tuple of them (e.g. the hidden states and the drafters' features), captured for every
+        bucket (largest first, in the shared pool)."""
+        self.variants[name] = fn
+        self.replays[name] = 0
+        if not self.capture:
+            return
+        for t in tqdm(list(reversed(self.buckets)), desc=f"capturing token graphs ({name})",
+                      leave=False):
+            self._capture(name, t)
+
+    def has(self, name: str) -> bool:
+        return name in self.variants
 
     def bucket(self, tokens: int, rows: int) -> int | None:
         """The smallest bucket holding a step of `tokens` tokens over `rows` rows."""
@@ -149,22 +166,27 @@ class TokenGraphs:
             block_table=buf["blocks"][: b.num_blocks])
         return buf["tok"][0, :t], buf["tok"][1, :t], md
 
-    def _capture(self, t: int) -> None:
-        ids, positions, md = self._views(t)
+    def _call(self, name: str, t: int) -> tuple[torch.Tensor, ...]:
+        out = self.variants[name](*self._views(t))
+        return out if isinstance(out, tuple) else (out,)
+
+    def _capture(self, name: str, t: int) -> None:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm up: kernel compilation, library handles
-                self.forward(ids, positions, md)
+                self._call(name, t)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with no_gc_during_capture(), torch.cuda.graph(graph, pool=self.pool):
-            self.outputs[t] = self.forward(ids, positions, md)
-        self.graphs[t] = graph
+            self.outputs[name, t] = self._call(name, t)
+        self.graphs[name, t] = graph
 
     def load(self, t: int, ids: np.ndarray, positions: np.ndarray, q_lens: np.ndarray,
-             seq_lens: np.ndarray, table: np.ndarray) -> None:
-        """Bucket t's buffers <- the step's padded inputs (host to device, no sync)."""
+             seq_lens: np.ndarray, table: np.ndarray, tail_ids: torch.Tensor | None = None
+             ) -> None:
+        """Bucket t's buffers <- the step's padded inputs (host to device, no sync);
+        tail_ids: the last len(tail_ids) token ids, on the device (ids holds placeholders)."""
         arrays = self.batches[t].arrays(ids, positions, q_lens, seq_lens, table, self.page_size)
         if self._copied is not None:
             self._copied.synchronize()  # the pinned mirror is free again
@@ -181,29 +203,41 @@ class TokenGraphs:
             dst.copy_(view, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
+        if tail_ids is not None:
+            n, end = tail_ids.numel(), len(ids)
+            self.buf["tok"][0, end - n : end].copy_(tail_ids.reshape(-1))
 
     def run(self, ids: np.ndarray, positions: np.ndarray, q_lens: np.ndarray,
-            seq_lens: np.ndarray, table: np.ndarray) -> torch.Tensor | None:
-        """Hidden states [t, H] of the step through its bucket's graph (a view of the graph's
-        output buffer), or None when no bucket holds it. Without captured graphs
-        (capture=False: CPU tests) the same padded forward runs eagerly."""
+            seq_lens: np.ndarray, table: np.ndarray, variant: str = "plain",
+            tail_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, ...] | None:
+        """The variant's outputs over the step's t tokens (each [t, ...], views of the graph's
+        output buffers, valid until the next replay) through its bucket's graph, or None
+        when no bucket holds the step. Without captured graphs (capture=False: CPU tests)
+        the same padded call runs eagerly."""
         t = self.bucket(len(ids), len(q_lens))
         if t is None:
             return None
-        self.load(t, ids, positions, q_lens, seq_lens, table)
-        self.replays += 1
-        graph = self.graphs.get(t)
+        self.load(t, ids, positions, q_lens, seq_lens, table, tail_ids)
+        self.replays[variant] += 1
+        graph = self.graphs.get((variant, t))
         if graph is None:
-            return self.forward(*self._views(t))[: len(ids)]
-        graph.replay()
-        return self.outputs[t][: len(ids)]
+            outs = self._call(variant, t)
+        else:
+            graph.replay()
+            outs = self.outputs[variant, t]
+        return tuple(o[: len(ids)] for o in outs)
 
 
 def build_token_graphs(runner) -> TokenGraphs | None:  # noqa: ANN001 (a ModelRunner)
-    """The runner's token graphs, or None: `cuda_graph_max_tokens` 0, no decode graphs (CPU,
-    --enforce-eager, a backend that is not graph-safe) or attention that is not MHA / GQA."""
+    """The runner's token graphs (buckets up to `cuda_graph_max_tokens`, at most the token
+    budget plus, with speculation, the verify nodes of every row), or None: the option 0,
+    no decode graphs (CPU, --enforce-eager, a backend that is not graph-safe) or attention
+    that is not MHA / GQA."""
     cfg = runner.config
-    max_tokens = min(cfg.cuda_graph_max_tokens, cfg.scheduler.max_num_batched_tokens)
+    budget = cfg.scheduler.max_num_batched_tokens
+    if cfg.spec.enabled:  # a chain's verify forward carries the chunks beside its nodes
+        budget += cfg.scheduler.max_num_seqs * (cfg.spec.verify_tokens - 1)
+    max_tokens = min(cfg.cuda_graph_max_tokens, budget)
     if max_tokens <= 0 or runner.decode_graphs is None:
         return None
     layers = runner.attn_layers
@@ -220,14 +254,26 @@ def forward_step(runner, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, l
     """(hidden states [T, H], the rows of them that sample, those rows' step indices) of the
     target's forward over a plain step: a token graph's replay where one holds the step (its
     output buffer: use it before the next replay), else the eager forward."""
-    graphs: TokenGraphs | None = getattr(runner, "token_graphs", None)
-    if graphs is not None:
-        table, _ = step.page_table(runner.spare_page)
-        hidden = graphs.run(step.token_ids, step.positions(), step.num_new_tokens,
-                            step.seq_lens, table)
-        if hidden is not None:
-            index = np.flatnonzero(step.samples)
-            return hidden, runner.tensor(step.tok_off[1:][index] - 1), index.tolist()
+    graphed = run_step(runner, step, "plain")
+    if graphed is not None:
+        return graphed[0][0], graphed[1], graphed[2]
     batch = runner.prepare(step)
     hidden = runner.forward(batch.input_ids, batch.positions, batch.md)
     return hidden, batch.sample_rows, batch.sample_index
+
+
+def run_step(runner, step: StepInput, variant: str  # noqa: ANN001
+             ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, list[int]] | None:
+    """(the variant's outputs over the step's tokens, the token rows that sample, those rows'
+    step indices) through the runner's token graphs, or None: no graphs, no such variant, or
+    no bucket holds the step."""
+    graphs: TokenGraphs | None = getattr(runner, "token_graphs", None)
+    if graphs is None or not graphs.has(variant):
+        return None
+    table, _ = step.page_table(runner.spare_page)
+    outs = graphs.run(step.token_ids, step.positions(), step.num_new_tokens, step.seq_lens,
+                      table, variant)
+    if outs is None:
+        return None
+    index = np.flatnonzero(step.samples)
+    return outs, runner.tensor(step.tok_off[1:][index] - 1), index.tolist()
