@@ -122,14 +122,16 @@ def test_engine_through_token_buckets_equals_eager_engine() -> None:
     assert runner.token_graphs.replays["plain"] > 5  # the prefill and mixed steps went through them
 
 
-@pytest.mark.parametrize("accept", ["real", "synthetic"])
-def test_speculative_chunks_through_token_buckets(tmp_path, accept: str) -> None:
+@pytest.mark.parametrize("accept,off", [("real", False), ("synthetic", False),
+                                        ("synthetic", True)])
+def test_speculative_chunks_through_token_buckets(tmp_path, accept: str, off: bool) -> None:
     """EAGLE-3 chain: prompt chunks that feed the drafter (the "features" variant: hidden
-    states and aux features) and chunks riding in the cycle's verify forward (the nodes' ids
-    from the device) through the buckets give the same tokens, acceptance and drafter state
-    rows as the eager forwards (synthetic acceptance: nodes past the root are accepted, so
-    their features and logits count)."""
-    from test_spec_fold import _llm, _states_after_each_step, _workload
+    states and aux features), chunks riding in the cycle's verify forward (the nodes' ids
+    from the device) and, with steps off, the drafter's catch-up forwards (no KV written)
+    through the buckets give the same tokens, acceptance and drafter state rows as the eager
+    forwards (synthetic acceptance: nodes past the root are accepted, so their features and
+    logits count)."""
+    from test_spec_fold import OffAt, _llm, _states_after_each_step, _workload
     from tiny_eagle import make_tiny_pair
 
     from specserve.engine.spec_policy import StaticPolicy
@@ -140,7 +142,7 @@ def test_speculative_chunks_through_token_buckets(tmp_path, accept: str) -> None
     runs = {}
     for graphed in (False, True):
         llm = _llm(pair, "cpu", 512, **extra)
-        llm.engine.spec_policy = StaticPolicy("chain3")
+        llm.engine.spec_policy = OffAt([4, 5, 6, 11, 12]) if off else StaticPolicy("chain3")
         if graphed:
             runner = llm.engine.runner
             runner.token_graphs = eager_token_graphs(runner, max_tokens=64, max_rows=8)
@@ -150,6 +152,8 @@ def test_speculative_chunks_through_token_buckets(tmp_path, accept: str) -> None
         runs[graphed] = outs, states, llm.engine.drafter.counters
     (outs, states, c), (outs2, states2, c2) = runs[False], runs[True]
     assert outs2 == outs and c2.accepted_per_pos == c.accepted_per_pos
+    if off:
+        assert c.num_catch_ups > 3 and c2.num_catch_up_tokens == c.num_catch_up_tokens
     assert c2.num_chunks_in_verify == c.num_chunks_in_verify > 5
     assert llm.engine.runner.token_graphs.replays["features"] > c.num_chunks_in_verify
     assert states.keys() == states2.keys() and len(states) > 50

@@ -13,11 +13,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 from specserve.speculative.draft_state import DraftState
 from specserve.worker.forward_batch import build_attention_metadata
 from specserve.worker.step_input import StepInput
+from specserve.worker.token_graphs import page_array
 
 
 def pieces(lengths: list[int], budget: int) -> list[list[tuple[int, int, int]]]:
@@ -61,6 +63,8 @@ def catch_up(worker, d: DraftState, rows: StepInput, budget: int) -> Iterator[
     for piece in pieces([len(m) for m in missed], budget):
         feats = None
         if view is not None:
+            feats = _graphed_features(runner, view, piece, starts, missed, pages)
+        if view is not None and feats is None:
             md = build_attention_metadata(
                 [b - a for _, a, b in piece], [starts[r] + b for r, _, b in piece],
                 [pages[r] for r, _, _ in piece], runner.page_size, runner.device
@@ -77,3 +81,20 @@ def catch_up(worker, d: DraftState, rows: StepInput, budget: int) -> Iterator[
                                 [after[r][a:b] for r, a, b in piece], feats)
         for i, (r, a, b) in enumerate(piece):
             yield rids[r], new[i], starts[r] + b, b - a, b == len(missed[r])
+
+
+def _graphed_features(runner, view, piece: list[tuple[int, int, int]], starts: list[int],
+                     missed: list[list[int]], pages: list[list[int]]) -> torch.Tensor | None:
+    """The piece's features through the runner's token graphs (the features variant, no KV
+    written), or None where none holds the piece."""
+    graphs = getattr(runner, "token_graphs", None)
+    if graphs is None or not graphs.has("features"):
+        return None
+    ids = np.array([t for r, a, b in piece for t in missed[r][a:b]], dtype=np.int64)
+    positions = np.array([starts[r] + i for r, a, b in piece for i in range(a, b)],
+                         dtype=np.int64)
+    q_lens = np.array([b - a for _, a, b in piece], dtype=np.int64)
+    seq_lens = np.array([starts[r] + b for r, _, b in piece], dtype=np.int64)
+    table = page_array([pages[r] for r, _, _ in piece], runner.spare_page)
+    outs = graphs.run(ids, positions, q_lens, seq_lens, table, "features", write_kv=False)
+    return None if outs is None else view.select(outs[1])

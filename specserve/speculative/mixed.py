@@ -20,6 +20,7 @@ from specserve.layers.attention_metadata import AttentionMetadata, SplitMetadata
 from specserve.speculative.tree import DraftTree
 from specserve.worker.forward_batch import build_attention_metadata
 from specserve.worker.step_input import StepInput
+from specserve.worker.token_graphs import page_array
 
 
 def takes_trees(runner) -> bool:
@@ -100,11 +101,7 @@ class ChunksInVerify:
         positions = np.concatenate([chunks.positions(), (roots[:, None] + np.arange(n)).ravel()])
         q_lens = np.concatenate([chunks.num_new_tokens, np.full(bs, n, dtype=np.int64)])
         seq_lens = np.concatenate([chunks.seq_lens, roots + n])
-        pages = chunks.page_lists() + self.node_pages
-        table = np.full((len(pages), max(len(p) for p in pages)), self.runner.spare_page,
-                        dtype=np.int32)
-        for r, p in enumerate(pages):
-            table[r, : len(p)] = p
+        table = page_array(chunks.page_lists() + self.node_pages, self.runner.spare_page)
         ids = np.concatenate([chunks.token_ids, np.zeros(bs * n, dtype=np.int64)])
         outs = graphs.run(ids, positions, q_lens, seq_lens, table, variant,
                           tail_ids=tree.tokens)

@@ -72,15 +72,18 @@ class TokenBatch:
         self.num_blocks = -(-tokens // block_m) + rows
 
     def arrays(self, ids: np.ndarray, positions: np.ndarray, q_lens: np.ndarray,
-               seq_lens: np.ndarray, table: np.ndarray, page_size: int) -> dict[str, np.ndarray]:
+               seq_lens: np.ndarray, table: np.ndarray, page_size: int,
+               write_kv: bool = True) -> dict[str, np.ndarray]:
         """The bucket's inputs from a step of t = len(ids) tokens over r = len(q_lens) rows;
-        `table` [r, width] the rows' page tables (padded with any valid page)."""
+        `table` [r, width] the rows' page tables (padded with any valid page); write_kv
+        False: every slot -1 (the KV is in the cache already: a drafter's catch-up)."""
         t, r = len(ids), len(q_lens)
         assert t <= self.tokens and r <= self.rows and int(q_lens.sum()) == t
         row_of = np.repeat(np.arange(r), q_lens)
         slots = np.full(self.tokens, -1, dtype=np.int64)
-        slots[:t] = table[row_of, positions // page_size].astype(np.int64) * page_size \
-            + positions % page_size
+        if write_kv:
+            slots[:t] = table[row_of, positions // page_size].astype(np.int64) * page_size \
+                + positions % page_size
         tok = np.zeros((2, self.tokens), dtype=np.int64)
         tok[0, :t], tok[1, :t] = ids, positions
         qsl = np.full(self.rows + 1, t, dtype=np.int32)
@@ -183,11 +186,12 @@ class TokenGraphs:
         self.graphs[name, t] = graph
 
     def load(self, t: int, ids: np.ndarray, positions: np.ndarray, q_lens: np.ndarray,
-             seq_lens: np.ndarray, table: np.ndarray, tail_ids: torch.Tensor | None = None
-             ) -> None:
+             seq_lens: np.ndarray, table: np.ndarray, tail_ids: torch.Tensor | None = None,
+             write_kv: bool = True) -> None:
         """Bucket t's buffers <- the step's padded inputs (host to device, no sync);
         tail_ids: the last len(tail_ids) token ids, on the device (ids holds placeholders)."""
-        arrays = self.batches[t].arrays(ids, positions, q_lens, seq_lens, table, self.page_size)
+        arrays = self.batches[t].arrays(ids, positions, q_lens, seq_lens, table, self.page_size,
+                                        write_kv)
         if self._copied is not None:
             self._copied.synchronize()  # the pinned mirror is free again
         r, width = table.shape
@@ -209,7 +213,8 @@ class TokenGraphs:
 
     def run(self, ids: np.ndarray, positions: np.ndarray, q_lens: np.ndarray,
             seq_lens: np.ndarray, table: np.ndarray, variant: str = "plain",
-            tail_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, ...] | None:
+            tail_ids: torch.Tensor | None = None, write_kv: bool = True
+            ) -> tuple[torch.Tensor, ...] | None:
         """The variant's outputs over the step's t tokens (each [t, ...], views of the graph's
         output buffers, valid until the next replay) through its bucket's graph, or None
         when no bucket holds the step. Without captured graphs (capture=False: CPU tests)
@@ -217,7 +222,7 @@ class TokenGraphs:
         t = self.bucket(len(ids), len(q_lens))
         if t is None:
             return None
-        self.load(t, ids, positions, q_lens, seq_lens, table, tail_ids)
+        self.load(t, ids, positions, q_lens, seq_lens, table, tail_ids, write_kv)
         self.replays[variant] += 1
         graph = self.graphs.get((variant, t))
         if graph is None:
@@ -277,3 +282,11 @@ def run_step(runner, step: StepInput, variant: str  # noqa: ANN001
         return None
     index = np.flatnonzero(step.samples)
     return outs, runner.tensor(step.tok_off[1:][index] - 1), index.tolist()
+
+
+def page_array(pages: list[list[int]], pad: int) -> np.ndarray:
+    """[rows, longest] int32 page tables from lists, padded with `pad`."""
+    table = np.full((len(pages), max(1, max(len(p) for p in pages))), pad, dtype=np.int32)
+    for r, p in enumerate(pages):
+        table[r, : len(p)] = p
+    return table
