@@ -140,7 +140,7 @@ def sweep(engine, args, levels: list[int], modes: list[str], rate: float, comm: 
     report = {"model": args.model, "accept_rate": rate, "modes": modes,
               "output_len": args.output_len, "output_len_spread": args.output_len_spread,
               "prompts": args.prompts or "random ids", "emulate_comm": comm or None,
-              "policy": args.policy,
+              "policy": args.policy, "cuda_graph_max_tokens": args.cuda_graph_max_tokens,
               "cost_table_ms": {m: {b: t * 1e3 for b, t in row.items()}
                                 for m, row in table.items()},
               "startup_s": engine.startup_seconds,
@@ -236,7 +236,9 @@ def sweep(engine, args, levels: list[int], modes: list[str], rate: float, comm: 
                       {"benchmark": "spec_policy", "config": label,
                        "tok_s": report["points"][-1][ADAPTIVE]["tok_s"],
                        "notes": f"adaptive/best min {worst_best:.3f}, /plain min "
-                                f"{worst_plain:.3f} over C {levels}"})
+                                f"{worst_plain:.3f} over C {levels}, output lengths spread "
+                                f"{args.output_len_spread}, token graphs to "
+                                f"{args.cuda_graph_max_tokens} tokens"})
 
 
 def main() -> int:
