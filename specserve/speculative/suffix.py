@@ -29,6 +29,7 @@ from specserve.speculative.proposer import DraftShape, draft_shapes
 from specserve.speculative.suffix_index import OutputCache, SequenceIndex, draft_tree, match
 from specserve.speculative.tree import DraftTree, _ancestor_mask
 from specserve.speculative.verify import VerifyResult
+from specserve.worker.forward_batch import to_device
 from specserve.worker.step_input import StepInput
 
 
@@ -87,7 +88,8 @@ class SuffixProposer:
 
     def host_states(self, shape: DraftShape, rows: StepInput) -> torch.Tensor:
         """The rows' trees packed as state rows [bs, 2 * slots] (tokens, parents), on the
-        device: one host-to-device copy."""
+        device: one host-to-device copy from pinned memory (a pageable one would first wait
+        for every launch queued on the device)."""
         out = np.zeros((rows.bs, self.state_dim), dtype=np.int64)
         starts = rows.starts.tolist()
         for r, rid in enumerate(rows.request_ids):
@@ -95,7 +97,7 @@ class SuffixProposer:
             nodes = self.tree_nodes(rid, shape)
             out[r, : len(nodes)] = [t for t, _ in nodes]
             out[r, self.slots : self.slots + len(nodes)] = [p for _, p in nodes]
-        return torch.from_numpy(out).to(self.device)
+        return to_device(out, torch.int64, self.device)  # pinned, no wait on the device
 
     def release(self, request_id: str) -> None:
         """A finished (or preempted) request's output joins the output cache (LRU, by id:
