@@ -141,6 +141,7 @@ def sweep(engine, args, levels: list[int], modes: list[str], rate: float, comm: 
               "output_len": args.output_len, "output_len_spread": args.output_len_spread,
               "prompts": args.prompts or "random ids", "emulate_comm": comm or None,
               "policy": args.policy, "cuda_graph_max_tokens": args.cuda_graph_max_tokens,
+              "chunks_in_verify": args.chunks_in_verify,
               "cost_table_ms": {m: {b: t * 1e3 for b, t in row.items()}
                                 for m, row in table.items()},
               "startup_s": engine.startup_seconds,
@@ -280,6 +281,10 @@ def main() -> int:
     ap.add_argument("--cuda-graph-max-tokens", type=int, default=0,
                     help="the engine option: steps with prefill chunks through token CUDA "
                     "graphs up to this many tokens (0: eager)")
+    ap.add_argument("--no-chunks-in-verify", dest="chunks_in_verify", action="store_false",
+                    help="a speculative step's prefill chunks run in their own forward (a "
+                    "token graph with --cuda-graph-max-tokens) and the cycle replays its "
+                    "graph, instead of riding in the cycle's (eager) verify forward")
     ap.add_argument("--out", required=True)
     ap.add_argument("--log", action="store_true", help="append to experiments/ (LOG.md)")
     ap.add_argument("--exp-dir", default="experiments")
@@ -337,6 +342,7 @@ def main() -> int:
                          "max_num_seqs": top,
                          "max_num_batched_tokens": max(2048, args.prompt_len * 4)})
     engine = llm.engine
+    engine.drafter.chunks_in_verify = args.chunks_in_verify
     for i, rate in enumerate(rates):
         if i:  # the same engine, graphs and cost table: only the acceptance changes
             for mode in engine.drafter.modes.values():
