@@ -151,13 +151,16 @@ def test_offline_api_with_decode_overlap_on(workload, method: str, device: str) 
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     prompts, plain = workload
+    # on CUDA a fixed pool: a budget taken from free memory can come out empty beside the
+    # other engines of this process and other test workers on the same GPU
+    pool = {"cache": CacheConfig(page_size=16, num_pages=512)} if device == "cuda" else {}
     llm = LLM(TINY, device=device, dtype="float32", decode_overlap="on",
-              speculative_config=METHODS[method])
+              speculative_config=METHODS[method], **pool)
     if device == "cuda":
         assert llm.engine.drafter.num_graphs > 0
     outs = llm.generate(prompts[:4], GREEDY)
     if device == "cuda":  # plain decoding on the same device
-        ref = LLM(TINY, device=device, dtype="float32", enable_prefix_caching=False)
+        ref = LLM(TINY, device=device, dtype="float32", enable_prefix_caching=False, **pool)
         plain = [o.token_ids for o in ref.generate(prompts[:4], GREEDY)]
     assert [o.token_ids for o in outs] == plain[:4]
     drafter = llm.engine.drafter
