@@ -40,10 +40,7 @@ def target_rows(worker, rows: StepInput, index: list[int], tokens: list[list[int
     else:
         batch = runner.prepare(rows)
         sample_rows, sample_index = batch.sample_rows, batch.sample_index
-        worker.capture.enable()
-        hidden = runner.forward(batch.input_ids, batch.positions, batch.md)
-        feats = worker.capture.pop()  # [T, F]
-        worker.capture.disable()
+        hidden, feats = worker._features_forward(batch.input_ids, batch.positions, batch.md)
     if prompt_lps is not None:
         for j, entries in enumerate(prompt_logprobs(runner, rows, hidden) or []):
             prompt_lps[index[j]] = entries

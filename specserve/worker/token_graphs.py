@@ -64,7 +64,7 @@ def block_table(q_lens: np.ndarray, block_m: int, capacity: int) -> np.ndarray:
 
 
 class TokenBatch:
-    """A step's padded inputs for bucket (T, R): host arrays, filled by `fill`."""
+    """Bucket (T tokens, R rows): its attention block size and a step's padded inputs."""
 
     def __init__(self, tokens: int, rows: int, block_m: int) -> None:
         self.tokens, self.rows = tokens, rows
@@ -96,6 +96,8 @@ class TokenBatch:
 
 
 class TokenGraphs:
+    """The buckets' shared input buffers and, per variant, one CUDA graph a bucket."""
+
     def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata],
                                          torch.Tensor],
                  max_tokens: int, max_rows: int, max_pages: int, max_positions: int,
@@ -103,12 +105,8 @@ class TokenGraphs:
                  device: torch.device, pool: object | None = None, capture: bool = True) -> None:
         """forward(ids [T], positions [T], md) -> hidden [T, H]: the runner's forward (its
         context set). capture False: no graphs; `run` calls forward over the padded buffers."""
-        self.forward = forward
-        self.page_size, self.spare_page = page_size, spare_page
-        self.max_positions = max_positions
-        self.device = device
+        self.page_size, self.max_positions = page_size, max_positions
         self.buckets = token_buckets(max_tokens)
-        self.max_rows = max_rows
         self.batches: dict[int, TokenBatch] = {}
         for t in self.buckets:
             rows = min(t, max_rows)
