@@ -18,9 +18,9 @@ import torch
 
 from specserve.layers.attention_metadata import AttentionMetadata, SplitMetadata
 from specserve.speculative.tree import DraftTree
-from specserve.worker.forward_batch import build_attention_metadata
+from specserve.worker.forward_batch import BatchInputs, build_attention_metadata
 from specserve.worker.step_input import StepInput
-from specserve.worker.token_graphs import page_array
+from specserve.worker.token_graphs import SampleRows, page_array
 
 
 def takes_trees(runner) -> bool:
@@ -31,8 +31,8 @@ def takes_trees(runner) -> bool:
 
 class ChunksInVerify:
     """A NodesForward (speculative/cycle.py) over the chunk rows plus the cycle's nodes; after
-    the call, `batch`, `hidden` [T, H] and `feats` [T, F] (None: nothing captured) are the
-    chunk rows' as the worker's own forward over them would give."""
+    the call, `batch` (their sampling rows), `hidden` [T, H] and `feats` [T, F] (None:
+    nothing captured) are the chunk rows' as the worker's own forward over them would give."""
 
     def __init__(self, runner, chunks: StepInput, decodes: StepInput, capture, view,
                  causal: bool) -> None:
@@ -43,7 +43,7 @@ class ChunksInVerify:
         the chunks); view: the cycle's drafter's FeatureView over it (None: its proposer
         reads no features)."""
         self.runner, self.capture, self.view, self.causal = runner, capture, view, causal
-        self.batch = runner.prepare(chunks)
+        self.batch: BatchInputs | SampleRows | None = None  # the chunks' (after the call)
         self.chunks = chunks
         self.node_pages = decodes.page_lists()
         self.roots = decodes.starts.tolist()  # the cycle's root positions, on the host
@@ -54,9 +54,10 @@ class ChunksInVerify:
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         runner, chunks = self.runner, self.chunks
         bs, n = tree.tokens.shape
-        t = self.batch.input_ids.numel()
         if self.causal and (graphed := self._graphed(tree)) is not None:
             return graphed
+        self.batch = runner.prepare(chunks)
+        t = self.batch.input_ids.numel()
         if self.causal:  # a chain: one causal extend over chunks and nodes
             # (root_pos holds the same positions on the device: reading it here would stall
             # the host until the draft is done, before it launches the verify forward)
@@ -107,6 +108,7 @@ class ChunksInVerify:
                           tail_ids=tree.tokens)
         if outs is None:
             return None
+        self.batch = SampleRows.of(self.runner, chunks)
         hidden = outs[0]
         self.hidden = hidden[:t].clone()
         feats = None

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -278,8 +279,22 @@ def run_step(runner, step: StepInput, variant: str  # noqa: ANN001
                       table, variant)
     if outs is None:
         return None
-    index = np.flatnonzero(step.samples)
-    return outs, runner.tensor(step.tok_off[1:][index] - 1), index.tolist()
+    sampled = SampleRows.of(runner, step)
+    return outs, sampled.sample_rows, sampled.sample_index
+
+
+@dataclass
+class SampleRows:
+    """The token rows of a step's hidden states that sample, and those rows' step indices
+    (what the samplers read of a BatchInputs; no attention metadata built)."""
+
+    sample_rows: torch.Tensor
+    sample_index: list[int]
+
+    @classmethod
+    def of(cls, runner, step: StepInput) -> SampleRows:  # noqa: ANN001
+        index = np.flatnonzero(step.samples)
+        return cls(runner.tensor(step.tok_off[1:][index] - 1), index.tolist())
 
 
 def page_array(pages: list[list[int]], pad: int) -> np.ndarray:
