@@ -180,9 +180,9 @@ def test_captured_token_graphs_equal_eager(dtype: str) -> None:
             outs[tokens] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
             graphs = llm.engine.runner.token_graphs
             replays[tokens] = 0 if graphs is None else graphs.replays["plain"]
-    assert replays[0] == 0 and replays[256] > 10
     same = sum(a == b for a, b in zip(outs[0], outs[256]))
     assert same == len(prompts) if dtype == "float32" else same >= len(prompts) - 2
+    assert replays[0] == 0 and replays[256] >= 6  # every step with a chunk (~1800 tokens / 256)
 
 
 @pytest.mark.gpu

@@ -19,7 +19,8 @@ Only plain causal batches: no custom mask (tree verify keeps its own graphs), at
 layers that take SplitMetadata (MHA / GQA: MLA's compute form sizes itself by host lengths),
 the Triton backend. Variants (`add_variant`) are other functions of the same inputs: the
 speculative worker's returns the drafters' aux features beside the hidden states. The
-outputs are the bucket's buffers, valid until the next replay.
+outputs are the bucket's buffers, valid until the variant's next replay (each variant has a
+memory pool of its own, apart from the decode and speculative graphs').
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ class TokenGraphs:
                                          torch.Tensor],
                  max_tokens: int, max_rows: int, max_pages: int, max_positions: int,
                  group: int, num_kv_heads: int, page_size: int, spare_page: int,
-                 device: torch.device, pool: object | None = None, capture: bool = True) -> None:
+                 device: torch.device, capture: bool = True) -> None:
         """forward(ids [T], positions [T], md) -> hidden [T, H]: the runner's forward (its
         context set). capture False: no graphs; `run` calls forward over the padded buffers."""
         self.page_size, self.max_positions = page_size, max_positions
@@ -131,8 +132,12 @@ class TokenGraphs:
                      for k, v in self.buf.items()}
         self._copied = torch.cuda.Event() if pin else None
         self.capture = capture
-        self.pool = (pool if pool is not None else torch.cuda.graph_pool_handle()) \
-            if capture else None
+        # one memory pool per variant, shared by no other graph: a graph captured into a pool
+        # after another may place its outputs in the other's scratch, so replaying the other
+        # would overwrite them (a decode or speculative cycle's sampled tokens, still to be
+        # read, under a prefill step's activations). Within a variant the buckets share one
+        # pool: its outputs are valid until that variant's next replay.
+        self.pools: dict[str, object] = {}
         self.variants: dict[str, Callable[..., object]] = {}
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[str, int], tuple[torch.Tensor, ...]] = {}
@@ -147,6 +152,7 @@ class TokenGraphs:
         self.replays[name] = 0
         if not self.capture:
             return
+        self.pools[name] = torch.cuda.graph_pool_handle()
         for t in tqdm(list(reversed(self.buckets)), desc=f"capturing token graphs ({name})",
                       leave=False):
             self._capture(name, t)
@@ -180,7 +186,7 @@ class TokenGraphs:
                 self._call(name, t)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with no_gc_during_capture(), torch.cuda.graph(graph, pool=self.pool):
+        with no_gc_during_capture(), torch.cuda.graph(graph, pool=self.pools[name]):
             self.outputs[name, t] = self._call(name, t)
         self.graphs[name, t] = graph
 
@@ -225,7 +231,12 @@ class TokenGraphs:
         self.replays[variant] += 1
         graph = self.graphs.get((variant, t))
         if graph is None:
-            outs = self._call(variant, t)
+            # uncaptured (CPU): the same buffer reuse as a replay's, so that a caller holding
+            # an output past the next run sees it overwritten here too
+            fresh = self._call(variant, t)
+            outs = self.outputs.setdefault((variant, t), tuple(torch.empty_like(o) for o in fresh))
+            for o, f in zip(outs, fresh):
+                o.copy_(f)
         else:
             graph.replay()
             outs = self.outputs[variant, t]
@@ -251,7 +262,7 @@ def build_token_graphs(runner) -> TokenGraphs | None:  # noqa: ANN001 (a ModelRu
     heads, kv_heads = layers[0].num_heads, layers[0].num_kv_heads
     return TokenGraphs(runner.forward, max_tokens, cfg.scheduler.max_num_seqs, runner.max_pages,
                        runner.max_positions, heads // kv_heads, kv_heads, runner.page_size,
-                       runner.spare_page, runner.device, pool=runner.graph_pool)
+                       runner.spare_page, runner.device)
 
 
 def forward_step(runner, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, list[int]]:  # noqa: ANN001
