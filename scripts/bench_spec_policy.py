@@ -278,9 +278,9 @@ def main() -> int:
                          "learnt carries across loads); fresh: a new one every run")
     ap.add_argument("--repeats", type=int, default=2,
                     help="rounds of every configuration per concurrency (tok/s: their mean)")
-    ap.add_argument("--cuda-graph-max-tokens", type=int, default=0,
-                    help="the engine option: steps with prefill chunks through token CUDA "
-                    "graphs up to this many tokens (0: eager)")
+    ap.add_argument("--cuda-graph-max-tokens", type=int, default=8192,
+                    help="the engine option (the same default): steps with prefill chunks "
+                    "through token CUDA graphs up to this many tokens (0: eager)")
     ap.add_argument("--no-chunks-in-verify", dest="chunks_in_verify", action="store_false",
                     help="a speculative step's prefill chunks run in their own forward (a "
                     "token graph with --cuda-graph-max-tokens) and the cycle replays its "

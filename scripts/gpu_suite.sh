@@ -71,11 +71,12 @@ if has profile; then
   timeout 150 python scripts/profile_decode.py --model llama-3.1-8b --batch-sizes 1 \
     --spec-topk 1 --out "$out/profile-chain" > "$out/profile-chain.log" 2>&1
   echo "profile chain rc=$?"; grep -v "^ " "$out/profile-chain.log" | tail -6
-  # eager steps with a prefill chunk: wall vs kernel time, and the host functions of the rest
+  # steps with a prefill chunk run eagerly: wall vs kernel time, the host functions of the rest
   timeout 200 python scripts/profile_prefill.py --model llama-3.1-8b --chunk-tokens 16,128,2048 \
-    --decode-rows 0,32 --out "$out/profile-prefill" > "$out/profile-prefill.log" 2>&1
+    --decode-rows 0,32 --cuda-graph-max-tokens 0 --out "$out/profile-prefill" \
+    > "$out/profile-prefill.log" 2>&1
   echo "profile prefill rc=$?"; grep -E "^chunk" "$out/profile-prefill.log"
-  # the same steps through token CUDA graphs (buckets up to the 2144-token budget)
+  # the same steps through token CUDA graphs (the default; buckets up to the 2144-token budget)
   timeout 200 python scripts/profile_prefill.py --model llama-3.1-8b --chunk-tokens 16,128,2048 \
     --decode-rows 0,32 --cuda-graph-max-tokens 2144 --out "$out/profile-prefill-graphs" \
     > "$out/profile-prefill-graphs.log" 2>&1

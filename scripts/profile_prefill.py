@@ -106,9 +106,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--top", type=int, default=25, help="host functions listed")
     ap.add_argument("--device", default=None)
-    ap.add_argument("--cuda-graph-max-tokens", type=int, default=0,
-                    help="the engine option: steps of up to this many tokens through token "
-                    "CUDA graphs (0: eager)")
+    ap.add_argument("--cuda-graph-max-tokens", type=int, default=8192,
+                    help="the engine option (the same default): steps of up to this many "
+                    "tokens through token CUDA graphs (0: eager)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     try:

@@ -148,9 +148,10 @@ class EngineConfig:
         "and gains for attention alone; --exact implies it")
     cuda_graph_max_bs: int = option(128, "largest decode batch captured in a CUDA graph", min=1)
     cuda_graph_max_tokens: int = option(
-        0, "largest step with prefill chunks captured in CUDA graphs, in tokens (token "
-        "buckets up to it, at most the token budget; 0: such steps run eagerly): removes "
-        "their host time (Llama-8B: 10-40 ms a step); MHA/GQA models", min=0)
+        8192, "largest step with prefill chunks captured in CUDA graphs, in tokens (token "
+        "buckets up to it, at most the token budget plus the verify nodes; 0: such steps run "
+        "eagerly): removes their host time (Llama-8B: 10-40 ms a step); MHA/GQA models",
+        min=0)
     decode_overlap: str = option(
         "auto", "launch the next decode step (or speculative cycle) before the host reads "
         "this one (hides the host's work); auto: on where decode CUDA graphs are captured",

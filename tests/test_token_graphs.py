@@ -201,7 +201,7 @@ def test_captured_token_graphs_with_speculation(tmp_path) -> None:
     prompts, params = _workload(seed=8)
     kw = dict(device="cuda", dtype="float32", cache=CacheConfig(page_size=4, num_pages=512),
               scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=24))
-    with LLM(pair[0], **kw) as plain:
+    with LLM(pair[0], cuda_graph_max_tokens=0, **kw) as plain:  # eager prefill steps
         ref = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     spec = dict(algorithm="eagle3", draft_model=pair[1], num_steps=3)
     with LLM(pair[0], speculative_config=spec, cuda_graph_max_tokens=64, **kw) as llm:
