@@ -109,6 +109,8 @@ def main() -> int:
     ap.add_argument("--cuda-graph-max-tokens", type=int, default=8192,
                     help="the engine option (the same default): steps of up to this many "
                     "tokens through token CUDA graphs (0: eager)")
+    ap.add_argument("--exact-attention", action="store_true",
+                    help="the engine option: batch-invariant attention (its prefill cost)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     try:
@@ -125,12 +127,14 @@ def main() -> int:
     llm = LLM(args.model, load_format=args.load_format,
               cuda_graph_max_bs=max(max(rows_list), 1),
               cuda_graph_max_tokens=args.cuda_graph_max_tokens,
+              exact_attention=args.exact_attention,
               scheduler={"max_model_len": max(args.context_len, max(chunks)) + 256,
                          "max_num_seqs": max(rows_list) + 2,
                          "max_num_batched_tokens": budget},
               **kwargs)
     engine = llm.engine
     report = {"model": args.model, "cuda_graph_max_tokens": args.cuda_graph_max_tokens,
+              "exact_attention": args.exact_attention,
               "gpu": torch.cuda.get_device_name() if engine.runner.device.type == "cuda"
               else "none (CPU)", "points": []}
     seed = 0

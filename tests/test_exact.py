@@ -319,3 +319,47 @@ def test_exact_engine_greedy_identical(pair, device: str) -> None:
         llm_check.close()
         set_exact(False)
     assert out == alone
+
+
+@pytest.mark.parametrize("topk", [1, 2])
+def test_exact_attention_chain_verifies_causally(tmp_path, topk: int) -> None:
+    """Under exact attention a chain's verify forward goes through the causal launch (no
+    mask: its rows equal decodes of their tokens, one program a query block), a tree's through
+    the masked one; greedy output stays plain decoding's."""
+    from tiny_eagle import make_tiny_pair
+
+    from specserve.config import CacheConfig, SchedulerConfig
+    from specserve.llm import LLM
+    from specserve.sampling_params import SamplingParams
+
+    target, head = make_tiny_pair(tmp_path)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = _prompts(6, seed=5)
+    # two rows at a time: prompts arrive beside decoding rows, their chunks riding in the
+    # cycle's verify forward (one causal attention for a chain, SplitMetadata for a tree)
+    kw = dict(device="cpu", dtype="float32", exact_attention=True,
+              cache=CacheConfig(page_size=4, num_pages=256),
+              scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16))
+    try:
+        with LLM(target, **kw) as llm:
+            want = [o.token_ids for o in llm.generate(prompts, params)]
+        spec = dict(algorithm="eagle3", draft_model=head, num_steps=3, topk=topk,
+                    num_draft_tokens=4 if topk == 1 else 6)
+        with LLM(target, speculative_config=spec, **kw) as llm:
+            runner, masks = llm.engine.runner, []
+            metadata = runner.graph_metadata
+
+            def spy(slots, seq_lens, page_table, q_len, custom_mask=None):
+                masks.append((q_len, custom_mask))
+                return metadata(slots, seq_lens, page_table, q_len, custom_mask)
+
+            runner.graph_metadata = spy
+            got = [o.token_ids for o in llm.generate(prompts, params)]
+            chunks = llm.engine.drafter.counters.num_chunks_in_verify
+    finally:
+        set_exact(False)
+    assert chunks > 0
+    width = spec["num_draft_tokens"]  # the verify forwards' (the drafter's have other widths)
+    verify = [m for q, m in masks if q == width]
+    assert got == want and len(verify) > 3
+    assert all((m is None) == (topk == 1) for m in verify)

@@ -36,10 +36,11 @@ def test_prefill_profile_reports_each_chunk_and_its_host_hotspots(tmp_path: Path
     out = tmp_path / "p"
     res = subprocess.run([sys.executable, str(PREFILL), "--model", "tiny-llama",
                           "--chunk-tokens", "8,40", "--decode-rows", "0,2", "--context-len",
-                          "16", "--repeats", "2", "--out", str(out)],
+                          "16", "--repeats", "2", "--exact-attention", "--out", str(out)],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     report = json.loads((out / "profile_prefill.json").read_text())
+    assert report["exact_attention"] is True
     got = [(p["decode_rows"], p["chunk_tokens"]) for p in report["points"]]
     assert got == [(0, 8), (0, 40), (2, 8), (2, 40)]
     for p in report["points"]:

@@ -78,6 +78,13 @@ class SpecCycle:
                                          dtype=torch.float32, device=runner.device)
                             if synthetic_accept_rate else None)  # fmt: skip
         self.k, self.num_steps, self.n = shape.topk, shape.num_steps, shape.num_draft_tokens
+        # a chain's nodes are a causal extend (node i at slot and position P + i). Under
+        # invariant attention (exact mode or its attention alone) they go through the causal
+        # launch, whose rows equal decodes of their tokens: the masked launch takes one query
+        # a program there (a tree node reads its own path), 4x a chain's KV reads at bs 16-64.
+        # Otherwise the masked launch, tuned for verify widths.
+        cfg = runner.config
+        self.causal_verify = self.k == 1 and bool(cfg.exact or cfg.exact_attention)
 
     def set_synthetic_accept_rate(self, rate: float) -> None:
         """A new mean for the random synthetic acceptance (cost benchmarks; the cycle must have
@@ -132,7 +139,8 @@ class SpecCycle:
         runner, capture = self.runner, self.capture
         bs, n = tree.tokens.shape
         slots = torch.where(valid[:, None], window[:, :n], -1)
-        md = runner.graph_metadata(slots, (root_pos + n).int(), page_table, n, tree.mask)
+        md = runner.graph_metadata(slots, (root_pos + n).int(), page_table, n,
+                                   None if self.causal_verify else tree.mask)
         if forward is not None:
             hidden, feats = forward(tree, root_pos, md)
         else:

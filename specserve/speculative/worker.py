@@ -110,9 +110,6 @@ class SpecWorker:
         # a cycle's verify forward runs the step's prefill chunks too (a tree's: MHA/GQA only)
         self.chunks_in_verify = True
         self.trees_split = takes_trees(runner)
-        # invariant attention (exact mode, or its attention alone): verify keeps a chain on
-        # the tree-masked kernels, whose exact launches read a path as a decode would
-        self.exact = bool(runner.config.exact or runner.config.exact_attention)
         # one capture over every drafter's aux layers; each reads its own through a view
         readers = {m: p for m, p in self.proposers.items() if p.needs_target_features}
         self.capture = None
@@ -309,10 +306,9 @@ class SpecWorker:
         # the cycle's verify forward takes the prefill chunks along (speculative/mixed.py),
         # unless this step's cycle was launched ahead already (its verify is on the device)
         chunks = None
-        # a chain's nodes and the chunks in one causal attention; a tree's (and in exact mode
-        # a chain's, on the verify kernels its decode == verify invariance was shown on)
-        # under SplitMetadata
-        causal = mode.shape.topk == 1 and not self.exact
+        # a chain's nodes and the chunks in one causal attention (in exact mode too: a causal
+        # extend's rows equal decodes of their tokens); a tree's under SplitMetadata
+        causal = mode.shape.topk == 1
         if others and rows is not None and self.chunks_in_verify \
                 and (causal or self.trees_split) and not mode.cycles.holds(rows):
             chunks = ChunksInVerify(self.runner, step.select(others), rows, self.capture,
