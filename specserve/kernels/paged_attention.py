@@ -236,13 +236,16 @@ def query_block_size(bs: int, max_query_len: int, group: int, num_kv_heads: int)
 
 def exact_launch_plan(bs: int, max_query_len: int, group: int, num_kv_heads: int,
                       masked: bool = False) -> tuple:
-    """The exact-mode plan: one tile shape (MIN_DOT rows, KV blocks of EXACT_BLOCK_N, 4 warps,
-    2 stages) for decode, extend and verify alike, and a split count fixed by the engine (each
-    split EXACT.kv_split_tokens long, enough of them for the longest context): a query row's
-    KV blocks, their reduction order and the combine's are those of the same row in any
-    other launch. Under a custom mask (tree verify) each program takes one query, which reads
-    its path at the positions a decode of the same token would (EXACT_TREE)."""
-    block_m = max(MIN_DOT // next_power_of_2(group), 1)
+    """The exact-mode plan: one tile shape (TARGET_ROWS rows, KV blocks of EXACT_BLOCK_N, 4
+    warps, 2 stages) for decode, extend and verify alike, and a split count fixed by the engine
+    (each split EXACT.kv_split_tokens long, enough of them for the longest context): a query
+    row's KV blocks, their reduction order and the combine's are those of the same row in any
+    other launch. The tile is an extend's (a prefill chunk keeps the default plan's tile rows;
+    MIN_DOT-row tiles re-read a chunk's KV 4x as often on small MMAs); a decode fills a
+    group's rows of it, still bound by the KV it reads. Under a custom mask (tree verify) each
+    program takes one query, which reads its path at the positions a decode of the same token
+    would (EXACT_TREE)."""
+    block_m = max(TARGET_ROWS // next_power_of_2(group), 1)
     num_m_blocks = max_query_len if masked else math.ceil(max_query_len / block_m)
     return block_m, num_m_blocks, EXACT.kv_splits, EXACT_BLOCK_N, 4, 2
 
