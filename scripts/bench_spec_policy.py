@@ -281,10 +281,11 @@ def main() -> int:
     ap.add_argument("--cuda-graph-max-tokens", type=int, default=8192,
                     help="the engine option (the same default): steps with prefill chunks "
                     "through token CUDA graphs up to this many tokens (0: eager)")
-    ap.add_argument("--no-chunks-in-verify", dest="chunks_in_verify", action="store_false",
-                    help="a speculative step's prefill chunks run in their own forward (a "
-                    "token graph with --cuda-graph-max-tokens) and the cycle replays its "
-                    "graph, instead of riding in the cycle's (eager) verify forward")
+    ap.add_argument("--chunks-in-verify", default="auto", choices=("auto", "always", "never"),
+                    help="a speculative step's prefill chunks ride in the cycle's verify "
+                    "forward (always), run in their own forward before the cycle (never), or "
+                    "the worker's default (auto: their own where the chunks' token graph and "
+                    "the cycle's graph both hold the step)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--log", action="store_true", help="append to experiments/ (LOG.md)")
     ap.add_argument("--exp-dir", default="experiments")

@@ -99,7 +99,7 @@ def test_policy_sweep_real_acceptance_and_emulated_comm(tmp_path: Path,
            "--load-format", "auto", "--draft-model", head, "--device", "cpu", "--concurrency",
            "2", "--modes", "chain2", "--accept-rate", "0", "--prompts", "code", "--prompt-len",
            "12", "--output-len", "5", "--min-requests", "2", "--emulate-comm", "pcie-nccl-8gpu",
-           "--policy", "fresh", "--output-len-spread", "0.5", "--no-chunks-in-verify",
+           "--policy", "fresh", "--output-len-spread", "0.5", "--chunks-in-verify", "never",
            "--out", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -110,8 +110,8 @@ def test_policy_sweep_real_acceptance_and_emulated_comm(tmp_path: Path,
     lens = output_lengths(point["requests"], 5, 0.5)
     assert len(set(lens)) > 1 and report["output_len_spread"] == 0.5
     assert [r["tokens"] for r in point["chain2"]["runs"]] == [sum(lens)] * 2
-    # --no-chunks-in-verify: no prefill chunk rode in a verify forward
-    assert report["chunks_in_verify"] is False
+    # --chunks-in-verify never: no prefill chunk rode in a verify forward
+    assert report["chunks_in_verify"] == "never"
     assert all(r["chunks_in_verify"] == 0 for m in ("chain2", "adaptive")
                for r in point[m]["runs"])
     # --policy fresh: every run's policy starts anew (its steps are that run's only)

@@ -192,7 +192,7 @@ def test_chunks_in_the_verify_forward_equal_two_forwards(pair, device: str, mode
     for together in (True, False):
         llm = _llm(pair, device, 512, **extra)
         llm.engine.spec_policy = StaticPolicy(mode)
-        llm.engine.drafter.chunks_in_verify = together
+        llm.engine.drafter.chunks_in_verify = "always" if together else "never"
         states = _states_after_each_step(llm)
         outs = llm.generate(prompts, params)
         if accept == "real":
@@ -219,13 +219,14 @@ def test_chunks_in_the_verify_forward_equal_two_forwards(pair, device: str, mode
 
 
 def test_chunks_in_the_verify_forward_in_exact_mode(pair, device: str) -> None:
-    """Exact mode: a chain's nodes stay on the verify kernels (SplitMetadata), and greedy
-    output equals plain decoding in exact mode."""
+    """Exact mode: chunks riding in a chain's verify forward (one causal extend over chunks
+    and nodes), and greedy output equals plain decoding in exact mode."""
     prompts, params = _workload(seed=6)
     ref = [o.token_ids for o in
            _llm(pair, device, 512, spec=False, exact=True).generate(prompts, params)]
     llm = _llm(pair, device, 512, exact=True)
     llm.engine.spec_policy = StaticPolicy("chain3")
+    llm.engine.drafter.chunks_in_verify = "always"  # (on a GPU "auto" runs them on their own)
     assert [o.token_ids for o in llm.generate(prompts, params)] == ref
     assert llm.engine.drafter.counters.num_chunks_in_verify > 5
 

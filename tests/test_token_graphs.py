@@ -188,7 +188,8 @@ def test_captured_token_graphs_equal_eager(dtype: str) -> None:
 @pytest.mark.gpu
 def test_captured_token_graphs_with_speculation(tmp_path) -> None:
     """EAGLE-3 chain on CUDA (fp32, tiny pair): captured plain and feature variants (prompt
-    chunks feeding the drafter, chunks in the verify forward) give plain decoding's tokens."""
+    chunks feeding the drafter, chunks in the verify forward: "always"; chunks in a forward
+    of their own beside the captured cycle: "auto") give plain decoding's tokens."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     from test_spec_fold import _workload
@@ -204,10 +205,48 @@ def test_captured_token_graphs_with_speculation(tmp_path) -> None:
     with LLM(pair[0], cuda_graph_max_tokens=0, **kw) as plain:  # eager prefill steps
         ref = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     spec = dict(algorithm="eagle3", draft_model=pair[1], num_steps=3)
-    with LLM(pair[0], speculative_config=spec, cuda_graph_max_tokens=64, **kw) as llm:
-        llm.engine.spec_policy = StaticPolicy("chain3")
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        replays = llm.engine.runner.token_graphs.replays
-        chunks = llm.engine.drafter.counters.num_chunks_in_verify
-    assert got == ref
-    assert chunks > 3 and replays["features"] > chunks, (replays, chunks)
+    for along in ("always", "auto"):
+        with LLM(pair[0], speculative_config=spec, cuda_graph_max_tokens=64, **kw) as llm:
+            llm.engine.spec_policy = StaticPolicy("chain3")
+            llm.engine.drafter.chunks_in_verify = along
+            got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+            replays = dict(llm.engine.runner.token_graphs.replays)
+            chunks = llm.engine.drafter.counters.num_chunks_in_verify
+        assert got == ref, along
+        if along == "always":
+            assert chunks > 3 and replays["features"] > chunks, (replays, chunks)
+        else:  # the cycles replay their graphs: the chunks went through token graphs alone
+            assert chunks == 0 and replays["features"] > 3, replays
+
+
+def test_chunks_ride_along_unless_both_forwards_replay_graphs(tmp_path) -> None:
+    """The speculative worker's "auto" choice for a step's prefill chunks: a forward of their
+    own where a token graph holds them and the cycle replays its captured graph, else along
+    in the cycle's verify forward; "always" / "never" force either (both give plain
+    decoding's tokens: test_spec_fold)."""
+    from types import SimpleNamespace
+
+    from test_spec_fold import _llm
+    from tiny_eagle import make_tiny_pair
+
+    llm = _llm(make_tiny_pair(tmp_path), "cpu", 64)
+    worker, runner = llm.engine.drafter, llm.engine.runner
+    chunks = SimpleNamespace(token_ids=np.zeros(20, dtype=np.int64), bs=2)
+    long = SimpleNamespace(token_ids=np.zeros(70, dtype=np.int64), bs=2)
+
+    def mode(graphed: bool) -> SimpleNamespace:
+        return SimpleNamespace(cycles=SimpleNamespace(graphed=lambda rows: graphed))
+
+    try:
+        assert worker.chunks_in_verify == "auto"
+        assert worker.chunks_ride_along(mode(True), None, chunks)  # no token graphs (CPU)
+        runner.token_graphs = eager_token_graphs(runner, max_tokens=64, max_rows=8)
+        assert not worker.chunks_ride_along(mode(True), None, chunks)
+        assert worker.chunks_ride_along(mode(False), None, chunks)  # the cycle runs eagerly
+        assert worker.chunks_ride_along(mode(True), None, long)  # no bucket holds 70 tokens
+        worker.chunks_in_verify = "always"
+        assert worker.chunks_ride_along(mode(True), None, chunks)
+        worker.chunks_in_verify = "never"
+        assert not worker.chunks_ride_along(mode(False), None, chunks)
+    finally:
+        llm.close()

@@ -195,16 +195,12 @@ class CycleRunner:
         device values); returns its device outputs (see _cycle). forward: the caller runs
         the verify forward (eager)."""
         runner = self.runner
-        mode = (
-            self.modes[0] if len(self.modes) == 1 else "greedy" if rows.greedy.all() else "sample"
-        )
+        mode = self._mode(rows)
         table, width = runner.page_table(rows)
         inputs.update(page_table=table, valid=np.ones(rows.bs, dtype=bool))
-        graphs = self.graphs.get(mode) if self.graphs else None
-        if graphs is not None and rows.bs <= graphs.max_bs and not rows.eager \
-                and forward is None:
+        if forward is None and self.graphed(rows):
             inputs.update(runner.sampling_fields(rows))
-            return graphs.replay(rows.bs, widths={"page_table": width}, **inputs)
+            return self.graphs[mode].replay(rows.bs, widths={"page_table": width}, **inputs)
         # counters are unused: verification keys its noise by root position
         st = runner.sampling_tensors(rows, counters=np.zeros(rows.bs, dtype=np.int64))
         dev = {k: torch.as_tensor(v).to(runner.device) for k, v in inputs.items()}
@@ -220,6 +216,17 @@ class CycleRunner:
             int(rows.logprobs.max()),
             forward,
         )
+
+    def _mode(self, rows: StepInput) -> str:
+        """The verification mode of a cycle over these rows."""
+        if len(self.modes) == 1:
+            return self.modes[0]
+        return "greedy" if rows.greedy.all() else "sample"
+
+    def graphed(self, rows: StepInput) -> bool:
+        """A cycle over these rows (its verify forward its own) replays a captured graph."""
+        graphs = self.graphs.get(self._mode(rows)) if self.graphs else None
+        return graphs is not None and rows.bs <= graphs.max_bs and not rows.eager
 
     def holds(self, rows: StepInput) -> bool:
         """The cycle launched ahead holds every one of these rows at its root."""

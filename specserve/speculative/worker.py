@@ -107,8 +107,9 @@ class SpecWorker:
         self.stateful = [d for d in self.drafts.values() if d.keeps_state]
         # tokens per catch-up forward: the scheduler's budget (what activations were sized for)
         self.catch_up_tokens = runner.config.scheduler.max_num_batched_tokens
-        # a cycle's verify forward runs the step's prefill chunks too (a tree's: MHA/GQA only)
-        self.chunks_in_verify = True
+        # a step's prefill chunks ride in its cycle's verify forward (a tree's: MHA/GQA
+        # only): "always", "never", or "auto" (see chunks_ride_along)
+        self.chunks_in_verify = "auto"
         self.trees_split = takes_trees(runner)
         # one capture over every drafter's aux layers; each reads its own through a view
         readers = {m: p for m, p in self.proposers.items() if p.needs_target_features}
@@ -251,6 +252,20 @@ class SpecWorker:
         for mode in self.modes.values():
             mode.draft = None
 
+    def chunks_ride_along(self, mode: DraftMode, rows: StepInput, chunks: StepInput) -> bool:
+        """Whether the step's prefill chunks run inside its cycle's verify forward (one pass
+        over the weights, but the rest of that cycle, draft loop and acceptance, eager) or in
+        a forward of their own before the cycle. "auto": their own where both replay CUDA
+        graphs (the chunks a token graph, the cycle its captured graph): on an H100 a chain
+        cycle carrying chunks cost 2-4x a decode cycle, where the graphed chunk forward and
+        cycle cost about their kernel times (experiments/2026-12-06-h100-token-graphs-exact-
+        spec.md); along otherwise (eager either way, and one forward fewer)."""
+        if self.chunks_in_verify != "auto":
+            return self.chunks_in_verify == "always"
+        graphs = getattr(self.runner, "token_graphs", None)
+        own = graphs is not None and graphs.bucket(len(chunks.token_ids), chunks.bs) is not None
+        return not (own and mode.cycles.graphed(rows))
+
     def _can_speculate(self, step: StepInput, i: int, mode: DraftMode) -> bool:
         """A decode that may speculate, whose proposer covers [0, P) (or can be caught up)
         and whose pages hold the mode's verify nodes and draft scratch. A one-token prefill
@@ -309,8 +324,9 @@ class SpecWorker:
         # a chain's nodes and the chunks in one causal attention (in exact mode too: a causal
         # extend's rows equal decodes of their tokens); a tree's under SplitMetadata
         causal = mode.shape.topk == 1
-        if others and rows is not None and self.chunks_in_verify \
-                and (causal or self.trees_split) and not mode.cycles.holds(rows):
+        if others and rows is not None and (causal or self.trees_split) \
+                and not mode.cycles.holds(rows) \
+                and self.chunks_ride_along(mode, rows, step.select(others)):
             chunks = ChunksInVerify(self.runner, step.select(others), rows, self.capture,
                                     self.views.get(mode.method), causal)
             self.counters.num_chunks_in_verify += 1
