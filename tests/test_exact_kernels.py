@@ -260,9 +260,48 @@ def check_exact_mla(device: str = "cpu", dtype: torch.dtype = torch.float32) -> 
         set_exact(False)
 
 
+def check_exact_block_table(device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+    """Exact mode through a token graph's launch (worker/token_graphs.py: tokens and rows
+    padded, programs from a block table): every real row has the bits of the plain launch over
+    the batch and of a decode of its token."""
+    from specserve.worker.token_graphs import block_table
+
+    set_exact(True, max_positions=512)
+    try:
+        g = torch.Generator().manual_seed(5)
+        page_size, pages, kv_heads, heads, d = 4, 160, 2, 4, 16
+        kc = torch.randn(pages, page_size, kv_heads, d, generator=g).to(device, dtype)
+        vc = torch.randn(pages, page_size, kv_heads, d, generator=g).to(device, dtype)
+        seq_lens, q_lens, rows, tokens = [300, 40, 9, 270], [1, 37, 9, 2], 8, 64
+        t = sum(q_lens)
+        tables = torch.stack([torch.randperm(pages, generator=g) for _ in range(rows)])
+        tables = tables.to(device, torch.int32)
+        q = torch.randn(tokens, heads, d, generator=g).to(device, dtype)
+        qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+        lens = torch.tensor(seq_lens, dtype=torch.int32)
+        plain = pa.paged_attention(q[:t], kc, vc, qsl.to(device), lens.to(device),
+                                   tables[: len(q_lens)], max(q_lens), 0.25)
+        pad = rows - len(q_lens)
+        qsl_p = torch.cat([qsl, torch.full((pad,), t, dtype=torch.int32)]).to(device)
+        lens_p = torch.cat([lens, torch.zeros(pad, dtype=torch.int32)]).to(device)
+        block_m = pa.query_block_size(rows, tokens, heads // kv_heads, kv_heads)
+        blocks = torch.from_numpy(block_table(torch.tensor(q_lens).numpy(), block_m,
+                                              -(-tokens // block_m) + rows)).to(device)
+        graphed = pa.paged_attention(q, kc, vc, qsl_p, lens_p, tables, tokens, 0.25,
+                                     block_table=blocks)
+        assert torch.equal(graphed[:t], plain)
+        last = t - 1  # row 3's last query: a decode of its token at position 269
+        decode = pa.paged_decode_attention(q[last : last + 1], kc, vc,
+                                           lens[3:].to(device), tables[3:4], 0.25)
+        assert torch.equal(decode[0], graphed[last])
+    finally:
+        set_exact(False)
+
+
 INTERPRETER_CHECKS = {"exact_gemm": check_exact_gemm, "exact_attention": check_exact_attention,
                       "exact_bmm": check_exact_bmm, "exact_mla": check_exact_mla,
-                      "exact_tree_attention": check_exact_tree_attention}
+                      "exact_tree_attention": check_exact_tree_attention,
+                      "exact_block_table": check_exact_block_table}
 
 
 test_interpreter = interpreter_test(__file__, INTERPRETER_CHECKS)
@@ -285,6 +324,12 @@ def test_exact_gemm_cuda_bf16() -> None:
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and triton")
 def test_exact_attention_cuda_bf16() -> None:
     check_exact_attention("cuda", torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and triton")
+def test_exact_block_table_cuda_bf16() -> None:
+    check_exact_block_table("cuda", torch.bfloat16)
 
 
 @pytest.mark.gpu
