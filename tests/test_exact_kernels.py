@@ -108,14 +108,18 @@ def check_exact_gemm() -> None:
             _row_alone_vs_batched(lambda t, w=w, b=b: eg.exact_gemm(t, w, b), x[:m], m - 1)
 
 
+def _paged_kv(g: torch.Generator, pages: int, device: str, dtype: torch.dtype) -> tuple:
+    """Random K and V caches of `pages` pages of 4 tokens, 2 KV heads of dim 16."""
+    return tuple(torch.randn(pages, 4, 2, 16, generator=g).to(device, dtype) for _ in range(2))
+
+
 def check_exact_attention(device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
     """Exact mode: a token decoded alone == the same token inside a chain verify / extend."""
     set_exact(True, max_positions=512)
     try:
         g = torch.Generator().manual_seed(1)
-        page_size, pages, kv_heads, heads, d = 4, 128, 2, 4, 16
-        kc = torch.randn(pages, page_size, kv_heads, d, generator=g).to(device, dtype)
-        vc = torch.randn(pages, page_size, kv_heads, d, generator=g).to(device, dtype)
+        pages, heads, d = 128, 4, 16
+        kc, vc = _paged_kv(g, pages, device, dtype)
         table = torch.randperm(pages, generator=g).to(device, torch.int32)[None, :]
         seq_len, n_new = 300, 5  # past the first 256-token split
         q = torch.randn(n_new, heads, d, generator=g).to(device, dtype)
@@ -269,9 +273,8 @@ def check_exact_block_table(device: str = "cpu", dtype: torch.dtype = torch.floa
     set_exact(True, max_positions=512)
     try:
         g = torch.Generator().manual_seed(5)
-        page_size, pages, kv_heads, heads, d = 4, 160, 2, 4, 16
-        kc = torch.randn(pages, page_size, kv_heads, d, generator=g).to(device, dtype)
-        vc = torch.randn(pages, page_size, kv_heads, d, generator=g).to(device, dtype)
+        pages, kv_heads, heads, d = 160, 2, 4, 16
+        kc, vc = _paged_kv(g, pages, device, dtype)
         seq_lens, q_lens, rows, tokens = [300, 40, 9, 270], [1, 37, 9, 2], 8, 64
         t = sum(q_lens)
         tables = torch.stack([torch.randperm(pages, generator=g) for _ in range(rows)])
