@@ -380,3 +380,7 @@ def test_split_counts_are_few_powers_of_two(monkeypatch) -> None:
         assert got & (got - 1) == 0 and got <= want < 2 * got, (programs, got, want)
         seen.add(got)
     assert seen == {1, 2, 4, 8, 16}
+    # decode launches may split further: one more value
+    assert split_kv.default_num_splits(1, torch.device("cpu"), 32) == 32
+    assert split_kv.default_num_splits(8, torch.device("cpu"), 32) == 32  # bs 1 x 8 KV heads
+    assert split_kv.default_num_splits(16, torch.device("cpu"), 32) == 16

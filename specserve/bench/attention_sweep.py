@@ -38,7 +38,7 @@ CASES = [
 class Config:
     num_warps: int | None  # None: Triton's default
     num_stages: int | None  # None: Triton's default
-    block_n: int | None  # None: paged_attention's default (128 under a custom mask, else 64)
+    block_n: int | None  # None: paged_attention's default (128 for decode or under a mask, else 64)
     num_splits: int | None  # None: default_num_splits (depends on the grid)
 
 

@@ -49,6 +49,7 @@ from specserve.kernels.split_kv import (  # noqa: F401  (MAX_SPLITS, _split_coun
 
 TARGET_ROWS = 64  # tile rows (queries x grouped heads) per extend program
 MIN_DOT = 16  # smallest tl.dot dimension on GPUs
+DECODE_MAX_SPLITS = 32  # decode launches may split KV further (bs 1 at 8k: 25.9 -> 21.2 us)
 SMALL_GRID = 16  # masked launches of at most this many (request, query block, kv head) tiles
 LOG2E = 1.4426950408889634
 EXACT_BLOCK_N = 64  # KV block of every exact-mode launch (divides EXACT.kv_split_tokens)
@@ -207,8 +208,10 @@ def launch_plan(bs: int, max_query_len: int, group: int, num_kv_heads: int, mask
     """(block_m, num_m_blocks, num_splits, block_n, num_warps, num_stages) of an attention
     launch, each None argument replaced by its default (num_warps / num_stages may stay None:
     Triton's own). Tile rows are queries x grouped heads: at least MIN_DOT, about TARGET_ROWS
-    for longer queries. Under a custom mask (tree or chain verify) KV blocks of 128 without
-    software pipelining, and 8 warps over at most SMALL_GRID tiles, measured fastest on the
+    for longer queries. Decode launches (one query, no mask) read KV blocks of 128 and split up
+    to DECODE_MAX_SPLITS ways (H100, 8k context: bs 64 843 -> 717 us, bs 1 25.9 -> 21.2 us;
+    experiments/2026-12-06-h100-decode-attention.md). Under a custom mask (tree or chain
+    verify) KV blocks of 128 without software pipelining, and 8 warps over at most SMALL_GRID tiles, measured fastest on the
     H200 (q_len 16 tree at batch 1: 23.3 -> 13.8 us, batch 16: 94 -> 56 us; q_len 4: 12.0 ->
     9.0 us; scripts/bench_attention.py, experiments/2026-11-30-attention-sweep.json)."""
     block_g = next_power_of_2(group)
@@ -218,10 +221,11 @@ def launch_plan(bs: int, max_query_len: int, group: int, num_kv_heads: int, mask
     block_m = max(block_m, MIN_DOT // block_g, 1)
     num_m_blocks = math.ceil(max_query_len / block_m)
     tiles = bs * num_m_blocks * num_kv_heads
+    decode = max_query_len == 1 and not masked
     if num_splits is None:
-        num_splits = default_num_splits(tiles, device)
+        num_splits = default_num_splits(tiles, device, DECODE_MAX_SPLITS if decode else MAX_SPLITS)
     if block_n is None:
-        block_n = 128 if masked else 64
+        block_n = 128 if masked or decode else 64
     if num_stages is None and masked:
         num_stages = 1
     if num_warps is None and masked and tiles <= SMALL_GRID:

@@ -113,7 +113,8 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def default_num_splits(num_programs: int, device: torch.device) -> int:
+def default_num_splits(num_programs: int, device: torch.device,
+                       max_splits: int = MAX_SPLITS) -> int:
     """KV splits so that about two waves of programs cover the GPU, rounded down to a power
     of two.
 
@@ -123,5 +124,5 @@ def default_num_splits(num_programs: int, device: torch.device) -> int:
     the eager launches of steps with prefill chunks (any batch, any query length) met a new
     one step after step (1-2 s each, inside a serving step). Powers of two leave five.
     """
-    splits = max(1, min(MAX_SPLITS, 2 * _num_sms(device) // max(num_programs, 1)))
+    splits = max(1, min(max_splits, 2 * _num_sms(device) // max(num_programs, 1)))
     return 1 << (splits.bit_length() - 1)
