@@ -336,7 +336,7 @@ if has glm; then
   # indexer scored all of them) vs dense MLA over every token (index_topk past the context)
   for preset in glm-5-3l glm-5-3l-dense; do
     timeout 400 "${ss[@]}" bench latency --model "$preset" "${glm[@]}" --context-len 8192 \
-      --batch-sizes 1,16 --max-num-seqs 16 --max-model-len 8448 --floor \
+      --batch-sizes 1,16 --max-num-seqs 16 --max-model-len 9216 --floor \
       --label "$preset ctx8k" --json-out "$out/$preset-8k.json" > "$out/$preset-8k.log" 2>&1
     echo "$preset ctx8k rc=$?"; tail -10 "$out/$preset-8k.log"
   done
@@ -353,15 +353,15 @@ if has longctx; then
   mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
   if [[ "$mib" =~ ^[0-9]+$ ]] && (( mib < 100000 )); then bs8=1,16,32 n8=32 bs32=1,8 n32=8; fi
   timeout 500 "${ss[@]}" bench latency "${lc[@]}" --context-len 1024,8192 --batch-sizes $bs8 \
-    --max-num-seqs $n8 --max-model-len 8448 --label "llama-3.1-8b long-context" \
+    --max-num-seqs $n8 --max-model-len 9216 --label "llama-3.1-8b long-context" \
     --json-out "$out/longctx-8k.json" > "$out/longctx-8k.log" 2>&1
   echo "longctx 1k/8k rc=$?"; grep -E "^ +[0-9]+ +[0-9]+ baseline" "$out/longctx-8k.log"
   timeout 400 "${ss[@]}" bench latency "${lc[@]}" --context-len 32768 --batch-sizes $bs32 \
-    --max-num-seqs $n32 --max-model-len 33024 --label "llama-3.1-8b long-context 32k" \
+    --max-num-seqs $n32 --max-model-len 33792 --label "llama-3.1-8b long-context 32k" \
     --json-out "$out/longctx-32k.json" > "$out/longctx-32k.log" 2>&1
   echo "longctx 32k rc=$?"; grep -E "^ +[0-9]+ +[0-9]+ baseline" "$out/longctx-32k.log"
   timeout 300 "${ss[@]}" bench latency "${lc[@]}" --context-len 8192 --batch-sizes 1,16 \
-    --max-num-seqs 16 --max-model-len 8448 --cuda-graph-max-bs 16 --spec-algorithm eagle3 \
+    --max-num-seqs 16 --max-model-len 9216 --cuda-graph-max-bs 16 --spec-algorithm eagle3 \
     --spec-draft-model dummy --spec-num-steps 3 --spec-topk 1 --spec-synthetic-accept-len 3 \
     --label "llama-3.1-8b chain3 synthetic AL3 ctx8k" --json-out "$out/longctx-chain3.json" \
     > "$out/longctx-chain3.log" 2>&1
@@ -464,7 +464,7 @@ if has mtp; then
     timeout 400 "${ss[@]}" bench latency --model glm-5-3l-mtp --load-format dummy \
       --speculative-config "{\"method\": \"mtp\", \"num_speculative_tokens\": $k}" \
       --spec-synthetic-accept-rate 0.8 --output-len 64 --runs 3 --warmup 1 --context-len 8192 \
-      --batch-sizes 1,16 --max-num-seqs 16 --max-model-len 8448 --log --exp-dir experiments \
+      --batch-sizes 1,16 --max-num-seqs 16 --max-model-len 9216 --log --exp-dir experiments \
       --label "glm-5-3l-mtp ctx8k mtp chain$k" --json-out "$out/glm-5-3l-mtp-8k-mtp$k.json" \
       > "$out/glm-5-3l-mtp-8k-mtp$k.log" 2>&1
     echo "glm-5-3l-mtp ctx8k mtp chain$k rc=$?"; tail -10 "$out/glm-5-3l-mtp-8k-mtp$k.log"

@@ -319,3 +319,24 @@ def test_bench_latency_names_the_speculative_method(tmp_path, capsys):
     (point,) = json.loads(out_json.read_text())["points"]
     assert set(point["modes"]) == {"baseline", "ngram"}
     assert point["modes"]["ngram"]["accept_length"]["mean"] == 2
+
+
+def test_bench_latency_leaves_room_for_decodes_while_the_batch_prefills(tmp_path, capsys):
+    """A batch whose prompts take many steps of the token budget decodes its first requests
+    meanwhile: the point check asks for that room up front (naming the context length that
+    holds it), and at exactly that length the timed runs finish without a request hitting it
+    (on an 8k x 64 point the check passed and the run failed after the prefill)."""
+    from specserve.config import engine_config
+
+    ctx, bs, budget = 24, 4, 32
+    config = engine_config(model="tiny-llama", load_format="dummy", device="cpu",
+                           max_num_batched_tokens=budget)
+    need = ctx + latency.max_new_tokens(config, bs * ctx, OUTPUT_LEN, False) + 1
+    assert need > ctx + OUTPUT_LEN + 4 + 2 * 4  # more than the old estimate's room
+    argv = ["bench", "latency", "--no-progress", *_tiny_args(
+        tmp_path, "--batch-sizes", str(bs), "--context-len", str(ctx), "--runs", "1",
+        "--max-num-batched-tokens", str(budget))]
+    rc, err = run_cli([*argv, "--max-model-len", str(need - 1)], capsys)
+    assert rc == 2 and f"--max-model-len to at least {need}" in err, err[-400:]
+    rc, err = run_cli([*argv, "--max-model-len", str(need)], capsys)
+    assert rc == 0, err[-400:]

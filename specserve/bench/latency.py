@@ -76,15 +76,21 @@ def _spec_counters(engine: Any) -> tuple[int, int, list[int]]:
     return stats["num_drafts"], stats["num_accepted_tokens"], list(stats["accepted_per_pos"])
 
 
+def max_new_tokens(config: EngineConfig, prompt_tokens: int, output_len: int,
+                   spec: bool) -> int:
+    """Tokens a timed request may generate: output_len plus room for those decoded while later
+    requests of the batch still prefill (every prompt through the token budget), so none
+    finishes early."""
+    per_step = config.spec.verify_tokens if spec else 1
+    prefill_steps = math.ceil(prompt_tokens / config.scheduler.max_num_batched_tokens) + 2
+    return output_len + 2 * per_step * (prefill_steps + 1)
+
+
 def run_once(engine: Any, prompts: list[list[int]], output_len: int, spec: bool,
              probe: Callable[[list[str]], None] | None = None) -> RunResult:
     """Prefill the batch, then time a decode phase of >= output_len tokens per request;
     `probe(request ids)` runs after the timed phase, before the requests are aborted."""
-    per_step = engine.config.spec.verify_tokens if spec else 1
-    budget = engine.config.scheduler.max_num_batched_tokens
-    prefill_steps = math.ceil(sum(map(len, prompts)) / budget) + 2
-    # room for tokens decoded while later requests still prefill, so none finishes early
-    max_tokens = output_len + 2 * per_step * (prefill_steps + 1)
+    max_tokens = max_new_tokens(engine.config, sum(map(len, prompts)), output_len, spec)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     ids = [engine.add_request(None, p, params) for p in prompts]
     produced = dict.fromkeys(ids, 0)
@@ -177,10 +183,13 @@ def check_point(config: EngineConfig, max_model_len: int, kv_capacity: int | Non
         raise ValueError(f"batch size {batch_size} exceeds --max-num-seqs {sched.max_num_seqs}; "
                          "raise --max-num-seqs")
     lookahead = config.spec.verify_tokens if config.spec.enabled else 1
-    need = context_len + output_len + 4 * lookahead
+    room = max_new_tokens(config, batch_size * context_len, output_len, config.spec.enabled)
+    need = context_len + room + lookahead
     if need > max_model_len:
-        raise ValueError(f"context {context_len} + output {output_len} (+ drafts) exceeds the "
-                         f"context length {max_model_len}; raise --max-model-len")
+        raise ValueError(
+            f"context {context_len} + output {output_len} (+ {room - output_len} tokens decoded "
+            f"while the batch of {batch_size} prefills, + drafts) exceeds the context length "
+            f"{max_model_len}; raise --max-model-len to at least {need}")
     if kv_capacity is not None and batch_size * (need + config.cache.page_size) > kv_capacity:
         raise ValueError(f"batch {batch_size} x {need} tokens does not fit the KV cache "
                          f"({kv_capacity} tokens); lower the batch or context, or give the cache "
