@@ -360,3 +360,24 @@ def test_policy_counts_the_extra_forward_of_prefill_chunks_in_speculative_steps(
     got = _simulate(policy, 0.3, 2000, cost, rids, ms, **kw)
     assert policy.mixed_share == pytest.approx(0.5, abs=0.1)
     assert got >= 0.97 * static["off"], (got, static, policy.mixed_extra)
+
+
+def test_a_first_mode_left_before_it_ran_is_still_looked_at() -> None:
+    """Priors that make off the first decision (here: chain steps costly in the table) leave
+    the configured first mode before a step of it ran: its family has no acceptance learnt,
+    so it is probed like any family never run, once the dwell passed (it was treated as run
+    at the start and waited out a whole probe interval: off for a whole H100 sweep point
+    while chain1 ran 1.10x plain)."""
+    modes = {"chain3": (1, 3), "chain1": (1, 1), "tree": (4, 3)}
+    costs = {"off": {1: 1.0, 8: 2.0}, "chain3": {1: 3.0, 8: 12.0},
+             "chain1": {1: 2.2, 8: 6.0}, "tree": {1: 3.0, 8: 14.0}}
+    policy = AdaptivePolicy(modes, costs, dwell=8, explore_every=128, probe_budget=0.005)
+    eight = [f"r{i}" for i in range(8)]
+    picks = []
+    for _ in range(40):
+        mode = policy.choose(eight)
+        picks.append(mode)
+        policy.observe(mode, dict.fromkeys(eight, 1) if mode else {}, None, 8)
+    assert picks[0] is None, policy.last_scores  # off at once, before chain3 ever ran
+    assert {p for p in picks if p} >= {"tree"} and any(p in ("chain3", "chain1")
+                                                      for p in picks), picks

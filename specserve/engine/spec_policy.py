@@ -159,9 +159,12 @@ class AdaptivePolicy(GoodputModel):
         self.switch_batch = 0  # the decode batch of the last switch (the dwell's load)
         self.steps = 0
         self.families = {self._family(m) for m in self.modes}
-        # step a family last ran (-1: never; the first mode's runs from the start)
+        # step a family last ran (-1: never). The first mode's family counts as never run
+        # until a step of it is observed: a policy that leaves it before its first decode
+        # step (priors that favour off) must still look at it once the dwell passed, not a
+        # probe interval later (rate 0.3, C = 64 on an H100: off for the whole run, while
+        # chain1 ran 1.10x plain)
         self.family_run = dict.fromkeys(self.families, -1)
-        self.family_run[self._family(self.current)] = 0
         self.last_scores: dict[str, float] = {}
         self._prev: str | None = None  # the last observed step's mode ("off" for off)
 
