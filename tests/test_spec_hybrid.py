@@ -187,12 +187,16 @@ def test_overlap_launches_ahead_within_a_mode_only(workload, device: str) -> Non
         pytest.skip("no CUDA device")
     prompts, plain = workload
     if device == "cuda":
-        ref = LLM(TINY, device=device, dtype="float32", enable_prefix_caching=False)
+        ref = LLM(TINY, device=device, dtype="float32", enable_prefix_caching=False,
+                  cache=CacheConfig(page_size=16, num_pages=128))
         plain = [o.token_ids for o in ref.generate(prompts, GREEDY)]
     spec = {"method": "eagle3", "model": HEAD, "num_speculative_tokens": 3,
             "modes": "ngram:chain3"}
+    # fixed KV pools: three engines share one GPU in this process (sized by free memory, the
+    # third found none left)
+    pool = CacheConfig(page_size=16, num_pages=128)
     llm = LLM(TINY, device=device, dtype="float32", decode_overlap="on",
-              speculative_config=spec)
+              speculative_config=spec, cache=pool)
     llm.engine.spec_policy = ScriptedPolicy(["chain3"] * 4 + ["ngram:chain3"] * 4 + [None])
     outs = llm.generate(prompts[:6], GREEDY)
     assert [o.token_ids for o in outs] == plain[:6]
@@ -200,7 +204,7 @@ def test_overlap_launches_ahead_within_a_mode_only(workload, device: str) -> Non
     assert drafter.overlap and drafter.cycles_launched_ahead > 5
     assert all(drafter.modes[m].cycles.cycles_launched_ahead > 0 for m in drafter.modes)
     assert drafter.counters.method_catch_ups.get("ngram", 0) > 0
-    hybrid = LLM(TINY, device=device, dtype="float32", decode_overlap="on",
+    hybrid = LLM(TINY, device=device, dtype="float32", decode_overlap="on", cache=pool,
                  speculative_config={**spec, "modes": "ngram:chain3,suffix:tree2x3x6"})
     assert not hybrid.engine.drafter.overlap
     assert not any(m.cycles.overlap for m in hybrid.engine.drafter.modes.values())
