@@ -210,9 +210,9 @@ def launch_plan(bs: int, max_query_len: int, group: int, num_kv_heads: int, mask
     Triton's own). Tile rows are queries x grouped heads: at least MIN_DOT, about TARGET_ROWS
     for longer queries. Decode launches (one query, no mask) read KV blocks of 128 and split up
     to DECODE_MAX_SPLITS ways (H100, 8k context: bs 64 843 -> 717 us, bs 1 25.9 -> 21.2 us;
-    experiments/2026-12-06-decode-attention-policy-exact.md). Under a custom mask (tree or chain
-    verify) KV blocks of 128 without software pipelining, and 8 warps over at most SMALL_GRID tiles, measured fastest on the
-    H200 (q_len 16 tree at batch 1: 23.3 -> 13.8 us, batch 16: 94 -> 56 us; q_len 4: 12.0 ->
+    experiments/2026-12-06-decode-attention-policy-exact.md). Under a custom mask (tree or
+    chain verify) KV blocks of 128 without software pipelining, and 8 warps over at most
+    SMALL_GRID tiles, measured fastest on the H200 (q_len 16 tree at batch 1: 23.3 -> 13.8 us, batch 16: 94 -> 56 us; q_len 4: 12.0 ->
     9.0 us; scripts/bench_attention.py, experiments/2026-11-30-attention-sweep.json)."""
     block_g = next_power_of_2(group)
     if EXACT.attention:
