@@ -212,8 +212,9 @@ def launch_plan(bs: int, max_query_len: int, group: int, num_kv_heads: int, mask
     to DECODE_MAX_SPLITS ways (H100, 8k context: bs 64 843 -> 717 us, bs 1 25.9 -> 21.2 us;
     experiments/2026-12-06-decode-attention-policy-exact.md). Under a custom mask (tree or
     chain verify) KV blocks of 128 without software pipelining, and 8 warps over at most
-    SMALL_GRID tiles, measured fastest on the H200 (q_len 16 tree at batch 1: 23.3 -> 13.8 us, batch 16: 94 -> 56 us; q_len 4: 12.0 ->
-    9.0 us; scripts/bench_attention.py, experiments/2026-11-30-attention-sweep.json)."""
+    SMALL_GRID tiles, measured fastest on the H200 (q_len 16 tree at batch 1: 23.3 -> 13.8
+    us, batch 16: 94 -> 56 us; q_len 4: 12.0 -> 9.0 us; scripts/bench_attention.py,
+    experiments/2026-11-30-attention-sweep.json)."""
     block_g = next_power_of_2(group)
     if EXACT.attention:
         return exact_launch_plan(bs, max_query_len, group, num_kv_heads, masked)
