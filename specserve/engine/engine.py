@@ -264,7 +264,10 @@ class Engine:
             return []
         decodes = [s.request.request_id for s in out.scheduled if s.is_decode]
         mixed = len(decodes) < len(out.scheduled)
-        fold = bool(mode is not None and mixed and decodes and policy.fold(mode, decodes))
+        # a cycle launched ahead for these decodes runs anyway: a fold would discard its work
+        fold = bool(mode is not None and mixed and decodes
+                    and not self.drafter.modes[mode].cycles.holds_requests(decodes)
+                    and policy.fold(mode, decodes))
         step = build_step_input(out, mode, eos_token_ids=self.scheduler.eos_token_ids,
                                 cached_prefixes=self.drafter is not None
                                 and self.drafter.host_drafts, fold=fold)

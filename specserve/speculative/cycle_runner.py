@@ -271,5 +271,11 @@ class CycleRunner:
         self._launched = LaunchedCycle(list(rows.request_ids), [-1] * rows.bs, out)
         self.cycles_launched += 1
 
+    def holds_requests(self, request_ids: list[str]) -> bool:
+        """The cycle launched ahead covers every one of these requests (by id: its roots are
+        set once the step that launched it is read)."""
+        launched = self._launched
+        return launched is not None and set(request_ids) <= set(launched.request_ids)
+
     def discard_launched(self) -> None:
         self._launched = None
