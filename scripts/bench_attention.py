@@ -62,6 +62,7 @@ from specserve.bench.attention_sweep import (  # noqa: E402
     active_splits,
     check,
     configs_for,
+    fit_kv_sets,
     make_batch,
     resolved,
     time_us,
@@ -132,6 +133,12 @@ def time_group(spec: CaseSpec, bs: int, cfgs: list[Config], s: Shapes,
                sets: int, graphs: bool) -> list[dict[str, Any]]:  # fmt: skip
     """Check and time every config of one (case, batch size); the default is first, and is
     timed again at the end (a clock-drift check)."""
+    if s.device.type == "cuda":
+        fit = fit_kv_sets(sets, spec, bs, s, torch.cuda.mem_get_info(s.device)[0])
+        if fit < sets:
+            print(f"  {spec.name} bs {bs}: {fit} KV sets (of {sets}) fit in half the free memory",
+                  flush=True)
+        sets = fit
     batch = make_batch(spec, bs, s, sets, args.seed)
     ref = batch.reference(spec)
     seq_len = s.context_len + spec.q_len

@@ -44,3 +44,16 @@ def test_bench_attention_script_writes_rows(tmp_path: Path) -> None:
             assert r["max_abs_err"] < 1e-4 and r["active_splits"] <= r["splits"]
     assert set(report["best"]) == {f"{c}/bs1" for c in cases}
     assert report["meta"]["graphs"] is False and report["meta"]["distinct_kernels"] > 0
+
+
+def test_kv_sets_fit_half_the_free_memory() -> None:
+    import torch
+
+    from specserve.bench.attention_sweep import CASES, Shapes, fit_kv_sets
+
+    decode = CASES[0]
+    s = Shapes(32, 8, 128, 16, 32768, torch.bfloat16, torch.device("cpu"))
+    per_set = 2 * 64 * 2049 * 16 * 8 * 128 * 2  # K and V: 64 requests x 2049 pages of 16
+    assert fit_kv_sets(20, decode, 64, s, 80 * 2**30) == 80 * 2**30 // 2 // per_set == 4
+    assert fit_kv_sets(20, decode, 64, s, 2**30) == 1  # not even one: 1 (its allocation says)
+    assert fit_kv_sets(20, decode, 1, s, 80 * 2**30) == 20  # small sets: all of them

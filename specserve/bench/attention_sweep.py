@@ -95,6 +95,16 @@ def tree_mask(q_len: int, gen: torch.Generator) -> torch.Tensor:
     return mask
 
 
+def fit_kv_sets(sets: int, spec: CaseSpec, bs: int, s: Shapes, free_bytes: int) -> int:
+    """KV sets (one per captured call, so that calls read cold KV) that fit in half the free
+    memory, at least 1: a long context at a large batch is GBs a set (32k x 64 requests of
+    Llama-8B: 8.6 GB; 20 sets asked for 172 GB), where a few sets already leave nothing
+    of one call's KV in L2 for the next."""
+    pages = math.ceil((s.context_len + spec.q_len) / s.page_size)
+    per_set = 2 * bs * pages * s.page_size * s.num_kv_heads * s.head_dim * s.dtype.itemsize
+    return max(1, min(sets, free_bytes // 2 // per_set))
+
+
 def make_batch(spec: CaseSpec, bs: int, s: Shapes, sets: int, seed: int = 0) -> Batch:
     gen = torch.Generator().manual_seed(seed)
     dgen = torch.Generator(s.device).manual_seed(seed)
