@@ -15,7 +15,8 @@ The model, per step:
   `catchup_ms` + `catchup_ms_per_token` per missed token (an off step's prefill chunks are
   missed too; a speculative or folded step's feed the drafter); plus, when the mode changes away
   from a speculative mode, that mode's step (the cycle launched ahead is discarded);
-  everything times a random factor (1 + noise * N(0, 1));
+  everything times a random factor (1 + noise * N(0, 1)); a mixed step right after a pure
+  step of its mode never folds (that cycle was launched ahead: the engine keeps it);
 - acceptance as the engine's synthetic model: request r's rate is uniform on [a - d, a + d]
   (d = min(a, 1 - a)); a cycle walks its draft's deepest path, depth i passing with
   1 - (1 - rate)^c_i (c_i: the path node's candidates, 1 for a chain).
@@ -55,6 +56,7 @@ class SimConfig:
     catchup_ms: float = 1.0
     catchup_ms_per_token: float = 0.002
     noise: float = 0.02
+    overlap: bool = True  # cycles launched ahead (decode overlap): no fold where one holds
     children: dict[str, list[int]] = field(default_factory=dict)  # candidates per depth
     verify_tokens: dict[str, int] = field(default_factory=dict)  # a row's lookahead per mode
 
@@ -106,6 +108,7 @@ def simulate(cfg: SimConfig, policy, concurrency: int, num_requests: int,
     last: tuple[float, int] | None = None
     steps: dict[str, int] = {}
     prev_mode: str | None = None
+    launched: str | None = None  # the mode of the cycle launched ahead, if any
     overhead = {"switch": 0.0, "catch_up": 0.0}  # seconds of the run spent on these
     while pending or active:
         while pending and len(active) < concurrency:
@@ -124,7 +127,8 @@ def simulate(cfg: SimConfig, policy, concurrency: int, num_requests: int,
                 chunks.append((r, n))
                 budget -= n
         mixed = bool(chunks)
-        fold = bool(mode is not None and mixed and decoding
+        # the engine folds no step whose decodes a cycle launched ahead holds (it runs anyway)
+        fold = bool(mode is not None and mixed and decoding and launched != mode
                     and policy.fold(mode, [r.rid for r in decoding]))
         spec = mode is not None and not fold
         b = len(decoding)
@@ -183,6 +187,8 @@ def simulate(cfg: SimConfig, policy, concurrency: int, num_requests: int,
             if first is None:
                 first = clock, tokens
         prev_mode = mode if spec else prev_mode if fold else None
+        # a pure speculative step launches its mode's next cycle before the host reads it
+        launched = mode if spec and not mixed and cfg.overlap else None
     if first is not None and last is not None and last[0] > first[0] and last[1] > first[1]:
         window, counted = last[0] - first[0], last[1] - first[1]
     else:
