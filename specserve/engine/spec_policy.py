@@ -293,7 +293,7 @@ class AdaptivePolicy(GoodputModel):
             self.family_run[(method, topk)] = self.steps
             self.acceptance.observe_step(accepted, topk, steps, method)
         if chunk_tokens is not None:
-            self.count_tokens(chunk_tokens, batch + sum(accepted.values()))
+            self.count_tokens(chunk_tokens, batch + sum(accepted.values()), key)
         if seconds is None or not batch:
             return
         self.mixed_share += 0.05 * (float(mixed) - self.mixed_share)
