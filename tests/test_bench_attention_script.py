@@ -30,7 +30,7 @@ def test_bench_attention_script_writes_rows(tmp_path: Path) -> None:
     assert "best per case" in res.stdout
     report = json.loads(out.read_text())
     rows = report["rows"]
-    cases = ["decode", "verify4_mask", "verify16_tree", "causal16"]
+    cases = ["decode", "verify4_mask", "causal4", "verify16_tree", "causal16"]
     assert [c for c in cases if any(r["case"] == c for r in rows)] == cases
     for case in cases:
         group = [r for r in rows if r["case"] == case]

@@ -29,6 +29,7 @@ class CaseSpec:
 CASES = [
     CaseSpec("decode", 1, None),
     CaseSpec("verify4_mask", 4, "causal"),
+    CaseSpec("causal4", 4, None),  # a chain's verify as a causal extend (exact mode's route)
     CaseSpec("verify16_tree", 16, "tree"),
     CaseSpec("causal16", 16, None),
 ]
