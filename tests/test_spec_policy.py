@@ -20,12 +20,6 @@ MODES = {"chain3": (1, 3), "chain1": (1, 1)}
 COSTS = {"off": {1: 1.0, 8: 2.0}, "chain3": {1: 1.2, 8: 8.0}, "chain1": {1: 1.05, 8: 4.5}}
 
 
-def test_interpolation() -> None:
-    row = [(1, 1.0), (4, 4.0), (8, 6.0)]
-    assert [_interpolate(row, b) for b in (1, 2, 4, 6, 8, 12)] == [1.0, 2.0, 4.0, 5.0, 6.0, 8.0]
-    assert _interpolate([(2, 3.0)], 4) == 6.0
-
-
 def test_one_slow_finished_request_does_not_keep_the_policy_off() -> None:
     """At batch 1 a first request that accepts nothing turns the policy off; when it
     finishes, the next request must not inherit its rate as a certainty (off, nothing more
@@ -381,30 +375,3 @@ def test_a_first_mode_left_before_it_ran_is_still_looked_at() -> None:
     assert picks[0] is None, policy.last_scores  # off at once, before chain3 ever ran
     assert {p for p in picks if p} >= {"tree"} and any(p in ("chain3", "chain1")
                                                       for p in picks), picks
-
-
-def test_plain_steps_share_of_mixed_steps_is_carried_over_when_stale() -> None:
-    """Plain steps' mixed share comes from their own mean chunk while they ran mixed steps
-    recently; once stale (another kind ran since), from the running kind's measured share
-    through a Poisson arrival rate per emitted token; speculative kinds keep their own."""
-    from specserve.engine.goodput import FRESH_STEPS, GoodputModel
-
-    m = GoodputModel({"off": {1: 0.01, 64: 0.02}, "chain1": {1: 0.011, 64: 0.024}})
-    for _ in range(10):  # an old load: one 128-token prompt with every plain step
-        m.count_tokens(128, 64, "off")
-        m.chunk_cost.observe("off", 128, 0.005)
-    rho = 2.0
-    assert m.share_of("off", 64, rho) == 1.0  # fresh: its own mean chunk (128)
-    for i in range(FRESH_STEPS + 8):  # then chain1: 2 steps in 5 carry a 260-token chunk
-        mixed = i % 5 < 2
-        m.count_tokens(260 if mixed else 0, 83, "chain1")
-        if mixed:
-            m.chunk_cost.observe("chain1", 260, 0.012)
-    n, k, e = m.kind_steps["chain1"]
-    want = 1.0 - (1.0 - k / n) ** (64 / (e / n))
-    assert 0.3 < want < 0.4
-    assert m.share_of("off", 64, rho) == pytest.approx(want)
-    assert m.share_of("chain1", 83, rho) == pytest.approx(rho * 83 / 260)  # its own chunks
-    m.count_tokens(128, 64, "off")  # plain steps ran a mixed step again: their own
-    own = min(1.0, rho * 64 / m.chunk_cost.mean_chunk("off"))
-    assert m.share_of("off", 64, rho) == pytest.approx(own)
