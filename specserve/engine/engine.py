@@ -265,8 +265,9 @@ class Engine:
         decodes = [s.request.request_id for s in out.scheduled if s.is_decode]
         mixed = len(decodes) < len(out.scheduled)
         # a cycle launched ahead for these decodes runs anyway: a fold would discard its work
-        fold = bool(mode is not None and mixed and decodes
-                    and not self.drafter.modes[mode].cycles.holds_requests(decodes)
+        held = mode is not None and mode in self.drafter.modes \
+            and self.drafter.modes[mode].cycles.holds_requests(decodes)
+        fold = bool(mode is not None and mixed and decodes and not held
                     and policy.fold(mode, decodes))
         step = build_step_input(out, mode, eos_token_ids=self.scheduler.eos_token_ids,
                                 cached_prefixes=self.drafter is not None

@@ -122,7 +122,8 @@ def default_num_splits(num_programs: int, device: torch.device,
     captured CUDA graph keeps a valid split count; splits past a short sequence exit at once.
     The split count is a kernel constant: every distinct value compiles the kernel again, and
     the eager launches of steps with prefill chunks (any batch, any query length) met a new
-    one step after step (1-2 s each, inside a serving step). Powers of two leave five.
+    one step after step (1-2 s each, inside a serving step). Powers of two leave five (six
+    where decode launches allow 32).
     """
     splits = max(1, min(max_splits, 2 * _num_sms(device) // max(num_programs, 1)))
     return 1 << (splits.bit_length() - 1)
