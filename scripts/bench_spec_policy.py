@@ -77,6 +77,7 @@ def run(engine, prompts: list[list[int]], output_lens: list[int], concurrency: i
     stats = engine.stats()
     before = dict(stats.get("mode_steps", {}))
     in_verify = stats.get("num_chunks_in_verify", 0)
+    caught_up = stats.get("num_catch_up_tokens", 0)
     seconds_before = dict(stats.get("step_seconds", {}))
     t0 = time.perf_counter()
     with triton_compiles() as compiles:  # each a slow step of this run
@@ -112,6 +113,8 @@ def run(engine, prompts: list[list[int]], output_lens: list[int], concurrency: i
             "mode_steps": {m: n for m, n in steps.items() if n}, "step_seconds": by_kind,
             # steps whose prefill chunks ran in a chain's verify forward
             "chunks_in_verify": stats.get("num_chunks_in_verify", 0) - in_verify,
+            # positions a drafter's catch-up forwards ran the target over (after off steps)
+            "catch_up_tokens": stats.get("num_catch_up_tokens", 0) - caught_up,
             "triton_compiles": compiles}  # {kernel: compilations inside the run}
 
 
@@ -199,6 +202,8 @@ def sweep(engine, args, levels: list[int], modes: list[str], rate: float, comm: 
             per = ", ".join(f"{k} {1e3 * t / n:.1f} ms x{n}" for k, (n, t) in sorted(kinds.items()))
             joined = sum(r["chunks_in_verify"] for r in rs)
             per += f"; chunks in verify x{joined}" if joined else ""
+            caught = sum(r["catch_up_tokens"] for r in rs)
+            per += f"; {caught} catch-up tokens" if caught else ""
             jit = sum(sum(r["triton_compiles"].values()) for r in rs)
             per += f"; {jit} Triton compiles" if jit else ""
             print(f"C={c} {name}: {point[name]['tok_s']:.1f} tok/s{spread} (whole run "

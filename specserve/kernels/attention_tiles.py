@@ -23,7 +23,7 @@ def _kv_range(
     mask_width,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    num_splits,
     HAS_MASK: tl.constexpr,
     SPLIT_TOKENS: tl.constexpr,
 ):
@@ -39,7 +39,7 @@ def _kv_range(
         kv_end = tl.minimum(seq_len, seq_len - q_len + (m_block + 1) * BLOCK_M)
         mask_start = seq_len - q_len
     kv_end = tl.where(m_block * BLOCK_M < q_len, kv_end, 0)
-    lo, hi = _split_range(kv_end, split, BLOCK_N, NUM_SPLITS, SPLIT_TOKENS)
+    lo, hi = _split_range(kv_end, split, BLOCK_N, num_splits, SPLIT_TOKENS)
     return lo, hi, mask_start
 
 
@@ -48,15 +48,16 @@ def _split_range(
     kv_end,
     split,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    num_splits,
     SPLIT_TOKENS: tl.constexpr,
 ):
-    """[lo, hi): split `split` of the KV positions [0, kv_end), NUM_SPLITS equal splits in
-    whole BLOCK_N blocks, or splits of SPLIT_TOKENS each (exact mode)."""
+    """[lo, hi): split `split` of the KV positions [0, kv_end), num_splits equal splits in
+    whole BLOCK_N blocks, or splits of SPLIT_TOKENS each (exact mode). The split count is a
+    runtime value (the launch grid's third axis): a new count compiles nothing."""
     if SPLIT_TOKENS > 0:
         split_len = SPLIT_TOKENS
     else:
-        split_len = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        split_len = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
     lo = split * split_len
     return lo, tl.minimum(lo + split_len, kv_end)
 
@@ -64,8 +65,7 @@ def _split_range(
 @jit
 def _tree_range(
     mask_ptr, req, m_block, q_len, seq_len, split, mask_width, stride_mr, stride_mi, stride_mj,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_TOKENS: tl.constexpr,
-    BLOCK_W: tl.constexpr,
+    BLOCK_N: tl.constexpr, num_splits, SPLIT_TOKENS: tl.constexpr, BLOCK_W: tl.constexpr,
 ):  # fmt: skip
     """Exact-mode tree verify, one query (m_block) per program: (lo, hi, mask_start, on,
     depth). The query reads its context as a decode of its token would: the prefix [0,
@@ -78,7 +78,7 @@ def _tree_range(
                  mask=w < mask_width, other=0) != 0
     ones = on.to(tl.int32)
     kv_end = tl.where(m_block < q_len, mask_start + tl.sum(ones, 0), 0)
-    lo, hi = _split_range(kv_end, split, BLOCK_N, NUM_SPLITS, SPLIT_TOKENS)
+    lo, hi = _split_range(kv_end, split, BLOCK_N, num_splits, SPLIT_TOKENS)
     return lo, hi, mask_start, on, tl.cumsum(ones, 0) - 1
 
 

@@ -51,7 +51,7 @@ def _mla_attention_kernel(
     stride_mot, stride_moh, stride_mos, stride_mlt, stride_mlh,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, IS_DECODE: tl.constexpr, HAS_MASK: tl.constexpr,
+    IS_DECODE: tl.constexpr, HAS_MASK: tl.constexpr,
     DOT_PRECISION: tl.constexpr, SPLIT_TOKENS: tl.constexpr, EXACT_TREE: tl.constexpr,
     BLOCK_W: tl.constexpr,
 ):  # fmt: skip
@@ -61,6 +61,7 @@ def _mla_attention_kernel(
     m_block = tl.program_id(0) % num_m_blocks
     head_block = tl.program_id(1)
     split = tl.program_id(2)
+    num_splits = tl.num_programs(2)  # a runtime value: a new split count compiles nothing
     if IS_DECODE:
         q_start = req
         q_len = 1
@@ -96,10 +97,10 @@ def _mla_attention_kernel(
     if EXACT_TREE:  # the query's context in a decode's order: prefix, then its path
         lo, hi, mask_start, on, depth = _tree_range(
             mask_ptr, req, m_block, q_len, seq_len, split, mask_width, stride_mr, stride_mi,
-            stride_mj, BLOCK_N, NUM_SPLITS, SPLIT_TOKENS, BLOCK_W)
+            stride_mj, BLOCK_N, num_splits, SPLIT_TOKENS, BLOCK_W)
     else:
         lo, hi, mask_start = _kv_range(seq_len, q_len, m_block, split, mask_width, BLOCK_M,
-                                       BLOCK_N, NUM_SPLITS, HAS_MASK, SPLIT_TOKENS)
+                                       BLOCK_N, num_splits, HAS_MASK, SPLIT_TOKENS)
 
     m_i = tl.full([BLOCK_M * BLOCK_H], float("-inf"), tl.float32)  # running max (log2 units)
     l_i = tl.zeros([BLOCK_M * BLOCK_H], tl.float32)
@@ -136,7 +137,7 @@ def _mla_attention_kernel(
 
     o, lse = _normalize(acc, m_i, l_i)  # a row that saw nothing outputs 0
     o_mask = row_ok[:, None] & (dl[None, :] < rank)
-    if NUM_SPLITS == 1:
+    if num_splits == 1:
         dst = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dl[None, :]
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=o_mask)
     else:
@@ -239,7 +240,7 @@ def mla_attention(
         *mid_strides,
         BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_N=block_n,
         BLOCK_L=max(next_power_of_2(rank), MIN_DOT), BLOCK_R=max(next_power_of_2(rope), MIN_DOT),
-        PAGE_SIZE=latent_cache.shape[1], NUM_SPLITS=num_splits, IS_DECODE=is_decode,
+        PAGE_SIZE=latent_cache.shape[1], IS_DECODE=is_decode,
         HAS_MASK=custom_mask is not None,
         DOT_PRECISION="ieee" if q_lat.dtype == torch.float32 else None,  # keep fp32 exact
         SPLIT_TOKENS=EXACT.kv_split_tokens if EXACT.attention else 0, EXACT_TREE=exact_tree,

@@ -43,6 +43,7 @@ from specserve.kernels.split_kv import (  # noqa: F401  (MAX_SPLITS, _split_coun
     _split_counters,
     combine_splits,
     default_num_splits,
+    split_block,
     split_buffers,
     split_counters,
 )
@@ -72,8 +73,8 @@ def _paged_attention_kernel(
     stride_mot, stride_moh, stride_mos, stride_mlt, stride_mlh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr, FUSED_COMBINE: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
+    FUSED_COMBINE: tl.constexpr,
     IS_DECODE: tl.constexpr, HAS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SPLIT_TOKENS: tl.constexpr, EXACT_TREE: tl.constexpr, BLOCK_W: tl.constexpr,
     BLOCK_TABLE: tl.constexpr,
@@ -86,6 +87,7 @@ def _paged_attention_kernel(
         m_block = tl.program_id(0) % num_m_blocks
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    num_splits = tl.num_programs(2)  # a runtime value: a new split count compiles nothing
     if IS_DECODE:
         q_start = req
         q_len = 1
@@ -116,10 +118,10 @@ def _paged_attention_kernel(
     if EXACT_TREE:  # the query's context in a decode's order: prefix, then its path
         lo, hi, mask_start, on, depth = _tree_range(
             mask_ptr, req, m_block, q_len, seq_len, split, mask_width, stride_mr, stride_mi,
-            stride_mj, BLOCK_N, NUM_SPLITS, SPLIT_TOKENS, BLOCK_W)
+            stride_mj, BLOCK_N, num_splits, SPLIT_TOKENS, BLOCK_W)
     else:
         lo, hi, mask_start = _kv_range(seq_len, q_len, m_block, split, mask_width, BLOCK_M,
-                                       BLOCK_N, NUM_SPLITS, HAS_MASK, SPLIT_TOKENS)
+                                       BLOCK_N, num_splits, HAS_MASK, SPLIT_TOKENS)
 
     m_i = tl.full([BLOCK_M * BLOCK_G], float("-inf"), tl.float32)  # running max (log2 units)
     l_i = tl.zeros([BLOCK_M * BLOCK_G], tl.float32)  # running softmax denominator
@@ -156,7 +158,7 @@ def _paged_attention_kernel(
 
     o, lse = _normalize(acc, m_i, l_i)  # a row that saw nothing outputs 0
     o_mask = row_ok[:, None] & (dv[None, :] < HEAD_DIM_V)
-    if NUM_SPLITS == 1:
+    if num_splits == 1:
         dst = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :]
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=o_mask)
     else:
@@ -172,14 +174,14 @@ def _paged_attention_kernel(
             tl.debug_barrier()
             counter = counter_ptr + tl.program_id(0) * tl.num_programs(1) + kv_head
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == NUM_SPLITS - 1:
+            if arrived == num_splits - 1:
                 # as _combine_splits_kernel: out = sum_s w_s * o_s / sum_s w_s with
                 # w_s = 2^(lse_s - max lse); rows whose lse are all -inf output 0. Loads skip
                 # L1 (.cg): the other splits' data was written by other SMs during this launch.
                 s = tl.arange(0, BLOCK_S)
                 lse_all = tl.load(
                     mid_lse_ptr + lse_row[:, None] + s[None, :],
-                    mask=row_ok[:, None] & (s[None, :] < NUM_SPLITS),
+                    mask=row_ok[:, None] & (s[None, :] < num_splits),
                     other=float("-inf"),
                     cache_modifier=".cg",
                 )  # [ROWS, BLOCK_S]
@@ -187,7 +189,7 @@ def _paged_attention_kernel(
                 w_all = tl.exp2(lse_all - tl.where(lse_max == float("-inf"), 0.0, lse_max)[:, None])
                 total = tl.sum(w_all, 1)  # [ROWS]
                 o_sum = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_DV], tl.float32)
-                for si in range(NUM_SPLITS):
+                for si in range(num_splits):
                     w = tl.sum(tl.where(s[None, :] == si, w_all, 0.0), 1)  # [ROWS]
                     o_s = tl.load(
                         mid_o_ptr + mid[:, None] + si * stride_mos + dv[None, :],
@@ -308,8 +310,7 @@ def paged_attention(
         return out
     mid_o, mid_lse, mid_strides = split_buffers(out, num_splits)
     counters = seq_lens  # unused unless the splits are combined in the attention launch
-    fused = fused_combine and num_splits > 1
-    if fused:
+    if fused_combine and num_splits > 1:
         counters = split_counters(grid_programs, q.device)
     assert custom_mask is None or custom_mask.dtype == torch.bool
     mask = custom_mask.view(torch.uint8) if custom_mask is not None else page_table
@@ -332,15 +333,15 @@ def paged_attention(
         *mid_strides,
         GROUP=group, BLOCK_G=next_power_of_2(group), BLOCK_M=block_m, BLOCK_N=block_n,
         PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_D=max(next_power_of_2(head_dim), MIN_DOT),
-        HEAD_DIM_V=head_dim_v, BLOCK_DV=next_power_of_2(head_dim_v), NUM_SPLITS=num_splits,
-        BLOCK_S=next_power_of_2(num_splits), FUSED_COMBINE=fused,
+        HEAD_DIM_V=head_dim_v, BLOCK_DV=next_power_of_2(head_dim_v),
+        BLOCK_S=split_block(num_splits), FUSED_COMBINE=fused_combine,
         IS_DECODE=is_decode, HAS_MASK=custom_mask is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,  # keep fp32 exact
         SPLIT_TOKENS=EXACT.kv_split_tokens if EXACT.attention else 0,
         EXACT_TREE=exact_tree, BLOCK_W=next_power_of_2(mask_width) if exact_tree else 1,
         BLOCK_TABLE=block_table is not None, **launch,
     )  # fmt: skip
-    if num_splits > 1 and not fused:
+    if num_splits > 1 and not fused_combine:
         combine_splits(mid_o, mid_lse, out)
     return out
 

@@ -17,37 +17,46 @@ import torch
 from specserve.kernels.dispatch import jit, next_power_of_2, tl
 
 MAX_SPLITS = 16  # upper bound on KV splits per (request, query block, kv head)
+SPLIT_BLOCK = 32  # the combine's split vector: every count up to it in one compiled kernel
 MIN_COUNTERS = 4096  # smallest arrival-counter buffer (int32 entries, one per tile)
 
 
-@jit
+@jit(do_not_specialize=["num_splits"])
 def _combine_splits_kernel(
-    mid_o_ptr, mid_lse_ptr, out_ptr,
+    mid_o_ptr, mid_lse_ptr, out_ptr, num_splits,
     stride_mot, stride_moh, stride_mos, stride_mlt, stride_mlh, stride_ot, stride_oh,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_S: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
-    # out = sum_s w_s * o_s / sum_s w_s with w_s = 2^(lse_s - max lse); one program per (t, h)
+    # out = sum_s w_s * o_s / sum_s w_s with w_s = 2^(lse_s - max lse); one program per (t, h).
+    # num_splits is a runtime value (<= BLOCK_S): a new split count compiles nothing.
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     dv = tl.arange(0, BLOCK_DV)
     lse = tl.load(
         mid_lse_ptr + t * stride_mlt + h * stride_mlh + s,
-        mask=s < NUM_SPLITS,
+        mask=s < num_splits,
         other=float("-inf"),
     )  # [BLOCK_S]
     lse_max = tl.max(lse, 0)
-    w = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
-    o = tl.load(
-        mid_o_ptr + t * stride_mot + h * stride_moh + s[:, None] * stride_mos + dv[None, :],
-        mask=(s[:, None] < NUM_SPLITS) & (w[:, None] > 0) & (dv[None, :] < HEAD_DIM_V),
-        other=0.0,
-    )  # [BLOCK_S, BLOCK_DV]
-    total = tl.sum(w, 0)
-    o = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    w_all = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
+    total = tl.sum(w_all, 0)
+    o = tl.zeros([BLOCK_DV], tl.float32)
+    for si in range(num_splits):
+        w = tl.sum(tl.where(s == si, w_all, 0.0), 0)
+        o_s = tl.load(mid_o_ptr + t * stride_mot + h * stride_moh + si * stride_mos + dv,
+                      mask=dv < tl.where(w > 0, HEAD_DIM_V, 0), other=0.0)  # fmt: skip
+        o += o_s * w
+    o = o / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + dv, o.to(out_ptr.dtype.element_ty),
              mask=dv < HEAD_DIM_V)  # fmt: skip
+
+
+def split_block(num_splits: int) -> int:
+    """The split vector a kernel combining num_splits partials holds: SPLIT_BLOCK for every
+    count the default plans take (one compiled kernel for all of them), larger only for an
+    exact mode's fixed count past it."""
+    return max(SPLIT_BLOCK, next_power_of_2(num_splits))
 
 
 def split_buffers(
@@ -55,13 +64,17 @@ def split_buffers(
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
     """(partial outputs [T, N, S, D] fp32, their log2-sum-exps [T, N, S] fp32, the five strides
     a kernel takes: o's t, n, s and lse's t, n) of a launch into out [T, N, D] whose tiles
-    split their KV num_splits ways. One split: `out` twice and zero strides (unused: the
-    kernel writes out itself)."""
+    split their KV num_splits ways. One split: two one-element fp32 buffers and zero strides
+    (unused: the kernel writes out itself; fp32 as the split buffers, so a kernel compiled for
+    several splits serves one split too)."""
     if num_splits == 1:
-        return out, out, (0, 0, 0, 0, 0)
+        unused = out.new_empty(8, dtype=torch.float32)  # both 16-byte aligned, as a split's
+        return unused[:1], unused[4:5], (0, 0, 0, 0, 0)
     t, n, d = out.shape
     mid_o = out.new_empty(t, n, num_splits, d, dtype=torch.float32)
-    mid_lse = out.new_empty(t, n, num_splits, dtype=torch.float32)
+    # the split axis padded to 16 entries: the strides stay multiples of 16 whatever the count
+    # (Triton specializes integer arguments on divisibility by 16: one compile, not two)
+    mid_lse = out.new_empty(t, n, -(-num_splits // 16) * 16, dtype=torch.float32)
     return mid_o, mid_lse, (*mid_o.stride()[:3], *mid_lse.stride()[:2])
 
 
@@ -70,10 +83,10 @@ def combine_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor
     num_tokens, num_heads, head_dim_v = out.shape
     num_splits = mid_o.shape[2]
     _combine_splits_kernel[(num_tokens, num_heads)](
-        mid_o, mid_lse, out,
+        mid_o, mid_lse, out, num_splits,
         *mid_o.stride()[:3], *mid_lse.stride()[:2], out.stride(0), out.stride(1),
-        NUM_SPLITS=num_splits, BLOCK_S=next_power_of_2(num_splits),
-        HEAD_DIM_V=head_dim_v, BLOCK_DV=next_power_of_2(head_dim_v),
+        BLOCK_S=split_block(num_splits), HEAD_DIM_V=head_dim_v,
+        BLOCK_DV=next_power_of_2(head_dim_v),
     )  # fmt: skip
 
 
@@ -120,10 +133,9 @@ def default_num_splits(num_programs: int, device: torch.device,
 
     Depends only on the grid (batch size, heads, query blocks), never on sequence lengths, so a
     captured CUDA graph keeps a valid split count; splits past a short sequence exit at once.
-    The split count is a kernel constant: every distinct value compiles the kernel again, and
-    the eager launches of steps with prefill chunks (any batch, any query length) met a new
-    one step after step (1-2 s each, inside a serving step). Powers of two leave five (six
-    where decode launches allow 32).
+    The kernels read the split count from their grid at run time (it once was a constant:
+    every distinct value compiled the kernel again, 1-2 s inside a serving step, whenever an
+    eager step met a new one); powers of two are what the launch plans were measured with.
     """
     splits = max(1, min(max_splits, 2 * _num_sms(device) // max(num_programs, 1)))
     return 1 << (splits.bit_length() - 1)
