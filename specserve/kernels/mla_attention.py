@@ -51,7 +51,7 @@ def _mla_attention_kernel(
     stride_mot, stride_moh, stride_mos, stride_mlt, stride_mlh,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    IS_DECODE: tl.constexpr, HAS_MASK: tl.constexpr,
+    SPLIT: tl.constexpr, IS_DECODE: tl.constexpr, HAS_MASK: tl.constexpr,
     DOT_PRECISION: tl.constexpr, SPLIT_TOKENS: tl.constexpr, EXACT_TREE: tl.constexpr,
     BLOCK_W: tl.constexpr,
 ):  # fmt: skip
@@ -61,7 +61,10 @@ def _mla_attention_kernel(
     m_block = tl.program_id(0) % num_m_blocks
     head_block = tl.program_id(1)
     split = tl.program_id(2)
-    num_splits = tl.num_programs(2)  # a runtime value: a new split count compiles nothing
+    if SPLIT:  # the split count is a runtime value: a new count compiles nothing
+        num_splits = tl.num_programs(2)
+    else:
+        num_splits = 1
     if IS_DECODE:
         q_start = req
         q_len = 1
@@ -137,7 +140,7 @@ def _mla_attention_kernel(
 
     o, lse = _normalize(acc, m_i, l_i)  # a row that saw nothing outputs 0
     o_mask = row_ok[:, None] & (dl[None, :] < rank)
-    if num_splits == 1:
+    if not SPLIT:
         dst = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dl[None, :]
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=o_mask)
     else:
@@ -240,7 +243,7 @@ def mla_attention(
         *mid_strides,
         BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_N=block_n,
         BLOCK_L=max(next_power_of_2(rank), MIN_DOT), BLOCK_R=max(next_power_of_2(rope), MIN_DOT),
-        PAGE_SIZE=latent_cache.shape[1], IS_DECODE=is_decode,
+        PAGE_SIZE=latent_cache.shape[1], SPLIT=num_splits > 1, IS_DECODE=is_decode,
         HAS_MASK=custom_mask is not None,
         DOT_PRECISION="ieee" if q_lat.dtype == torch.float32 else None,  # keep fp32 exact
         SPLIT_TOKENS=EXACT.kv_split_tokens if EXACT.attention else 0, EXACT_TREE=exact_tree,

@@ -73,8 +73,8 @@ def _paged_attention_kernel(
     stride_mot, stride_moh, stride_mos, stride_mlt, stride_mlh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
-    FUSED_COMBINE: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_S: tl.constexpr, FUSED_COMBINE: tl.constexpr,
     IS_DECODE: tl.constexpr, HAS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SPLIT_TOKENS: tl.constexpr, EXACT_TREE: tl.constexpr, BLOCK_W: tl.constexpr,
     BLOCK_TABLE: tl.constexpr,
@@ -87,7 +87,10 @@ def _paged_attention_kernel(
         m_block = tl.program_id(0) % num_m_blocks
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    num_splits = tl.num_programs(2)  # a runtime value: a new split count compiles nothing
+    if SPLIT:  # the split count is a runtime value: a new count compiles nothing
+        num_splits = tl.num_programs(2)
+    else:
+        num_splits = 1
     if IS_DECODE:
         q_start = req
         q_len = 1
@@ -158,7 +161,7 @@ def _paged_attention_kernel(
 
     o, lse = _normalize(acc, m_i, l_i)  # a row that saw nothing outputs 0
     o_mask = row_ok[:, None] & (dv[None, :] < HEAD_DIM_V)
-    if num_splits == 1:
+    if not SPLIT:
         dst = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :]
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=o_mask)
     else:
@@ -310,7 +313,8 @@ def paged_attention(
         return out
     mid_o, mid_lse, mid_strides = split_buffers(out, num_splits)
     counters = seq_lens  # unused unless the splits are combined in the attention launch
-    if fused_combine and num_splits > 1:
+    fused = fused_combine and num_splits > 1
+    if fused:
         counters = split_counters(grid_programs, q.device)
     assert custom_mask is None or custom_mask.dtype == torch.bool
     mask = custom_mask.view(torch.uint8) if custom_mask is not None else page_table
@@ -334,14 +338,14 @@ def paged_attention(
         GROUP=group, BLOCK_G=next_power_of_2(group), BLOCK_M=block_m, BLOCK_N=block_n,
         PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_D=max(next_power_of_2(head_dim), MIN_DOT),
         HEAD_DIM_V=head_dim_v, BLOCK_DV=next_power_of_2(head_dim_v),
-        BLOCK_S=split_block(num_splits), FUSED_COMBINE=fused_combine,
+        SPLIT=num_splits > 1, BLOCK_S=split_block(num_splits), FUSED_COMBINE=fused,
         IS_DECODE=is_decode, HAS_MASK=custom_mask is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,  # keep fp32 exact
         SPLIT_TOKENS=EXACT.kv_split_tokens if EXACT.attention else 0,
         EXACT_TREE=exact_tree, BLOCK_W=next_power_of_2(mask_width) if exact_tree else 1,
         BLOCK_TABLE=block_table is not None, **launch,
     )  # fmt: skip
-    if num_splits > 1 and not fused_combine:
+    if num_splits > 1 and not fused:
         combine_splits(mid_o, mid_lse, out)
     return out
 

@@ -59,13 +59,16 @@ def _sparse_mla_kernel(
     stride_qt, stride_qh, stride_pt, stride_ph, stride_cp, stride_cs, stride_st,
     stride_ot, stride_oh, stride_mot, stride_moh, stride_mos, stride_mlt, stride_mlh,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     # a program owns (token, block of BLOCK_H heads, split of the token's k slots)
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
-    num_splits = tl.num_programs(2)  # a runtime value: a new split count compiles nothing
+    if SPLIT:  # the split count is a runtime value: a new count compiles nothing
+        num_splits = tl.num_programs(2)
+    else:
+        num_splits = 1
     h_ok = head < num_heads
     dl = tl.arange(0, BLOCK_L)
     dr = tl.arange(0, BLOCK_R)
@@ -107,7 +110,7 @@ def _sparse_mla_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT_PRECISION)
     o, lse = _normalize(acc, m_i, l_i)  # a head that saw no slot outputs 0
     o_mask = h_ok[:, None] & (dl[None, :] < rank)
-    if num_splits == 1:
+    if not SPLIT:
         dst = out_ptr + t * stride_ot + head[:, None] * stride_oh + dl[None, :]
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=o_mask)
     else:
@@ -153,7 +156,7 @@ def sparse_mla_attention(
         *mid_strides,
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_L=max(next_power_of_2(rank), MIN_DOT),
         BLOCK_R=max(next_power_of_2(rope), MIN_DOT), PAGE_SIZE=latent_cache.shape[1],
-        DOT_PRECISION="ieee" if q_lat.dtype == torch.float32 else None,
+        SPLIT=num_splits > 1, DOT_PRECISION="ieee" if q_lat.dtype == torch.float32 else None,
     )  # fmt: skip
     if num_splits > 1:
         combine_splits(mid_o, mid_lse, out)
