@@ -282,6 +282,11 @@ INTERPRETER_CHECKS = {
         [1, 7, 33, 70], None, 4, 2, 16, 4, F32, CPU, TOL32, num_splits=3
     ),
     "decode_mha_odd_dim": lambda: check_attention([5, 40], None, 1, 3, 24, 16, F32, CPU, TOL32),
+    # 24 splits of decode's KV blocks of 128, all non-empty at 3000 (the combine's loads take
+    # 16 at a time)
+    "decode_splits24_unfused": lambda: check_attention(
+        [1, 7, 330, 3000], None, 4, 2, 16, 4, F32, CPU, TOL32, num_splits=24,
+        fused_combine=False),
     "extend_causal": lambda: check_attention(
         [9, 40, 70], [9, 1, 21], 2, 2, 16, 4, F32, CPU, TOL32, num_splits=1, block_n=16
     ),
