@@ -135,9 +135,9 @@ def default_num_splits(num_programs: int, device: torch.device,
 
     Depends only on the grid (batch size, heads, query blocks), never on sequence lengths, so a
     captured CUDA graph keeps a valid split count; splits past a short sequence exit at once.
-    The attention kernels read the split count from their grid at run time (it once was a constant:
-    every distinct value compiled the kernel again, 1-2 s inside a serving step, whenever an
-    eager step met a new one); powers of two are what the launch plans were measured with.
+    The attention kernels read the split count from their grid at run time (it once was a
+    constant: every distinct value compiled the kernel again, 1-2 s inside a serving step,
+    whenever an eager step met a new one); powers of two are what the plans were measured with.
     """
     splits = max(1, min(max_splits, 2 * _num_sms(device) // max(num_programs, 1)))
     return 1 << (splits.bit_length() - 1)
