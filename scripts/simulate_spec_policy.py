@@ -59,6 +59,8 @@ def fitted_costs(report: dict) -> dict[str, float]:
     if "off" in lines:
         out["plain_mixed_ms"] = lines["off"][0]
         out["prefill_ms_per_token"] = lines["off"][1] / 1e3
+        # a catch-up runs the target over the positions as a prefill does (no KV written)
+        out["catchup_ms_per_token"] = lines["off"][1] / 1e3
     spec = [a for k, (a, _) in lines.items() if k not in ("off", "fold")]
     if spec:
         out["mixed_ms"] = sum(spec) / len(spec)
@@ -87,7 +89,7 @@ def main() -> int:
         ap.add_argument(f"--{name}", type=int, default=default)
     for name, default in (("prefill-ms-per-token", 0.03), ("mixed-ms", 2.0), ("fold-ms", 1.0),
                           ("plain-mixed-ms", 0.0),
-                          ("catchup-ms", 1.0), ("catchup-ms-per-token", 0.002),
+                          ("catchup-ms", 1.0), ("catchup-ms-per-token", 0.02),
                           ("noise", 0.02)):
         ap.add_argument(f"--{name}", type=float, default=default)
     args = ap.parse_args()
@@ -108,7 +110,8 @@ def main() -> int:
     except (OSError, ValueError) as e:
         ap.error(f"cannot read the cost table: {e}")
     model = {k.replace("-", "_"): getattr(args, k.replace("-", "_")) for k in (
-        "prefill-ms-per-token", "mixed-ms", "fold-ms", "plain-mixed-ms")}
+        "prefill-ms-per-token", "mixed-ms", "fold-ms", "plain-mixed-ms",
+        "catchup-ms-per-token")}
     if args.fit:
         if not args.report:
             ap.error("--fit reads a --report (a spec_policy.json of the sweep)")
@@ -128,8 +131,7 @@ def main() -> int:
                         prompt_len=args.prompt_len,
                         output_len=args.output_len, token_budget=args.token_budget,
                         output_spread=args.output_len_spread,
-                        **model, catchup_ms=args.catchup_ms,
-                        catchup_ms_per_token=args.catchup_ms_per_token, noise=args.noise)
+                        **model, catchup_ms=args.catchup_ms, noise=args.noise)
         names = [OFF, *modes, ADAPTIVE]
         per: dict[int, dict[str, list[float]]] = {c: {} for c in levels}
         for seed in range(args.seeds):

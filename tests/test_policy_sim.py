@@ -155,7 +155,7 @@ def test_simulation_script_reads_a_report_and_refuses_bad_flags(tmp_path) -> Non
     fit = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert fit.returncode == 0, fit.stderr[-2000:]
     assert fit.stdout.splitlines()[0] == "fitted: plain_mixed_ms 0.1, prefill_ms_per_token " \
-                                        "0.03, mixed_ms 2.5, fold_ms 1.5"
+        "0.03, catchup_ms_per_token 0.03, mixed_ms 2.5, fold_ms 1.5"  # catch-up: a prefill's
 
 
 def test_the_token_budget_bounds_each_modes_decode_batch() -> None:

@@ -44,7 +44,7 @@ class FoldAlways(StaticPolicy):
         super().__init__("chain3")
         self.steps, self.folded = 0, []
 
-    def choose(self, decoding: list[str], others: int = 0) -> str:
+    def choose(self, decoding: list[str], others: int = 0, behind: int = 0) -> str:
         self.steps += 1
         return self.mode
 
@@ -60,7 +60,7 @@ class OffAt(StaticPolicy):
         super().__init__("chain3")
         self.steps, self.off = 0, set(off)
 
-    def choose(self, decoding: list[str], others: int = 0) -> str | None:
+    def choose(self, decoding: list[str], others: int = 0, behind: int = 0) -> str | None:
         self.steps += 1
         return None if self.steps in self.off else self.mode
 

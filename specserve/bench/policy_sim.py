@@ -54,7 +54,7 @@ class SimConfig:
     fold_ms: float = 1.0
     plain_mixed_ms: float = 0.0
     catchup_ms: float = 1.0
-    catchup_ms_per_token: float = 0.002
+    catchup_ms_per_token: float = 0.02  # a target forward over them: H100, 8B, ~20 us each
     noise: float = 0.02
     overlap: bool = True  # cycles launched ahead (decode overlap): no fold where one holds
     children: dict[str, list[int]] = field(default_factory=dict)  # candidates per depth
@@ -116,7 +116,8 @@ def simulate(cfg: SimConfig, policy, concurrency: int, num_requests: int,
             if not pending:
                 last = clock, tokens
         decoding = [r for r in active if r.prefilled == cfg.prompt_len]
-        mode = (policy.choose([r.rid for r in decoding], len(active) - len(decoding))
+        mode = (policy.choose([r.rid for r in decoding], len(active) - len(decoding),
+                              sum(r.behind for r in decoding))
                 if policy is not None else None)
         # the step's plan: decode rows first (with the mode's lookahead), then chunks
         budget = cfg.token_budget - len(decoding) * cfg.lookahead(mode)

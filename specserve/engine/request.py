@@ -51,6 +51,7 @@ class Request:
             self.prompt_logprobs_left = len(self.prompt_token_ids) - 1
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.draft_covered = 0  # positions the drafters' state covers (worker's report)
         self.page_ids: list[int] = []  # the block table
         # prefix caching: the leading pages that are cached (shared, never written again),
         # the keys of the sequence's full pages as far as computed (kv_cache/prefix_cache.py),

@@ -97,6 +97,13 @@ class Scheduler:
         """Ids of the running requests whose next step is a decode."""
         return [r.request_id for r in self.running if self._is_decode(r)]
 
+    def drafter_behind(self) -> int:
+        """Positions of the decoding requests that their drafters' state does not cover
+        (tokens made while speculation was off): what a catch-up would run the target over
+        before they speculate again."""
+        return sum(max(0, r.num_computed_tokens - r.draft_covered)
+                   for r in self.running if self._is_decode(r))
+
     def get(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
 
@@ -216,7 +223,7 @@ class Scheduler:
             plan.used -= entry.cost
         self.running.remove(victim)
         self._release_pages(victim)
-        victim.num_computed_tokens = 0
+        victim.num_computed_tokens = victim.draft_covered = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
         victim.status = RequestStatus.WAITING
@@ -282,6 +289,8 @@ class Scheduler:
             n = entry.num_new_tokens if num_computed is None else num_computed[i]
             assert 1 <= n <= entry.num_new_tokens + entry.lookahead, (n, entry)
             req.num_computed_tokens += n
+            if draft_computed is not None:
+                req.draft_covered = draft_computed[i]
             new = token_ids[i]
             assert entry.samples or not new, "a mid-prefill chunk emits no token"
             assert len(new) <= 1 + entry.lookahead, (len(new), entry)

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from specserve.engine.acceptance import AcceptanceEstimates
+from specserve.engine.chunk_cost import ChunkCost
 from specserve.engine.goodput import GoodputModel, _extra_cap, _interpolate
 
 __all__ = ["AcceptanceEstimates", "AdaptivePolicy", "ScriptedPolicy", "SpecPolicy",
@@ -20,10 +21,13 @@ __all__ = ["AcceptanceEstimates", "AdaptivePolicy", "ScriptedPolicy", "SpecPolic
 class SpecPolicy(Protocol):
     needs_batch: bool  # choose() reads the ids of the requests about to decode
 
-    def choose(self, decoding: list[str], others: int = 0) -> str | bool | None:
+    def choose(self, decoding: list[str], others: int = 0,
+               behind: int = 0) -> str | bool | None:
         """Before scheduling a step: the draft mode it runs (a DraftShape name; True: the
         configured one), None or False: off. decoding: ids of the running requests about to
-        decode ([] unless needs_batch); others: the requests prefilling or waiting."""
+        decode ([] unless needs_batch); others: the requests prefilling or waiting; behind:
+        positions of the decoding requests their drafters' state does not cover (what a
+        catch-up runs the target over when they speculate again)."""
         ...
 
     def fold(self, mode: str, decoding: list[str]) -> bool:
@@ -71,7 +75,7 @@ class StaticPolicy(_Fixed):
     def __init__(self, mode: str) -> None:
         self.mode = mode
 
-    def choose(self, decoding: list[str], others: int = 0) -> str | None:
+    def choose(self, decoding: list[str], others: int = 0, behind: int = 0) -> str | None:
         return self.mode
 
 
@@ -85,7 +89,8 @@ class ScriptedPolicy(_Fixed):
         self.pattern = list(pattern)
         self.steps = 0
 
-    def choose(self, decoding: list[str], others: int = 0) -> str | bool | None:
+    def choose(self, decoding: list[str], others: int = 0,
+               behind: int = 0) -> str | bool | None:
         mode = self.pattern[self.steps % len(self.pattern)]
         self.steps += 1
         return mode
@@ -111,9 +116,13 @@ class AdaptivePolicy(GoodputModel):
     counts its mixed steps at that better rate.
 
     A switch costs: the step launched ahead for the old mode is discarded, and a proposer
-    coming back from off catches up over the tokens made meanwhile. The policy learns that
-    cost per kind of switch (on, off, between modes) from the steps that switched, in step
-    times of the new mode, and keeps those steps out of the rescaling. It switches when the
+    coming back from off catches up over the tokens made meanwhile (a target forward over
+    every position the decoding requests' drafter state lacks, prompts prefilled while off
+    included: the engine counts them, `behind`). The policy learns that cost per kind of
+    switch (on, off, between modes) from the steps that switched, in step times of the new
+    mode, the catch-up apart as seconds per position behind, and keeps those steps out of the
+    rescaling: coming back on after a long stretch off at a large batch costs tens of steps,
+    which the gain must pay for, and so must a probe from off. It switches when the
     gain exceeds `hysteresis`, `dwell` steps passed since the last switch (or the gain
     exceeds `leap`, or the decode batch has halved or doubled since that switch: a load
     that changes fast must not wait out the dwell mode by mode), and
@@ -154,6 +163,12 @@ class AdaptivePolicy(GoodputModel):
         # extra time of a step that switched, in step times of its mode (priors: the
         # discarded launch ahead; a catch-up forward on the way back on)
         self.switch_steps = {"on": 2.0, "off": 1.0, "mode": 1.0}
+        # coming back on, the catch-up's seconds per position the drafters are behind: a
+        # line (fixed + per position) fitted to the steps that switched on (before any, the
+        # prefill's cost per chunk token)
+        self.catch_up_line = ChunkCost()
+        self.catch_up_per_token: float | None = None
+        self.behind = 0  # positions behind at the last choose() (its step catches them up)
         self.current: str | None = next(iter(modes))
         self.since_switch = dwell  # the first decision needs no dwell: the start is no switch
         self.switch_batch = 0  # the decode batch of the last switch (the dwell's load)
@@ -212,14 +227,30 @@ class AdaptivePolicy(GoodputModel):
         """A switch's kind: "on" (off -> a mode), "off" (a mode -> off) or "mode"."""
         return "on" if old == "off" else "off" if new == "off" else "mode"
 
-    def _pays(self, key: str, best: str, scores: dict[str, float]) -> bool:
+    def _per_token(self) -> float:
+        if self.catch_up_per_token is not None:
+            return self.catch_up_per_token
+        return self.chunk_cost.pooled_slope() or 0.0
+
+    def switch_cost(self, old: str, new: str, b: int) -> float:
+        """A switch's cost in steps of the new mode: what switches of its kind cost beyond
+        their step (learnt), and coming back on, the catch-up over the positions the
+        drafters are behind (a target forward over them: after a long stretch off at a
+        large batch, tens of steps; H100, 8B, 128 rows: 19k positions, ~20 us each)."""
+        kind = self._kind(old, new)
+        cost = self.switch_steps[kind]
+        if kind == "on" and self.behind:
+            cost += self._per_token() * self.behind / self.step_time(new, max(b, 1))
+        return cost
+
+    def _pays(self, key: str, best: str, scores: dict[str, float], b: int) -> bool:
         """The gain beats the hysteresis, and over `horizon` steps covers the switch."""
         gain, now = scores[best], scores[key]
         if gain <= (1.0 + self.hysteresis) * now:
             return False
-        return self.horizon * (gain - now) >= self.switch_steps[self._kind(key, best)] * gain
+        return self.horizon * (gain - now) >= self.switch_cost(key, best, b) * gain
 
-    def _probe(self, scores: dict[str, float], key: str) -> str | None:
+    def _probe(self, scores: dict[str, float], key: str, b: int) -> str | None:
         """The best mode of a stale drafter family worth one step of trial, if any: stale
         once neither `explore_every` steps nor the steps its two switches cost over
         `probe_budget` have passed since the family last ran (4x that when it scores below
@@ -230,8 +261,7 @@ class AdaptivePolicy(GoodputModel):
             if fam == here:
                 continue
             mode = max((m for m in self.modes if self._family(m) == fam), key=scores.get)
-            cost = self.switch_steps[self._kind(key, mode)] + self.switch_steps[
-                self._kind(mode, key)]
+            cost = self.switch_cost(key, mode, b) + self.switch_cost(mode, key, b)
             every = max(self.explore_every, cost / self.probe_budget)
             if self.family_run[fam] < 0:  # never run: one look once `dwell` steps passed
                 every = self.dwell + 1
@@ -242,7 +272,8 @@ class AdaptivePolicy(GoodputModel):
                 best = scores[mode], mode
         return None if best is None else best[1]
 
-    def choose(self, decoding: list[str], others: int = 0) -> str | None:
+    def choose(self, decoding: list[str], others: int = 0, behind: int = 0) -> str | None:
+        self.behind = behind
         self.steps += 1
         self.since_switch += 1
         if not decoding:
@@ -262,14 +293,14 @@ class AdaptivePolicy(GoodputModel):
             return self.current
         scores = self.last_scores = self.scores(decoding, others)
         key = "off" if self.current is None else self.current
-        probe = self._probe(scores, key)
+        probe = self._probe(scores, key, len(decoding))
         if probe is not None:  # one step of it; the current mode stays
             self.family_run[self._family(probe)] = self.steps
             return probe
         best = max(scores, key=scores.get)
         settled = (self.since_switch >= self.dwell or not steady
                    or scores[best] > (1.0 + self.leap) * scores[key])
-        if best != key and settled and self._pays(key, best, scores):
+        if best != key and settled and self._pays(key, best, scores, b):
             self.since_switch, self.switch_batch = 0, b
             self.current = None if best == "off" else best
         return self.current
@@ -300,8 +331,12 @@ class AdaptivePolicy(GoodputModel):
         tabled = _interpolate(self.costs[key], batch)
         if prev is not None and prev != key:  # a switch: its extra time, not the mode's
             kind = self._kind(prev, key)
-            extra = max(0.0, seconds / (self.step_time(mode, batch) + (
-                self.mixed_extra[key] if mixed else 0.0)) - 1.0)
+            t = self.step_time(mode, batch) + (self.mixed_extra[key] if mixed else 0.0)
+            extra = max(0.0, seconds / t - 1.0)
+            if kind == "on":  # the catch-up's share: per position behind, from the fitted line
+                self.catch_up_line.observe("on", self.behind, extra * t)
+                self.catch_up_per_token = self.catch_up_line.line("on")[1]
+                extra = max(0.0, extra - self.catch_up_per_token * self.behind / t)
             self.switch_steps[kind] += 0.2 * (extra - self.switch_steps[kind])
             return
         if mixed:  # the prefill chunks' time on top of the decode step (clipped: _extra_cap)
