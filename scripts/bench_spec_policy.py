@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specserve.bench.jit_watch import triton_compiles  # noqa: E402
 from specserve.bench.stats import parse_positive_list  # noqa: E402
+from specserve.engine.goodput import _interpolate  # noqa: E402
 from specserve.engine.spec_policy import (  # noqa: E402
     AdaptivePolicy,
     ScriptedPolicy,
@@ -67,8 +68,8 @@ def run(engine, prompts: list[list[int]], output_lens: list[int], concurrency: i
     a configuration whose requests finish at staggered times with the next wave's prefills
     but not their tokens.) tok_s_all counts the whole run, whose tail (the last, slowest
     requests on few slots) depends on how acceptance varies between requests rather than on
-    the load. step_seconds: (steps, seconds) per kind of step in the run (mode, "+mixed"
-    when it carried prefill chunks)."""
+    the load. step_seconds: (steps, seconds, decode rows) per kind of step in the run
+    (mode, "+mixed" when it carried prefill chunks)."""
     pending = deque((p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, seed=i))
                     for i, (p, n) in enumerate(zip(prompts, output_lens)))
     in_flight, done_tokens = 0, 0
@@ -97,10 +98,10 @@ def run(engine, prompts: list[list[int]], output_lens: list[int], concurrency: i
     after = stats.get("mode_steps", {})
     steps = {m: after[m] - before.get(m, 0) for m in after}
     by_kind = {}
-    for kind, (n, t) in stats.get("step_seconds", {}).items():
-        n0, t0_ = seconds_before.get(kind, (0, 0.0))
+    for kind, (n, t, b) in stats.get("step_seconds", {}).items():
+        n0, t0_, b0 = seconds_before.get(kind, (0, 0.0, 0))
         if n > n0:
-            by_kind[kind] = [n - n0, t - t0_]
+            by_kind[kind] = [n - n0, t - t0_, b - b0]
     assert last is not None
     # with no more prompts than slots (or no finish before the last admission) the whole
     # run counts
@@ -116,6 +117,14 @@ def run(engine, prompts: list[list[int]], output_lens: list[int], concurrency: i
             # positions a drafter's catch-up forwards ran the target over (after off steps)
             "catch_up_tokens": stats.get("num_catch_up_tokens", 0) - caught_up,
             "triton_compiles": compiles}  # {kernel: compilations inside the run}
+
+
+def tabled(table: dict[str, dict[int, float]], kind: str, rows: float) -> str:
+    """' (table T ms)': the start-up cost table's time of a kind of decode step (no chunks)
+    at its mean decode rows, beside the time the run measured; '' for other kinds."""
+    if kind not in table or rows < 1:
+        return ""
+    return f" (table {1e3 * _interpolate(sorted(table[kind].items()), rows):.1f})"
 
 
 def use(engine, name: str, policy) -> None:
@@ -195,11 +204,13 @@ def sweep(engine, args, levels: list[int], modes: list[str], rate: float, comm: 
                       f"{max(point[name]['runs_tok_s']):.1f})" if len(rs) > 1 else "")
             kinds: dict[str, list] = {}
             for r in rs:
-                for kind, (n, t) in r["step_seconds"].items():
-                    acc = kinds.setdefault(kind, [0, 0.0])
+                for kind, (n, t, b) in r["step_seconds"].items():
+                    acc = kinds.setdefault(kind, [0, 0.0, 0])
                     acc[0] += n
                     acc[1] += t
-            per = ", ".join(f"{k} {1e3 * t / n:.1f} ms x{n}" for k, (n, t) in sorted(kinds.items()))
+                    acc[2] += b
+            per = ", ".join(f"{k} {1e3 * t / n:.1f} ms x{n} @{b / n:.0f}{tabled(table, k, b / n)}"
+                            for k, (n, t, b) in sorted(kinds.items()))
             joined = sum(r["chunks_in_verify"] for r in rs)
             per += f"; chunks in verify x{joined}" if joined else ""
             caught = sum(r["catch_up_tokens"] for r in rs)

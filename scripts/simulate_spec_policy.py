@@ -7,6 +7,8 @@ per-token, --mixed-ms, ...) to a policy sweep's per-kind step times before readi
     python scripts/simulate_spec_policy.py --report OUT/policy-0.65/spec_policy.json
     python scripts/simulate_spec_policy.py --report OUT/policy-0.65/spec_policy.json --fit \
         --accept-rate 0.65    # the chunk costs the sweep's adaptive policy learnt
+    python scripts/simulate_spec_policy.py --report OUT/policy-0.65/spec_policy.json \
+        --fit --fit-static    # and each kind's mixed-step line from the static runs
     python scripts/simulate_spec_policy.py --results experiments/results.jsonl --sha dd72cd7 \
         --accept-rate 0.65,0.3 --concurrency 1,2,4,8,16,32,64,128,256 --seeds 3
 """
@@ -69,6 +71,39 @@ def fitted_costs(report: dict) -> dict[str, float]:
     return out
 
 
+def static_mixed_lines(report: dict, prompt_len: int) -> dict[str, tuple[float, float]]:
+    """Per kind of step ("off" from the forced-off runs, each static mode): the line (fixed
+    ms, ms a chunk token) through what its mixed steps took over its decode steps, by least
+    squares over the report's concurrencies: at each, the mean mixed step's time minus the
+    mean decode step's, against the chunk tokens a mixed step carried (every prompt is
+    prefilled in the run's mixed steps: requests x prompt_len over their count). A fixed
+    part fitted below zero gives the line through the origin and the points' mean."""
+    pts: dict[str, list[tuple[float, float]]] = {}
+    for point in report.get("points", ()):
+        for name, cfg in point.items():
+            if name in ("plain", ADAPTIVE) or not isinstance(cfg, dict):
+                continue
+            kind = OFF if name == "forced-off" else name
+            for run in cfg.get("runs", ()):
+                seconds = run.get("step_seconds", {})
+                mixed, pure = seconds.get(f"{kind}+mixed"), seconds.get(kind)
+                if mixed and pure and mixed[0] and pure[0]:
+                    extra = 1e3 * (mixed[1] / mixed[0] - pure[1] / pure[0])
+                    pts.setdefault(kind, []).append(
+                        (point["requests"] * prompt_len / mixed[0], extra))
+    lines = {}
+    for kind, p in pts.items():
+        n = len(p)
+        mx, my = sum(x for x, _ in p) / n, sum(y for _, y in p) / n
+        sxx = sum((x - mx) ** 2 for x, _ in p)
+        slope = sum((x - mx) * (y - my) for x, y in p) / sxx if sxx > 0 else 0.0
+        fixed = my - slope * mx
+        if sxx <= 0 or fixed < 0 or slope < 0:
+            fixed, slope = 0.0, max(0.0, my) / mx
+        lines[kind] = (fixed, slope)
+    return lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     src = ap.add_mutually_exclusive_group(required=True)
@@ -77,6 +112,9 @@ def main() -> int:
     ap.add_argument("--fit", action="store_true",
                     help="with --report: the model's prefill, mixed-step and fold costs from "
                          "what the sweep's adaptive policy learnt (overrides those flags)")
+    ap.add_argument("--fit-static", action="store_true",
+                    help="with --report: each kind's mixed-step line (fixed ms, ms a chunk "
+                         "token) from the sweep's static runs (forced-off and each mode)")
     ap.add_argument("--sha", default="", help="with --results: the sweep's SHA prefix")
     ap.add_argument("--accept-rate", default="0.65")
     ap.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,256")
@@ -121,6 +159,15 @@ def main() -> int:
                      "(a sweep from before they were recorded)")
         model.update(fit)
         print("fitted: " + ", ".join(f"{k} {v:.4g}" for k, v in fit.items()))
+    lines = {}
+    if args.fit_static:
+        if not args.report:
+            ap.error("--fit-static reads a --report (a spec_policy.json of the sweep)")
+        lines = static_mixed_lines(json.loads(Path(args.report).read_text()), args.prompt_len)
+        if not lines:
+            ap.error("--fit-static: the report's static runs carry no mixed and decode steps")
+        print("mixed-step lines (fixed ms, ms a chunk token): " + ", ".join(
+            f"{k} ({a:.2f}, {c:.4f})" for k, (a, c) in lines.items()))
     modes, verify = {}, {}
     for name in costs:
         if name != OFF:
@@ -131,7 +178,8 @@ def main() -> int:
                         prompt_len=args.prompt_len,
                         output_len=args.output_len, token_budget=args.token_budget,
                         output_spread=args.output_len_spread,
-                        **model, catchup_ms=args.catchup_ms, noise=args.noise)
+                        **model, catchup_ms=args.catchup_ms, noise=args.noise,
+                        mixed_lines=lines)
         names = [OFF, *modes, ADAPTIVE]
         per: dict[int, dict[str, list[float]]] = {c: {} for c in levels}
         for seed in range(args.seeds):

@@ -253,3 +253,41 @@ def test_output_lengths_spread_per_request_and_the_simulation_follows_them() -> 
     cfg = SimConfig(costs=COSTS, modes=MODES, output_spread=0.5, noise=0.0)
     run = simulate(cfg, None, concurrency=4, num_requests=12)
     assert round(run["tok_s_all"] * run["seconds"]) == sum(output_lengths(12, 64, 0.5))
+
+
+def test_static_runs_give_each_kind_its_mixed_step_line() -> None:
+    """--fit-static: per kind, the line through (chunk tokens a mixed step carried, its
+    time over the decode step) at every concurrency of the report's static runs; a fixed
+    part below zero gives the line through the origin and the mean point. The model engine
+    then charges each kind its own line."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from simulate_spec_policy import static_mixed_lines
+
+    def run(kind: str, mixed_steps: int, tokens: float, fixed_ms: float,
+            per_ms: float) -> dict:
+        decode_s = 0.010
+        extra_s = 1e-3 * (fixed_ms + per_ms * tokens)
+        return {"step_seconds": {
+            f"{kind}+mixed": [mixed_steps, mixed_steps * (decode_s + extra_s), 64 * mixed_steps],
+            kind: [50, 50 * decode_s, 64 * 50]}}
+
+    points = []
+    for c, steps in ((16, 100), (64, 40)):  # 12800 prompt tokens: 128 or 320 a mixed step
+        point = {"concurrency": c, "requests": 100, "plain": {"runs": []}}
+        for name, (fixed, per) in (("forced-off", (1.0, 0.03)), ("chain3", (4.0, 0.05)),
+                                   ("tree4x3x8", (-2.0, 0.04))):
+            kind = "off" if name == "forced-off" else name
+            point[name] = {"runs": [run(kind, steps, 12800 / steps, fixed, per)]}
+        points.append(point)
+    lines = static_mixed_lines({"points": points}, 128)
+    assert lines["off"] == pytest.approx((1.0, 0.03))
+    assert lines["chain3"] == pytest.approx((4.0, 0.05))
+    # -2 + 0.04 N below zero at N = 0: through the origin and the mean point
+    mean = ((-2 + 0.04 * 128) + (-2 + 0.04 * 320)) / 2
+    assert lines["tree4x3x8"] == pytest.approx((0.0, mean / 224))
+    cfg = SimConfig(costs={"off": {1: 0.01}}, modes={}, mixed_lines=lines)
+    assert cfg.mixed_ms_of("chain3", 100) == pytest.approx(4.0 + 5.0)
+    assert cfg.mixed_ms_of("fold", 100) == pytest.approx(cfg.fold_ms + 100 * 0.03)

@@ -10,7 +10,9 @@ The model, per step:
   (interpolated as the policy does), plus, when the step carries prefill chunks,
   `prefill_ms_per_token` per chunk token and a fixed extra: `mixed_ms` for a speculative step
   (the cycle then runs eagerly, chunks in its verify forward), `fold_ms` for a folded step,
-  `plain_mixed_ms` for a plain one (its forward runs eagerly too);
+  `plain_mixed_ms` for a plain one (its forward runs eagerly too), or per kind a line of
+  its own (`mixed_lines`: a tree's verify beside the chunks costs more a token than a plain
+  forward);
   plus, for rows whose drafter state is behind (tokens made while off), a catch-up of
   `catchup_ms` + `catchup_ms_per_token` per missed token (an off step's prefill chunks are
   missed too; a speculative or folded step's feed the drafter); plus, when the mode changes away
@@ -59,6 +61,20 @@ class SimConfig:
     overlap: bool = True  # cycles launched ahead (decode overlap): no fold where one holds
     children: dict[str, list[int]] = field(default_factory=dict)  # candidates per depth
     verify_tokens: dict[str, int] = field(default_factory=dict)  # a row's lookahead per mode
+    # per kind of step ("off" for plain, a mode, "fold"): (fixed ms, ms a chunk token) of a
+    # mixed step over its decode step, in place of the shared prefill_ms_per_token and the
+    # kind's fixed part above (fitted to a sweep's static runs: scripts/simulate_spec_policy.py
+    # --fit-static; a tree's verify beside the chunks costs ~2x a plain step's per token)
+    mixed_lines: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    def mixed_ms_of(self, kind: str, tokens: int) -> float:
+        """Milliseconds a step of `kind` carrying `tokens` chunk tokens takes over its
+        decode step."""
+        if kind in self.mixed_lines:
+            fixed, per = self.mixed_lines[kind]
+            return fixed + per * tokens
+        fixed = {OFF: self.plain_mixed_ms, "fold": self.fold_ms}.get(kind, self.mixed_ms)
+        return fixed + self.prefill_ms_per_token * tokens
 
     def lookahead(self, mode: str | None) -> int:
         """Tokens of the step's budget a decode row takes: the verified nodes (default: a
@@ -135,9 +151,8 @@ def simulate(cfg: SimConfig, policy, concurrency: int, num_requests: int,
         b = len(decoding)
         seconds = _step_seconds(rows, mode if spec else None, b) if b else 0.0
         if mixed:
-            seconds += 1e-3 * cfg.prefill_ms_per_token * sum(n for _, n in chunks)
-            seconds += 1e-3 * (cfg.mixed_ms if spec else cfg.fold_ms if fold
-                               else cfg.plain_mixed_ms)
+            kind = mode if spec else "fold" if fold else OFF
+            seconds += 1e-3 * cfg.mixed_ms_of(kind, sum(n for _, n in chunks))
         behind = sum(r.behind for r in decoding) if spec else 0
         if behind:
             extra = 1e-3 * (cfg.catchup_ms + cfg.catchup_ms_per_token * behind)

@@ -79,9 +79,9 @@ class Engine:
         self.drafter: SpecWorker | None = self.executor.drafter
         self._drafter = self.drafter  # kept while speculation is switched off
         self.spec_policy: SpecPolicy | None = None
-        # speculative engines: (steps, seconds) per mode ("off", "fold"), "+mixed" when the
-        # step carried prefill chunks
-        self.step_seconds: dict[str, tuple[int, float]] = {}
+        # speculative engines: (steps, seconds, decode rows) per mode ("off", "fold"), "+mixed"
+        # when the step carried prefill chunks
+        self.step_seconds: dict[str, tuple[int, float, int]] = {}
         if self.drafter is not None:
             self.spec_policy = (self._adaptive_policy() if config.spec.policy == "adaptive"
                                 else StaticPolicy(self.drafter.default_mode))
@@ -291,8 +291,8 @@ class Engine:
                            chunk_tokens=chunk_tokens)
             # wall time per kind of step: what the policy's model must explain
             kind = ("fold" if fold else mode or "off") + ("+mixed" if mixed else "")
-            n, total = self.step_seconds.get(kind, (0, 0.0))
-            self.step_seconds[kind] = (n + 1, total + seconds)
+            n, total, rows = self.step_seconds.get(kind, (0, 0.0, 0))
+            self.step_seconds[kind] = (n + 1, total + seconds, rows + len(decodes))
         if not self.scheduler.has_unfinished:  # idle: the workers drop the last requests' state
             self._release(self.scheduler.schedule())
         return outputs
