@@ -54,6 +54,7 @@ from specserve.engine.spec_policy import (  # noqa: E402
 )
 from specserve.llm import LLM  # noqa: E402
 from specserve.sampling_params import SamplingParams  # noqa: E402
+from specserve.speculative.profile import format_table  # noqa: E402
 
 PLAIN, OFF, ADAPTIVE = "plain", "forced-off", "adaptive"
 
@@ -119,12 +120,15 @@ def run(engine, prompts: list[list[int]], output_lens: list[int], concurrency: i
             "triton_compiles": compiles}  # {kernel: compilations inside the run}
 
 
-def tabled(table: dict[str, dict[int, float]], kind: str, rows: float) -> str:
-    """' (table T ms)': the start-up cost table's time of a kind of decode step (no chunks)
-    at its mean decode rows, beside the time the run measured; '' for other kinds."""
+def tabled(table: dict[str, dict[int, float]], piped: dict[str, dict[int, float]], kind: str,
+           rows: float) -> str:
+    """' (table T / P ms)': the start-up cost table's time of a kind of decode step (no
+    chunks) at its mean decode rows, and the pipelined table's, beside the time the run
+    measured; '' for other kinds."""
     if kind not in table or rows < 1:
         return ""
-    return f" (table {1e3 * _interpolate(sorted(table[kind].items()), rows):.1f})"
+    t, p = (1e3 * _interpolate(sorted(x[kind].items()), rows) for x in (table, piped))
+    return f" (table {t:.1f} / {p:.1f})"
 
 
 def use(engine, name: str, policy) -> None:
@@ -143,6 +147,11 @@ def sweep(engine, args, levels: list[int], modes: list[str], rate: float, comm: 
     """Every configuration at every concurrency at one mean acceptance: out/spec_policy.json,
     its plot, the summary line and (--log) an experiments row."""
     table = engine.spec_cost_table
+    # the same entries timed as launches back to back (the device's rate under the engine's
+    # overlap): beside the table, to see which one the runs' measured steps follow
+    piped = engine.executor.control("profile_costs", batch_sizes=sorted(table["off"]),
+                                    pipelined=True)
+    print("cost table, launches back to back (ms):\n" + format_table(piped))
     server = engine.new_adaptive_policy()  # one for the sweep, unless --policy fresh
 
     def policy() -> AdaptivePolicy:
@@ -156,6 +165,8 @@ def sweep(engine, args, levels: list[int], modes: list[str], rate: float, comm: 
               "chunks_in_verify": args.chunks_in_verify,
               "cost_table_ms": {m: {b: t * 1e3 for b, t in row.items()}
                                 for m, row in table.items()},
+              "cost_table_pipelined_ms": {m: {b: t * 1e3 for b, t in row.items()}
+                                          for m, row in piped.items()},
               "startup_s": engine.startup_seconds,
               "cost_table_s": engine.spec_cost_seconds, "points": []}
     print(f"start-up {engine.startup_seconds:.1f} s, the cost table's part "
@@ -209,7 +220,8 @@ def sweep(engine, args, levels: list[int], modes: list[str], rate: float, comm: 
                     acc[0] += n
                     acc[1] += t
                     acc[2] += b
-            per = ", ".join(f"{k} {1e3 * t / n:.1f} ms x{n} @{b / n:.0f}{tabled(table, k, b / n)}"
+            per = ", ".join(f"{k} {1e3 * t / n:.1f} ms x{n} @{b / n:.0f}"
+                            f"{tabled(table, piped, k, b / n)}"
                             for k, (n, t, b) in sorted(kinds.items()))
             joined = sum(r["chunks_in_verify"] for r in rs)
             per += f"; chunks in verify x{joined}" if joined else ""

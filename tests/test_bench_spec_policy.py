@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -70,6 +71,14 @@ def test_policy_sweep_script_runs(tmp_path: Path, pair: tuple[str, str]) -> None
         assert set(point["forced-off"]["mode_steps"]) == {"off"}
         assert "off" in point["plain"]["mode_steps"] or not point["plain"]["mode_steps"]
     assert set(report["cost_table_ms"]) == {"off", "chain2", "chain1"}
+    # the same entries timed back to back, beside it; each decode kind's measured time
+    # printed with both tables' times at its mean decode rows
+    piped = report["cost_table_pipelined_ms"]
+    assert {m: set(r) for m, r in piped.items()} == {
+        m: set(r) for m, r in report["cost_table_ms"].items()}
+    assert all(t > 0 for r in piped.values() for t in r.values())
+    assert "launches back to back" in proc.stdout
+    assert re.search(r"chain2 [\d.]+ ms x\d+ @\d+ \(table [\d.]+ / [\d.]+\)", proc.stdout)
     assert 0 < report["cost_table_s"] < report["startup_s"]
     assert proc.stdout.count("the cost table's part") == 2
     # one adaptive policy for the sweep (a server's): its step count runs on across runs,

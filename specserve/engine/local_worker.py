@@ -66,7 +66,8 @@ class LocalWorker:
         if op == "profile_costs":  # every rank runs the same steps: their collectives meet
             from specserve.speculative.profile import profile_costs
 
-            return profile_costs(self._drafter, list(args["batch_sizes"]))
+            return profile_costs(self._drafter, list(args["batch_sizes"]),
+                                 pipelined=bool(args.get("pipelined", False)))
         if op == "set_speculation":
             enabled = bool(args["enabled"])
             self.drafter = self._drafter if enabled else None
