@@ -87,10 +87,7 @@ def _paged_attention_kernel(
         m_block = tl.program_id(0) % num_m_blocks
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if SPLIT:  # the split count is a runtime value: a new count compiles nothing
-        num_splits = tl.num_programs(2)
-    else:
-        num_splits = 1
+    num_splits = tl.num_programs(2) if SPLIT else 1  # at run time: a new count compiles nothing
     if IS_DECODE:
         q_start = req
         q_len = 1

@@ -65,10 +65,7 @@ def _sparse_mla_kernel(
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
-    if SPLIT:  # the split count is a runtime value: a new count compiles nothing
-        num_splits = tl.num_programs(2)
-    else:
-        num_splits = 1
+    num_splits = tl.num_programs(2) if SPLIT else 1  # at run time: a new count compiles nothing
     h_ok = head < num_heads
     dl = tl.arange(0, BLOCK_L)
     dr = tl.arange(0, BLOCK_R)
