@@ -51,6 +51,23 @@ def test_the_catch_up_rate_is_learnt_from_the_steps_that_switched_on() -> None:
     assert policy.step_time("chain3", 1) == pytest.approx(1.2)  # switch steps kept out
 
 
+def test_before_the_switches_tell_the_slope_the_prefill_cost_stands_for_it() -> None:
+    """A catch-up runs the target over its positions as a prefill does: before any switch
+    the plain steps' cost a chunk token prices the positions behind, and one switch (no
+    spread in positions behind to fit a slope to) keeps that slope, its fixed part taking
+    the rest."""
+    policy = AdaptivePolicy(MODES, COSTS, dwell=1, explore_every=10**6)
+    for n in (100, 300, 200, 400):  # plain steps with chunks: 10 ms + 2 ms a chunk token
+        policy.chunk_cost.observe("off", n, 0.01 + 0.002 * n)
+    policy.behind = 500
+    assert policy.switch_cost("off", "chain3", 1) == pytest.approx(
+        policy.switch_steps["on"] + 0.002 * 500 / 1.2, rel=0.01)
+    policy.observe("chain3", {"r0": 3}, 1.2, 1)
+    policy.observe(None, {}, 1.0, 1)
+    policy.observe("chain3", {"r0": 3}, 1.2 * 2 + 0.5, 1)  # 500 behind: 1 ms a position
+    assert policy.catch_up_per_token == pytest.approx(0.002, rel=0.01)
+
+
 class _Recorder(ScriptedPolicy):
     needs_batch = True  # the engine counts the positions behind only for such a policy
 

@@ -73,15 +73,17 @@ class ChunkCost:
         """Seconds per chunk token pooled over every kind (None: no mixed step seen)."""
         return self._line(self.pooled, 0.0)[2] if self.pooled[0] > 0.0 else None
 
-    def line(self, kind: str) -> tuple[float, float] | None:
-        """(fixed seconds, seconds per chunk token) of the kind's extra (None: never seen).
+    def line(self, kind: str, slope_prior: float | None = None) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per chunk token) of the kind's extra (None: never seen),
+        its slope shrunk toward slope_prior (default: the slope pooled over every kind).
         It passes through the kind's mean point: where the fitted slope would make the
         fixed part negative (a steep slope read off chunks of nearly one size), the line
         through the origin and that point."""
         st = self.stats.get(kind)
         if st is None or st[0] <= 0.0:
             return None
-        nbar, ybar, slope = self._line(st, self.pooled_slope() or 0.0)
+        prior = slope_prior if slope_prior is not None else self.pooled_slope() or 0.0
+        nbar, ybar, slope = self._line(st, prior)
         fixed = ybar - slope * nbar
         if fixed < 0.0:
             return 0.0, max(0.0, ybar) / nbar if nbar > 0.0 else 0.0

@@ -230,7 +230,15 @@ class AdaptivePolicy(GoodputModel):
     def _per_token(self) -> float:
         if self.catch_up_per_token is not None:
             return self.catch_up_per_token
-        return self.chunk_cost.pooled_slope() or 0.0
+        return self._prefill_slope()
+
+    def _prefill_slope(self) -> float:
+        """Seconds a chunk token adds to a plain step (pooled over kinds until plain steps
+        with chunks were seen): a catch-up's cost a position before any was measured, and the
+        prior its fitted line shrinks toward (a few switches at similar positions behind
+        cannot tell the fixed part from the slope)."""
+        line = self.chunk_cost.line("off")
+        return line[1] if line is not None else self.chunk_cost.pooled_slope() or 0.0
 
     def switch_cost(self, old: str, new: str, b: int) -> float:
         """A switch's cost in steps of the new mode: what switches of its kind cost beyond
@@ -335,7 +343,7 @@ class AdaptivePolicy(GoodputModel):
             extra = max(0.0, seconds / t - 1.0)
             if kind == "on":  # the catch-up's share: per position behind, from the fitted line
                 self.catch_up_line.observe("on", self.behind, extra * t)
-                self.catch_up_per_token = self.catch_up_line.line("on")[1]
+                self.catch_up_per_token = self.catch_up_line.line("on", self._prefill_slope())[1]
                 extra = max(0.0, extra - self.catch_up_per_token * self.behind / t)
             self.switch_steps[kind] += 0.2 * (extra - self.switch_steps[kind])
             return
