@@ -1,5 +1,5 @@
 """What coming back on costs: the positions the drafters' state lacks after steps off (the
-engine counts them from the worker's reports, Scheduler.drafter_behind), and the adaptive
+engine counts them from the worker's reports, Scheduler.decoding), and the adaptive
 policy's switch cost, which charges the catch-up per position behind and learns its rate
 from the steps that switched on."""
 

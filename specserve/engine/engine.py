@@ -253,10 +253,10 @@ class Engine:
         policy = self.spec_policy
         if self.drafter is not None:  # decided before scheduling: off reserves no lookahead
             sched = self.scheduler
-            batch = policy.needs_batch  # what the policy reads of the running requests
-            decoding = sched.decoding_ids() if batch else []
+            # what the policy reads of the running requests: ids and positions behind
+            decoding, behind = sched.decoding() if policy.needs_batch else ([], 0)
             mode = policy.choose(decoding, sched.num_running + sched.num_waiting - len(decoding),
-                                 sched.drafter_behind() if batch and self.drafter.stateful else 0)
+                                 behind if self.drafter.stateful else 0)
             if isinstance(mode, bool):  # True: the configured mode, False: off
                 mode = self.drafter.default_mode if mode else None
             self.scheduler.lookahead = self.drafter.lookahead_of(mode)

@@ -95,14 +95,18 @@ class Scheduler:
 
     def decoding_ids(self) -> list[str]:
         """Ids of the running requests whose next step is a decode."""
-        return [r.request_id for r in self.running if self._is_decode(r)]
+        return self.decoding()[0]
 
-    def drafter_behind(self) -> int:
-        """Positions of the decoding requests that their drafters' state does not cover
-        (tokens made while speculation was off): what a catch-up would run the target over
-        before they speculate again."""
-        return sum(max(0, r.num_computed_tokens - r.draft_covered)
-                   for r in self.running if self._is_decode(r))
+    def decoding(self) -> tuple[list[str], int]:
+        """(ids of the running requests whose next step is a decode, their positions that
+        their drafters' state does not cover: tokens made while speculation was off, what a
+        catch-up would run the target over before they speculate again), in one pass."""
+        ids, behind = [], 0
+        for r in self.running:
+            if self._is_decode(r):
+                ids.append(r.request_id)
+                behind += max(0, r.num_computed_tokens - r.draft_covered)
+        return ids, behind
 
     def get(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
