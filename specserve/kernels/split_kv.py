@@ -61,6 +61,9 @@ def split_block(num_splits: int) -> int:
     return max(SPLIT_BLOCK, next_power_of_2(num_splits))
 
 
+_unused: dict[torch.device, torch.Tensor] = {}  # device -> the one-split launches' fp32 dummies
+
+
 def split_buffers(
     out: torch.Tensor, num_splits: int
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
@@ -70,8 +73,10 @@ def split_buffers(
     (unused: the kernel writes out itself; fp32 as the split buffers, so a kernel compiled for
     several splits serves one split too)."""
     if num_splits == 1:
-        unused = out.new_empty(8, dtype=torch.float32)  # both 16-byte aligned, as a split's
-        return unused[:1], unused[4:5], (0, 0, 0, 0, 0)
+        unused = _unused.get(out.device)
+        if unused is None:  # kept for the process: no allocation a launch
+            unused = _unused[out.device] = torch.empty(8, dtype=torch.float32, device=out.device)
+        return unused[:1], unused[4:5], (0, 0, 0, 0, 0)  # both 16-byte aligned, as a split's
     t, n, d = out.shape
     mid_o = out.new_empty(t, n, num_splits, d, dtype=torch.float32)
     # the split axis padded to 16 entries: the strides stay multiples of 16 whatever the count

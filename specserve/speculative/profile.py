@@ -31,9 +31,9 @@ def profile_costs(
     pipelined: bool = False,
 ) -> dict[str, dict[int, float]]:
     """{mode: {batch size: median seconds}}; mode "off" is the plain decode step.
-    worker: SpecWorker. pipelined: each entry the mean of PIPELINED launches back to back
-    with one synchronisation after them (the device's rate when the host launches ahead, as
-    the engine's overlap does), not of one launch waited for (a diagnostic: a sweep's
+    worker: SpecWorker. pipelined: each entry per launch of PIPELINED launches back to back
+    with one synchronisation after them, median of `repeats` rounds (the device's rate when
+    the host launches ahead, as the engine's overlap does), not of one launch waited for (a diagnostic: a sweep's
     measured steps of the speculative modes ran 20-50% under the waited-for entries at 128
     rows on an H100, the plain step's at its entry)."""
     runner = worker.runner
@@ -105,37 +105,32 @@ def _rows(runner, bs: int, start: int, num_slots: int, new_tokens: int = 1) -> S
     )
 
 
-def _median_time(device: torch.device, fn: Callable[[], None], repeats: int) -> float:
+PIPELINED = 8  # launches a pipelined round times back to back
+
+
+def _median_time(device: torch.device, fn: Callable[[], None], repeats: int,
+                 launches: int = 1) -> float:
+    """Median over `repeats` rounds of a round's seconds per launch: `launches` calls of fn
+    back to back, one synchronisation after them (fn is warmed up first: kernel
+    compilation, allocator)."""
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    fn()  # warm-up (kernel compilation, allocator)
+    fn()
     times = []
     for _ in range(repeats):
         sync()
         t0 = time.perf_counter()
-        fn()
+        for _ in range(launches):
+            fn()
         sync()
-        times.append(time.perf_counter() - t0)
+        times.append((time.perf_counter() - t0) / launches)
     return sorted(times)[len(times) // 2]
 
 
-PIPELINED = 8  # launches a pipelined entry times back to back
-
-
 def _pipelined_time(device: torch.device, fn: Callable[[], None], repeats: int) -> float:
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    fn()  # warm-up
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(PIPELINED):
-        fn()
-    sync()
-    return (time.perf_counter() - t0) / PIPELINED
+    return _median_time(device, fn, repeats, PIPELINED)
 
 
 def format_table(table: dict[str, dict[int, float]]) -> str:
