@@ -33,9 +33,9 @@ def profile_costs(
     """{mode: {batch size: median seconds}}; mode "off" is the plain decode step.
     worker: SpecWorker. pipelined: each entry per launch of PIPELINED launches back to back
     with one synchronisation after them, median of `repeats` rounds (the device's rate when
-    the host launches ahead, as the engine's overlap does), not of one launch waited for (a diagnostic: a sweep's
-    measured steps of the speculative modes ran 20-50% under the waited-for entries at 128
-    rows on an H100, the plain step's at its entry)."""
+    the host launches ahead, as the engine's overlap does), not of one launch waited for
+    (a diagnostic: a sweep's measured steps of the speculative modes ran 20-50% under the
+    waited-for entries at 128 rows on an H100, the plain step's at its entry)."""
     runner = worker.runner
     timed = _pipelined_time if pipelined else _median_time
     context = min(context, runner.max_positions - worker.lookahead - worker.keep_ahead - 2)
