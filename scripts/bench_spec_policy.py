@@ -189,9 +189,16 @@ def sweep(engine, args, levels: list[int], modes: list[str], rate: float, comm: 
         for _ in range(args.repeats):  # rounds of every configuration, interleaved
             for name in configs:
                 use(engine, name, policy)
+                if name == ADAPTIVE and args.trace:  # its decisions and steps, one a line
+                    engine.spec_policy.trace = []
                 runs[name].append(run(engine, prompts, lens, c))
                 if name == ADAPTIVE:  # what the policy learnt in this run
                     pol = engine.spec_policy
+                    if pol.trace is not None:
+                        out.mkdir(parents=True, exist_ok=True)
+                        path = out / f"trace-c{c}-{len(runs[name])}.jsonl"
+                        path.write_text("".join(json.dumps(r) + "\n" for r in pol.trace))
+                        pol.trace = None
                     runs[name][-1]["learnt"] = {
                         "steps": pol.steps, "switch_steps": dict(pol.switch_steps), "scale": dict(pol.scale),
                         "mixed_share": pol.mixed_share,
@@ -315,6 +322,8 @@ def main() -> int:
                     "the worker's default (auto: their own where the chunks' token graph and "
                     "the cycle's graph both hold the step)")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--trace", action="store_true",
+                    help="write the adaptive runs' decisions and steps (out/trace-c<C>-<run>.jsonl)")
     ap.add_argument("--log", action="store_true", help="append to experiments/ (LOG.md)")
     ap.add_argument("--exp-dir", default="experiments")
     ap.add_argument("--label", default="", help="experiments row label ({rate}: the rate)")

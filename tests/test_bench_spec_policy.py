@@ -56,6 +56,7 @@ def test_policy_sweep_script_runs(tmp_path: Path, pair: tuple[str, str]) -> None
         "2",
         "--out",
         str(out),
+        "--trace",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -94,6 +95,16 @@ def test_policy_sweep_script_runs(tmp_path: Path, pair: tuple[str, str]) -> None
     assert isinstance(runs[-1]["learnt"]["chunk_lines"], dict)
     assert "chunk tokens per emitted" in proc.stdout
     assert (out / "rate-0.5" / "spec_policy.png").stat().st_size > 0
+    # --trace: each adaptive run's decisions (with the scores where it scored) and its
+    # observed steps, as many as the run's steps
+    trace = [json.loads(line) for line in
+             (out / "rate-0.5" / "trace-c4-2.jsonl").read_text().splitlines()]
+    chosen = [r for r in trace if "mode" in r]
+    observed = [r for r in trace if "observed" in r]
+    assert chosen and any("scores" in r for r in chosen)
+    assert {"off", "chain2", "chain1"} >= {m for r in chosen for m in r.get("scores", {})}
+    last = report["points"][-1]["adaptive"]["runs"][-1]
+    assert len(observed) == sum(last["mode_steps"].values())
 
 
 @pytest.mark.slow

@@ -181,7 +181,10 @@ class AdaptivePolicy(GoodputModel):
         # chain1 ran 1.10x plain)
         self.family_run = dict.fromkeys(self.families, -1)
         self.last_scores: dict[str, float] = {}
+        self.scored_at = -1  # the step the last scores were computed at
         self._prev: str | None = None  # the last observed step's mode ("off" for off)
+        # a list: every choose() and observe() appends a record (benchmarks' decision traces)
+        self.trace: list[dict] | None = None
 
     def _family(self, mode: str) -> tuple[str, int]:
         method, topk, _ = self.modes[mode]
@@ -281,6 +284,21 @@ class AdaptivePolicy(GoodputModel):
         return None if best is None else best[1]
 
     def choose(self, decoding: list[str], others: int = 0, behind: int = 0) -> str | None:
+        mode = self._choose(decoding, others, behind)
+        if self.trace is not None:
+            rec = {"step": self.steps, "b": len(decoding), "others": others,
+                   "behind": behind, "mode": mode or "off"}
+            if self.scored_at == self.steps:  # scored this step
+                rec["scores"] = {m: round(v, 1) for m, v in self.last_scores.items()}
+                rec["rho"] = round(self.prompt_per_output(), 3)
+                key = "off" if self.current is None else self.current
+                best = max(self.last_scores, key=self.last_scores.get)
+                if best != key:
+                    rec["switch_cost"] = round(self.switch_cost(key, best, len(decoding)), 2)
+            self.trace.append(rec)
+        return mode
+
+    def _choose(self, decoding: list[str], others: int = 0, behind: int = 0) -> str | None:
         self.behind = behind
         self.steps += 1
         self.since_switch += 1
@@ -300,6 +318,7 @@ class AdaptivePolicy(GoodputModel):
                                              or b > 64):
             return self.current
         scores = self.last_scores = self.scores(decoding, others)
+        self.scored_at = self.steps
         key = "off" if self.current is None else self.current
         probe = self._probe(scores, key, len(decoding))
         if probe is not None:  # one step of it; the current mode stays
@@ -316,6 +335,11 @@ class AdaptivePolicy(GoodputModel):
     def observe(self, mode: str | None, accepted: dict[str, int], seconds: float | None,
                 batch: int, mixed: bool = False, folded: bool = False,
                 chunk_tokens: int | None = None) -> None:
+        if self.trace is not None:
+            self.trace.append({"observed": "fold" if folded else mode or "off", "b": batch,
+                               "ms": None if seconds is None else round(seconds * 1e3, 3),
+                               "mixed": mixed, "chunk": chunk_tokens,
+                               "accepted": sum(accepted.values())})
         if folded:  # no cycle ran and no switch: the fold's time over the plain step's
             if chunk_tokens is not None:
                 self.count_tokens(chunk_tokens, batch)
