@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.engine.goodput import FRESH_STEPS, GoodputModel, _interpolate
+from specserve.engine.goodput import _interpolate
+from specserve.engine.spec_policy import AdaptivePolicy
 
 
 def test_interpolation() -> None:
@@ -14,26 +15,30 @@ def test_interpolation() -> None:
     assert _interpolate([(2, 3.0)], 4) == 6.0
 
 
-def test_plain_steps_share_of_mixed_steps_is_carried_over_when_stale() -> None:
-    """Plain steps' mixed share comes from their own mean chunk while they ran mixed steps
-    recently; once stale (another kind ran since), from the running kind's measured share
-    through a Poisson arrival rate per emitted token; speculative kinds keep their own."""
-    m = GoodputModel({"off": {1: 0.01, 64: 0.02}, "chain1": {1: 0.011, 64: 0.024}})
-    for _ in range(10):  # an old load: one 128-token prompt with every plain step
-        m.count_tokens(128, 64, "off")
-        m.chunk_cost.observe("off", 128, 0.005)
-    rho = 2.0
-    assert m.share_of("off", 64, rho) == 1.0  # fresh: its own mean chunk (128)
-    for i in range(FRESH_STEPS + 8):  # then chain1: 2 steps in 5 carry a 260-token chunk
+def test_a_kinds_share_of_mixed_steps_is_its_own_even_when_another_kind_ran_since() -> None:
+    """Plain steps met 100-155-token chunks (extra 5 ms + 20 us a token); then chain1 ran 40
+    steps, 2 in 5 with a 260-token chunk. Off's share stays rho x tokens over its own mean
+    chunk (not a rate carried over from chain1's steps), so the charge its mixed steps add
+    per emitted token is what they measured per chunk token (mean extra over mean chunk)
+    times rho, however the fitted line splits into fixed part and slope."""
+    costs = {"off": {1: 0.01, 64: 0.02, 128: 0.03}, "chain1": {1: 0.011, 64: 0.024, 128: 0.04}}
+    m = AdaptivePolicy({"chain1": (1, 1)}, costs)
+    t_off, t_c1 = m.step_time(None, 64), m.step_time("chain1", 83)
+    for i in range(12):  # plain steps of an older load, each with a chunk
+        n = 100 + 5 * i
+        m.observe(None, {}, t_off + 0.005 + 20e-6 * n, 64, mixed=True, chunk_tokens=n)
+    for i in range(40):
         mixed = i % 5 < 2
-        m.count_tokens(260 if mixed else 0, 83, "chain1")
-        if mixed:
-            m.chunk_cost.observe("chain1", 260, 0.012)
-    n, k, e = m.kind_steps["chain1"]
-    want = 1.0 - (1.0 - k / n) ** (64 / (e / n))
-    assert 0.3 < want < 0.4
-    assert m.share_of("off", 64, rho) == pytest.approx(want)
-    assert m.share_of("chain1", 83, rho) == pytest.approx(rho * 83 / 260)  # its own chunks
-    m.count_tokens(128, 64, "off")  # plain steps ran a mixed step again: their own
-    own = min(1.0, rho * 64 / m.chunk_cost.mean_chunk("off"))
-    assert m.share_of("off", 64, rho) == pytest.approx(own)
+        m.observe("chain1", {f"r{j}": 1 for j in range(83)}, t_c1 + (0.012 if mixed else 0.0),
+                  83, mixed=mixed, chunk_tokens=260 if mixed else 0)
+    rho = 2.0
+    w = [0.97 ** (11 - i) for i in range(12)]  # ChunkCost's decay a new observation
+    nbar = sum(wi * (100 + 5 * i) for i, wi in enumerate(w)) / sum(w)
+    assert m.chunk_cost.mean_chunk("off") == pytest.approx(nbar)
+    assert m.share_of("off", 32, rho) == pytest.approx(rho * 32 / nbar)  # 0.49
+    assert m.share_of("off", 80, rho) == 1.0
+    assert m.share_of("chain1", 83, rho) == pytest.approx(rho * 83 / 260)
+    a, c = m.mixed_line("off")
+    s = m.share_of("off", 32, rho)
+    ybar = 0.005 + 20e-6 * nbar
+    assert s * a + c * rho * 32 == pytest.approx(rho * 32 * ybar / nbar, rel=1e-6)

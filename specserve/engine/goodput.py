@@ -9,13 +9,7 @@ switch.
 
 from __future__ import annotations
 
-import math
-
 from specserve.engine.chunk_cost import ChunkCost
-
-KIND_DECAY = 0.98  # weight a kind's step statistics keep per step of that kind
-FRESH_STEPS = 32  # a kind's own mean chunk counts while its last mixed step is this recent
-MIN_REFERENCE_STEPS = 16.0  # (decayed) steps of a kind whose share others' may be read from
 
 
 class GoodputModel:
@@ -47,11 +41,6 @@ class GoodputModel:
         # chunk tokens per emitted token (decayed sums over steps)
         self.chunk_cost = ChunkCost()
         self.chunk_ema = self.emitted_ema = 0.0
-        # per kind of step: decayed (steps, steps with chunks, tokens emitted), and the step
-        # (of kind_clock, counting every kind's) of its last mixed one
-        self.kind_steps: dict[str, list[float]] = {}
-        self.kind_mixed_at: dict[str, int] = {}
-        self.kind_clock = 0
         # prompt tokens prefilled and output tokens of finished requests (decayed per
         # request): the load's prompt tokens per output token, which no mode changes
         self.done_prompt = self.done_output = 0.0
@@ -108,48 +97,27 @@ class GoodputModel:
                      for x, y in kinds]
         return max(rates), len(rates) > 1 and rates[1] > rates[0]
 
-    def count_tokens(self, chunk_tokens: int, emitted: int, kind: str | None = None) -> None:
-        """A step's prefill chunk tokens and decode tokens emitted (decayed per step); kind:
-        the step's mode ("off" for plain; None: a folded step, counted in no kind's share)."""
+    def count_tokens(self, chunk_tokens: int, emitted: int) -> None:
+        """A step's prefill chunk tokens and decode tokens emitted (decayed per step)."""
         self.chunk_ema = 0.98 * self.chunk_ema + chunk_tokens
         self.emitted_ema = 0.98 * self.emitted_ema + emitted
-        if kind is None:
-            return
-        self.kind_clock += 1
-        st = self.kind_steps.setdefault(kind, [0.0, 0.0, 0.0])
-        for i, v in enumerate((1.0, float(chunk_tokens > 0), float(emitted))):
-            st[i] = KIND_DECAY * st[i] + v
-        if chunk_tokens > 0:
-            self.kind_mixed_at[kind] = self.kind_clock
 
     def share_of(self, name: str, tokens: float, rho: float) -> float:
         """The share of a kind's steps that carry prefill chunks, emitting `tokens` a step:
-        rho x tokens / its mean chunk; for plain steps ("off") whose own mixed steps are not
-        recent (none within FRESH_STEPS steps), carried over from the recent kind with the
-        most steps, R: prompts arrive at a rate per emitted token, the steps that see none a
-        Poisson share: mu = -ln(1 - s_R) / E_R, s = 1 - exp(-mu x tokens). Plain steps' own
-        mean chunk, from a load long gone, says nothing of today's (chunks grow with the
-        load: off at C = 16 -> 64 -> 128 in the model engine, 195 -> 260 -> 392 tokens); a
-        stale 128 made every plain step look mixed (s = 1 against 0.42), off scored 4.1k
-        where it ran 4.9k, and the policy kept a tree at 0.86 of plain (bench/policy_sim.py
-        on an H100's costs, rate 0.3, C = 64: adaptive / best 0.854 -> 0.953 over 5 seeds).
-        Only off: carried over to the speculative kinds too, it cost up to 0.07 elsewhere
-        (rate 0.65, C = 16: 1.00 -> 0.93), as when earlier estimates replaced measured
-        chunks altogether (experiments/2026-12-05-policy-simulation.md)."""
-        own = min(1.0, rho * tokens / self.chunk_cost.mean_chunk(name))
-        last = self.kind_mixed_at.get(name)
-        if name != "off" or last is not None and self.kind_clock - last <= FRESH_STEPS:
-            return own
-        recent = [(self.kind_steps[k][0], k) for k, at in self.kind_mixed_at.items()
-                  if k != name and self.kind_clock - at <= FRESH_STEPS
-                  and self.kind_steps[k][0] >= MIN_REFERENCE_STEPS]
-        if not recent:
-            return own
-        n, mixed, emitted = self.kind_steps[max(recent)[1]]
-        if emitted <= 0.0:
-            return own
-        mu = -math.log(1.0 - min(mixed / n, 0.95)) / (emitted / n)
-        return 1.0 - math.exp(-mu * tokens)
+        rho x tokens / its mean chunk (its own mixed steps', else the recent ones' of every
+        kind). Charged the kind's fixed part per mixed step and its slope per chunk token,
+        the kind pays what its mixed steps measured per chunk token (ybar / nbar), however
+        its fitted line splits into fixed part and slope.
+
+        Plain steps whose own mixed steps were stale once took their share from the running
+        kind's instead (a Poisson rate of prompts per emitted token), with their stale line's
+        fixed part: on an H100 (8B, 128-token prompts, 64 out, rate 0.65) that share read
+        0.61 where plain steps ran ~0.86 mixed, off's fixed part 1.6 ms where its steps took
+        4.4-5.4 ms; off scored 14% above chain2 at C = 128 (it ran 0.87 of chain2) and the
+        policy went off and stayed (the catch-up back grew with every step): 0.84-0.88 of
+        the best; at C = 64 a like excursion cost the tree 8 steps and 1.5k positions of
+        catch-up (experiments/2026-12-06-policy-trace.md)."""
+        return min(1.0, rho * tokens / self.chunk_cost.mean_chunk(name))
 
     def learn_mixed(self, key: str, extra: float, chunk_tokens: int | None) -> None:
         """A mixed step's extra seconds: with its chunk tokens known, every kind's extra is

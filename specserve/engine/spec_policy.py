@@ -356,7 +356,7 @@ class AdaptivePolicy(GoodputModel):
             self.family_run[(method, topk)] = self.steps
             self.acceptance.observe_step(accepted, topk, steps, method)
         if chunk_tokens is not None:
-            self.count_tokens(chunk_tokens, batch + sum(accepted.values()), key)
+            self.count_tokens(chunk_tokens, batch + sum(accepted.values()))
         if seconds is None or not batch:
             return
         self.mixed_share += 0.05 * (float(mixed) - self.mixed_share)
