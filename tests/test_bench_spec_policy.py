@@ -102,6 +102,9 @@ def test_policy_sweep_script_runs(tmp_path: Path, pair: tuple[str, str]) -> None
     chosen = [r for r in trace if "mode" in r]
     observed = [r for r in trace if "observed" in r]
     assert chosen and any("scores" in r for r in chosen)
+    scored = next(r for r in chosen if "scores" in r)  # with what the scores were made of
+    assert set(scored["E"]) == set(scored["scores"]) == set(scored["rows"])
+    assert scored["E"]["off"] == 1.0 and scored["E"]["chain2"] >= 1.0
     assert {"off", "chain2", "chain1"} >= {m for r in chosen for m in r.get("scores", {})}
     last = report["points"][-1]["adaptive"]["runs"][-1]
     assert len(observed) == sum(last["mode_steps"].values())

@@ -185,6 +185,7 @@ class AdaptivePolicy(GoodputModel):
         self._prev: str | None = None  # the last observed step's mode ("off" for off)
         # a list: every choose() and observe() appends a record (benchmarks' decision traces)
         self.trace: list[dict] | None = None
+        self._inputs: dict = {}  # the last scores' inputs (traced)
 
     def _family(self, mode: str) -> tuple[str, int]:
         method, topk, _ = self.modes[mode]
@@ -223,6 +224,16 @@ class AdaptivePolicy(GoodputModel):
                     per_row[name] = totals[steps] / b
         key = "off" if self.current is None else self.current
         rows = self.batches(per_row, b, others, key)
+        if self.trace is not None:  # the inputs of the scores: tokens a row, rows, shares
+            rho = self.prompt_per_output()
+            self._inputs = {
+                "E": {m: round(e, 3) for m, e in per_row.items()},
+                "rows": {m: round(r, 1) for m, r in rows.items()},
+                "share": {m: round(self.share_of(m, per_row[m] * rows[m], rho), 3)
+                          for m in per_row if self.chunk_cost.mean_tokens},
+                "line_ms": {k: (round(ln[0] * 1e3, 2), round(ln[1] * 1e6, 1))
+                            for k in per_row for ln in [self.mixed_line(k)]},
+                "scale": {m: round(v, 3) for m, v in self.scale.items()}}
         return {name: self.goodput(name, per_row[name] * rows[name], rows[name],
                                    self.mixed_share)[0] for name in per_row}
 
@@ -291,6 +302,7 @@ class AdaptivePolicy(GoodputModel):
             if self.scored_at == self.steps:  # scored this step
                 rec["scores"] = {m: round(v, 1) for m, v in self.last_scores.items()}
                 rec["rho"] = round(self.prompt_per_output(), 3)
+                rec.update(self._inputs)
                 key = "off" if self.current is None else self.current
                 best = max(self.last_scores, key=self.last_scores.get)
                 if best != key:
