@@ -167,6 +167,9 @@ def sweep(engine, args, levels: list[int], modes: list[str], rate: float, comm: 
                                 for m, row in table.items()},
               "cost_table_pipelined_ms": {m: {b: t * 1e3 for b, t in row.items()}
                                           for m, row in piped.items()},
+              # what a prefill chunk added to a step of each kind at start-up (chunk tokens)
+              "mixed_table_ms": {k: {n: t * 1e3 for n, t in row.items()}
+                                 for k, row in (engine.spec_mixed_table or {}).items()},
               "startup_s": engine.startup_seconds,
               "cost_table_s": engine.spec_cost_seconds, "points": []}
     print(f"start-up {engine.startup_seconds:.1f} s, the cost table's part "

@@ -72,6 +72,10 @@ def test_policy_sweep_script_runs(tmp_path: Path, pair: tuple[str, str]) -> None
         assert set(point["forced-off"]["mode_steps"]) == {"off"}
         assert "off" in point["plain"]["mode_steps"] or not point["plain"]["mode_steps"]
     assert set(report["cost_table_ms"]) == {"off", "chain2", "chain1"}
+    # and what a prefill chunk adds to each kind's step (two chunk sizes each)
+    mixed = report["mixed_table_ms"]
+    assert set(mixed) == {"off", "chain2", "chain1"}
+    assert all(len(row) == 2 and min(row.values()) >= 0 for row in mixed.values())
     # the same entries timed back to back, beside it; each decode kind's measured time
     # printed with both tables' times at its mean decode rows
     piped = report["cost_table_pipelined_ms"]

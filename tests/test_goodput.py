@@ -42,3 +42,41 @@ def test_a_kinds_share_of_mixed_steps_is_its_own_even_when_another_kind_ran_sinc
     s = m.share_of("off", 32, rho)
     ybar = 0.005 + 20e-6 * nbar
     assert s * a + c * rho * 32 == pytest.approx(rho * 32 * ybar / nbar, rel=1e-6)
+
+
+def test_profiled_mixed_steps_are_the_first_points_of_each_kinds_line() -> None:
+    """The start-up profile's mixed steps (a chunk's extra over each kind's decode step at
+    two chunk sizes) give every kind its line before any step of it carried chunks: off's
+    through its two points, not a few measured steps that happened to be cheap. They count
+    PRIOR_WEIGHT steps each, decayed as measured steps come; no step carried them, so the
+    kinds' mean chunks stay the measured ones."""
+    from specserve.engine.goodput import PRIOR_WEIGHT
+
+    costs = {"off": {1: 0.01, 64: 0.02}, "chain2": {1: 0.011, 64: 0.024}}
+    priors = {"off": {128: 0.005 + 128 * 20e-6, 512: 0.005 + 512 * 20e-6},
+              "chain2": {128: 0.007 + 128 * 24e-6, 512: 0.007 + 512 * 24e-6}}
+    pol = AdaptivePolicy({"chain2": (1, 2)}, costs, mixed_priors=priors)
+    for kind, (a, c) in (("off", (0.005, 20e-6)), ("chain2", (0.007, 24e-6))):
+        fixed, slope = pol.mixed_line(kind)
+        assert fixed == pytest.approx(a, rel=0.02) and slope == pytest.approx(c, rel=0.02)
+    assert pol.chunk_cost.mean_chunk("off") is None  # no measured step yet
+    # four cheap plain mixed steps (0.7 ms + 20 us a token, as an H100's few were) move off's
+    # fixed part part of the way: 4 steps against 2 x PRIOR_WEIGHT
+    t = pol.step_time(None, 64)
+    for n in (200, 250, 300, 350):
+        pol.observe(None, {}, t + 0.0007 + 20e-6 * n, 64, mixed=True, chunk_tokens=n)
+    fixed, _ = pol.mixed_line("off")
+    assert 0.0028 < fixed < 0.0040
+    assert pol.chunk_cost.mean_chunk("off") == pytest.approx(
+        sum(0.97 ** (3 - i) * n for i, n in enumerate((200, 250, 300, 350)))
+        / sum(0.97 ** (3 - i) for i in range(4)))
+    # without priors the same four steps make the line: ~1 ms
+    bare = AdaptivePolicy({"chain2": (1, 2)}, costs)
+    for n in (200, 250, 300, 350):
+        bare.observe(None, {}, t + 0.0007 + 20e-6 * n, 64, mixed=True, chunk_tokens=n)
+    assert bare.mixed_line("off")[0] < 0.0015 < fixed
+    # thirty more measured steps outweigh the profile: the line follows them
+    for i in range(30):
+        n = 200 + 10 * (i % 16)
+        pol.observe(None, {}, t + 0.0007 + 20e-6 * n, 64, mixed=True, chunk_tokens=n)
+    assert pol.mixed_line("off")[0] < 0.0022  # nearer 0.7 ms than the profile's 5 ms

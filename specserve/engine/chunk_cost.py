@@ -24,6 +24,18 @@ class ChunkCost:
         self.stats: dict[str, list[float]] = {}  # kind -> [w, w N, w N^2, w y, w N y]
         self.pooled = [0.0] * 5
         self.mean_tokens: float | None = None  # chunk tokens of recent mixed steps
+        self.chunks: dict[str, list[float]] = {}  # kind -> [w, w N] of its measured steps
+
+    def prior(self, kind: str, tokens: int, extra: float, weight: float) -> None:
+        """A point of the kind's line measured apart (the start-up profile of mixed steps),
+        worth `weight` observations, decayed as they are: it shapes the fitted line, not
+        the kind's mean chunk (no step carried it)."""
+        n = float(tokens)
+        point = (weight, weight * n, weight * n * n, weight * extra, weight * n * extra)
+        st = self.stats.setdefault(kind, [0.0] * 5)
+        for acc in (st, self.pooled):
+            for i, v in enumerate(point):
+                acc[i] += v
 
     def observe(self, kind: str, tokens: int, extra: float) -> None:
         """A mixed step of `kind` with `tokens` chunk tokens took `extra` seconds more than
@@ -32,6 +44,8 @@ class ChunkCost:
         self.mean_tokens = n if self.mean_tokens is None else \
             self.mean_tokens + 0.1 * (n - self.mean_tokens)
         point = (1.0, n, n * n, extra, n * extra)
+        ch = self.chunks.setdefault(kind, [0.0, 0.0])
+        ch[0], ch[1] = ch[0] * self.decay + 1.0, ch[1] * self.decay + n
         st = self.stats.setdefault(kind, [0.0] * 5)
         for acc in (st, self.pooled):
             for i, v in enumerate(point):
@@ -64,9 +78,9 @@ class ChunkCost:
         its charge per chunk token at what its steps measured, however its line splits into
         fixed part and slope (one large chunk and a slope borrowed from the other kinds read
         as a 14 ms fixed part)."""
-        st = self.stats.get(kind)
-        if st is not None and st[0] > 0.0:
-            return st[1] / st[0]
+        ch = self.chunks.get(kind)
+        if ch is not None and ch[0] > 0.0:
+            return ch[1] / ch[0]
         return self.mean_tokens
 
     def pooled_slope(self) -> float | None:

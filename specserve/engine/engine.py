@@ -79,8 +79,7 @@ class Engine:
         self.drafter: SpecWorker | None = self.executor.drafter
         self._drafter = self.drafter  # kept while speculation is switched off
         self.spec_policy: SpecPolicy | None = None
-        # speculative engines: (steps, seconds, decode rows) per mode ("off", "fold"), "+mixed"
-        # when the step carried prefill chunks
+        # speculative: (steps, seconds, decode rows) per mode ("off", "fold"; "+mixed": chunks)
         self.step_seconds: dict[str, tuple[int, float, int]] = {}
         if self.drafter is not None:
             self.spec_policy = (self._adaptive_policy() if config.spec.policy == "adaptive"
@@ -140,16 +139,19 @@ class Engine:
         return PrefixCache(self.allocator, self.config.cache.page_size, *identity)
 
     def _adaptive_policy(self) -> AdaptivePolicy:
-        """Profile every mode and the plain step at powers of two up to max_num_seqs."""
+        """Profile each mode and plain steps at powers of two to max_num_seqs, and chunks."""
         from specserve.speculative.profile import format_table
 
         top = self.config.scheduler.max_num_seqs
         sizes = sorted({min(1 << i, top) for i in range(top.bit_length() + 1)})
         t0 = time.perf_counter()
         table = self.executor.control("profile_costs", batch_sizes=sizes)  # on every rank
+        mixed = self.spec_mixed_table = self.executor.control(  # the policy's priors
+            "profile_mixed", batch_size=min(64, top))
         self.spec_cost_seconds = time.perf_counter() - t0
-        log.info("speculation cost table (ms per step, %.1f s to measure):\n%s",
-                 self.spec_cost_seconds, format_table(table))
+        log.info("speculation cost table (ms per step, %.1f s to measure):\n%s\nextra ms of "
+                 "a prefill chunk (columns: its tokens):\n%s", self.spec_cost_seconds,
+                 format_table(table), format_table(mixed) if mixed else "-")
         self.spec_cost_table = table
         return self.new_adaptive_policy()
 
@@ -162,7 +164,7 @@ class Engine:
         sched = self.config.scheduler
         return AdaptivePolicy(modes, self.spec_cost_table, widths=widths,
                               token_budget=sched.max_num_batched_tokens,
-                              max_rows=sched.max_num_seqs)
+                              max_rows=sched.max_num_seqs, mixed_priors=self.spec_mixed_table)
 
     def set_speculation(self, enabled: bool) -> None:
         """Switch speculation off or on between runs (no request in flight): a plain step

@@ -11,18 +11,23 @@ from __future__ import annotations
 
 from specserve.engine.chunk_cost import ChunkCost
 
+PRIOR_WEIGHT = 4.0  # steps' worth of each profiled mixed-step point (decayed as steps are)
+
 
 class GoodputModel:
     """Expected tokens per second of each mode ("off" for plain steps) at a decode batch."""
 
     def __init__(self, costs: dict[str, dict[int, float]], rescale: float = 0.1,
                  widths: dict[str, int] | None = None, token_budget: int | None = None,
-                 max_rows: int | None = None) -> None:
+                 max_rows: int | None = None,
+                 mixed_priors: dict[str, dict[int, float]] | None = None) -> None:
         """costs: {mode or "off": {batch: seconds}}; rescale: weight of each measured step
         time in a mode's scale (0: the table as is); widths: the step-budget tokens a decode
         row of each mode takes (its verified nodes; default: a chain's, steps + 1, set by the
         policy); token_budget, max_rows: the scheduler's tokens a step and running requests
-        (None: the budget bounds no mode's batch)."""
+        (None: the budget bounds no mode's batch); mixed_priors: {kind: {chunk tokens:
+        seconds}} a prefill chunk added to a step of each kind at start-up
+        (speculative/profile.py: profile_mixed), the first points of the kinds' lines."""
         self.costs = {m: sorted(row.items()) for m, row in costs.items()}
         self.rescale = rescale
         self.widths = dict(widths or {})
@@ -40,6 +45,9 @@ class GoodputModel:
         # with steps' chunk tokens known: each kind's extra as fixed + per token, and the
         # chunk tokens per emitted token (decayed sums over steps)
         self.chunk_cost = ChunkCost()
+        for kind, row in (mixed_priors or {}).items():
+            for tokens, extra in row.items():
+                self.chunk_cost.prior(kind, int(tokens), extra, PRIOR_WEIGHT)
         self.chunk_ema = self.emitted_ema = 0.0
         # prompt tokens prefilled and output tokens of finished requests (decayed per
         # request): the load's prompt tokens per output token, which no mode changes

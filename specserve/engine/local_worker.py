@@ -68,6 +68,10 @@ class LocalWorker:
 
             return profile_costs(self._drafter, list(args["batch_sizes"]),
                                  pipelined=bool(args.get("pipelined", False)))
+        if op == "profile_mixed":
+            from specserve.speculative.profile import profile_mixed
+
+            return profile_mixed(self._drafter, int(args["batch_size"]))
         if op == "set_speculation":
             enabled = bool(args["enabled"])
             self.drafter = self._drafter if enabled else None

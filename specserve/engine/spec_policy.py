@@ -143,11 +143,12 @@ class AdaptivePolicy(GoodputModel):
                  rescale: float = 0.1, horizon: int = 64, probe_margin: float = 0.25,
                  probe_budget: float = 0.005, leap: float = 0.25,
                  widths: dict[str, int] | None = None, token_budget: int | None = None,
-                 max_rows: int | None = None) -> None:
+                 max_rows: int | None = None,
+                 mixed_priors: dict[str, dict[int, float]] | None = None) -> None:
         """modes: {name: (topk, num_steps)} or {name: (method, topk, num_steps)} (several
         drafters: acceptance is learnt per method); costs: {mode or "off": {batch: seconds}};
-        rescale, widths, token_budget, max_rows: see GoodputModel (widths default to a
-        chain's, steps + 1)."""
+        rescale, widths, token_budget, max_rows, mixed_priors: see GoodputModel (widths
+        default to a chain's, steps + 1)."""
         # name -> (acceptance family's method, topk, steps); the first mode's method is ""
         first = next(iter(modes.values()))
         primary = first[0] if len(first) == 3 else ""
@@ -155,7 +156,7 @@ class AdaptivePolicy(GoodputModel):
                                                           *m[1:])
                       for name, m in modes.items()}
         widths = {name: (widths or {}).get(name, m[2] + 1) for name, m in self.modes.items()}
-        super().__init__(costs, rescale, widths, token_budget, max_rows)
+        super().__init__(costs, rescale, widths, token_budget, max_rows, mixed_priors)
         self.hysteresis, self.dwell, self.explore_every = hysteresis, dwell, explore_every
         self.horizon, self.probe_margin = horizon, probe_margin
         self.probe_budget, self.leap = probe_budget, leap
