@@ -222,9 +222,14 @@ def sweep(cfg: SimConfig, levels: list[int], requests_per_slot: int = 4,
     concurrency first (the benchmark's default); else a fresh one every run."""
     shapes = dict(cfg.modes)
 
+    # the engine's start-up profile of mixed steps: each kind's extra at two chunk sizes (its
+    # 128 and 512 tokens: speculative/profile.py)
+    priors = {k: {n: 1e-3 * cfg.mixed_ms_of(k, n) for n in (128, 512)}
+              for k in (OFF, *cfg.modes)}
+
     def adaptive() -> AdaptivePolicy:
         return AdaptivePolicy(shapes, cfg.costs, widths={m: cfg.lookahead(m) for m in shapes},
-                              token_budget=cfg.token_budget)
+                              token_budget=cfg.token_budget, mixed_priors=priors)
     server_policy = adaptive()
     points = []
     for c in levels:
