@@ -152,6 +152,9 @@ def sweep(engine, args, levels: list[int], modes: list[str], rate: float, comm: 
     piped = engine.executor.control("profile_costs", batch_sizes=sorted(table["off"]),
                                     pipelined=True)
     print("cost table, launches back to back (ms):\n" + format_table(piped))
+    if engine.spec_mixed_table:
+        print("extra ms of a prefill chunk (columns: its tokens):\n"
+              + format_table(engine.spec_mixed_table))
     server = engine.new_adaptive_policy()  # one for the sweep, unless --policy fresh
 
     def policy() -> AdaptivePolicy:

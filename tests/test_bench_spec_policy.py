@@ -76,6 +76,7 @@ def test_policy_sweep_script_runs(tmp_path: Path, pair: tuple[str, str]) -> None
     mixed = report["mixed_table_ms"]
     assert set(mixed) == {"off", "chain2", "chain1"}
     assert all(len(row) == 2 and min(row.values()) >= 0 for row in mixed.values())
+    assert "extra ms of a prefill chunk" in proc.stdout
     # the same entries timed back to back, beside it; each decode kind's measured time
     # printed with both tables' times at its mean decode rows
     piped = report["cost_table_pipelined_ms"]
