@@ -9,6 +9,8 @@ per-token, --mixed-ms, ...) to a policy sweep's per-kind step times before readi
         --accept-rate 0.65    # the chunk costs the sweep's adaptive policy learnt
     python scripts/simulate_spec_policy.py --report OUT/policy-0.65/spec_policy.json \
         --fit --fit-static    # and each kind's mixed-step line from the static runs
+    python scripts/simulate_spec_policy.py --report OUT/policy-0.65/spec_policy.json \
+        --fit --fit-trace     # or from the adaptive runs' per-step traces (--trace)
     python scripts/simulate_spec_policy.py --results experiments/results.jsonl --sha dd72cd7 \
         --accept-rate 0.65,0.3 --concurrency 1,2,4,8,16,32,64,128,256 --seeds 3
 """
@@ -25,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specserve.bench.policy_sim import ADAPTIVE, OFF, SimConfig, sweep  # noqa: E402
 from specserve.bench.stats import parse_positive_list  # noqa: E402
+from specserve.engine.goodput import _interpolate  # noqa: E402
 from specserve.spec_modes import parse_mode, split_mode  # noqa: E402
 
 
@@ -91,17 +94,63 @@ def static_mixed_lines(report: dict, prompt_len: int) -> dict[str, tuple[float, 
                     extra = 1e3 * (mixed[1] / mixed[0] - pure[1] / pure[0])
                     pts.setdefault(kind, []).append(
                         (point["requests"] * prompt_len / mixed[0], extra))
-    lines = {}
-    for kind, p in pts.items():
-        n = len(p)
-        mx, my = sum(x for x, _ in p) / n, sum(y for _, y in p) / n
-        sxx = sum((x - mx) ** 2 for x, _ in p)
-        slope = sum((x - mx) * (y - my) for x, y in p) / sxx if sxx > 0 else 0.0
-        fixed = my - slope * mx
-        if sxx <= 0 or fixed < 0 or slope < 0:
-            fixed, slope = 0.0, max(0.0, my) / mx
-        lines[kind] = (fixed, slope)
-    return lines
+    return {kind: _line(p) for kind, p in pts.items()}
+
+
+def static_step_scales(report: dict, costs: dict[str, dict[int, float]]) -> dict[str, float]:
+    """Per kind ("off" from the forced-off runs, each static mode): its decode steps' mean
+    time over the cost table's at their mean rows, pooled over the report's concurrencies
+    (weighted by steps)."""
+    acc: dict[str, list[float]] = {}
+    for point in report.get("points", ()):
+        for name, cfg in point.items():
+            if name in ("plain", ADAPTIVE) or not isinstance(cfg, dict):
+                continue
+            kind = OFF if name == "forced-off" else name
+            for run in cfg.get("runs", ()):
+                pure = run.get("step_seconds", {}).get(kind)
+                if pure and pure[0] and kind in costs:
+                    n, sec, rows = pure
+                    tabled = _interpolate(sorted(costs[kind].items()), max(1, rows / n))
+                    a = acc.setdefault(kind, [0.0, 0.0])
+                    a[0] += sec
+                    a[1] += n * tabled
+    return {k: sec / tab for k, (sec, tab) in acc.items() if tab > 0}
+
+
+def trace_mixed_lines(traces: list[Path], costs: dict[str, dict[int, float]]
+                      ) -> dict[str, tuple[float, float]]:  # costs: seconds, as load_table
+    """Per kind of step: the line (fixed ms, ms a chunk token) of what its mixed steps took
+    over the cost table's decode step at their rows, by least squares over every such step
+    of the adaptive runs' traces (bench_spec_policy.py --trace: one step a line), leaving
+    out the steps that switched kind (their extra is the switch's) and folds. A fixed part
+    fitted below zero gives the line through the origin and the mean point."""
+    pts: dict[str, list[tuple[float, float]]] = {}
+    for path in traces:
+        prev = None
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            kind = rec.get("observed")
+            if kind is None:
+                continue
+            switched, prev = prev is not None and kind != prev, kind
+            if switched or kind == "fold" or not rec.get("chunk") or not rec.get("b") \
+                    or rec.get("ms") is None or kind not in costs:
+                continue
+            decode = 1e3 * _interpolate(sorted(costs[kind].items()), rec["b"])
+            pts.setdefault(kind, []).append((float(rec["chunk"]), rec["ms"] - decode))
+    return {kind: _line(p) for kind, p in pts.items() if len(p) >= 2}
+
+
+def _line(p: list[tuple[float, float]]) -> tuple[float, float]:
+    n = len(p)
+    mx, my = sum(x for x, _ in p) / n, sum(y for _, y in p) / n
+    sxx = sum((x - mx) ** 2 for x, _ in p)
+    slope = sum((x - mx) * (y - my) for x, y in p) / sxx if sxx > 0 else 0.0
+    fixed = my - slope * mx
+    if sxx <= 0 or fixed < 0 or slope < 0:
+        fixed, slope = 0.0, max(0.0, my) / mx
+    return fixed, slope
 
 
 def main() -> int:
@@ -115,6 +164,10 @@ def main() -> int:
     ap.add_argument("--fit-static", action="store_true",
                     help="with --report: each kind's mixed-step line (fixed ms, ms a chunk "
                          "token) from the sweep's static runs (forced-off and each mode)")
+    ap.add_argument("--fit-trace", action="store_true",
+                    help="with --report: each kind's mixed-step line from the per-step traces "
+                         "beside it (trace-*.jsonl of bench_spec_policy.py --trace), over the "
+                         "lines --fit-static gives")
     ap.add_argument("--sha", default="", help="with --results: the sweep's SHA prefix")
     ap.add_argument("--accept-rate", default="0.65")
     ap.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,256")
@@ -147,6 +200,7 @@ def main() -> int:
         costs = load_table(args)
     except (OSError, ValueError) as e:
         ap.error(f"cannot read the cost table: {e}")
+    report = json.loads(Path(args.report).read_text()) if args.report else {}
     model = {k.replace("-", "_"): getattr(args, k.replace("-", "_")) for k in (
         "prefill-ms-per-token", "mixed-ms", "fold-ms", "plain-mixed-ms",
         "catchup-ms-per-token")}
@@ -159,13 +213,30 @@ def main() -> int:
                      "(a sweep from before they were recorded)")
         model.update(fit)
         print("fitted: " + ", ".join(f"{k} {v:.4g}" for k, v in fit.items()))
-    lines = {}
+    lines: dict[str, tuple[float, float]] = {}
+    scales: dict[str, float] = {}
     if args.fit_static:
         if not args.report:
             ap.error("--fit-static reads a --report (a spec_policy.json of the sweep)")
-        lines = static_mixed_lines(json.loads(Path(args.report).read_text()), args.prompt_len)
+        lines = static_mixed_lines(report, args.prompt_len)
         if not lines:
             ap.error("--fit-static: the report's static runs carry no mixed and decode steps")
+        scales = static_step_scales(report, costs)
+        print("decode steps over the table: " + ", ".join(f"{k} {v:.2f}"
+                                                          for k, v in scales.items()))
+    if args.fit_trace:
+        if not args.report:
+            ap.error("--fit-trace reads the traces beside a --report")
+        traces = sorted(Path(args.report).parent.glob("trace-*.jsonl"))
+        fitted = trace_mixed_lines(traces, costs)
+        if not fitted:
+            ap.error(f"--fit-trace: no mixed steps in the traces beside {args.report}")
+        lines.update(fitted)
+        spec = [ln for k, ln in fitted.items() if k != OFF]
+        for name in costs:  # a mode no traced step ran with chunks: as the traced modes
+            if name not in lines and spec:
+                lines[name] = tuple(sum(x) / len(spec) for x in zip(*spec))
+    if lines:
         print("mixed-step lines (fixed ms, ms a chunk token): " + ", ".join(
             f"{k} ({a:.2f}, {c:.4f})" for k, (a, c) in lines.items()))
     modes, verify = {}, {}
@@ -179,7 +250,7 @@ def main() -> int:
                         output_len=args.output_len, token_budget=args.token_budget,
                         output_spread=args.output_len_spread,
                         **model, catchup_ms=args.catchup_ms, noise=args.noise,
-                        mixed_lines=lines)
+                        mixed_lines=lines, step_scale=scales)
         names = [OFF, *modes, ADAPTIVE]
         per: dict[int, dict[str, list[float]]] = {c: {} for c in levels}
         for seed in range(args.seeds):
@@ -191,11 +262,17 @@ def main() -> int:
         print(f"accept rate {rate} (mean tok/s of {args.seeds} x {args.repeats} runs)")
         print("C " + " ".join(names) + " adaptive/best")
         worst = 1e9
+        gpu = {p["concurrency"]: p for p in report.get("points", ())
+               if report.get("accept_rate") == rate}
         for c in levels:
             ratio = statistics.mean(per[c]["adaptive_vs_best"])
             worst = min(worst, ratio)
             print(f"{c} " + " ".join(f"{statistics.mean(per[c][n]):.0f}" for n in names)
                   + f" {ratio:.3f}")
+            if c in gpu:  # the sweep's own runs at this point, to judge the model by
+                got = [gpu[c].get("forced-off" if n == OFF else n, {}).get("tok_s")
+                       for n in names]
+                print(f"  GPU {c} " + " ".join("-" if t is None else f"{t:.0f}" for t in got))
         print(f"adaptive / best >= {worst:.3f}")
     return 0
 

@@ -50,7 +50,6 @@ def test_profiled_mixed_steps_are_the_first_points_of_each_kinds_line() -> None:
     through its two points, not a few measured steps that happened to be cheap. They count
     PRIOR_WEIGHT steps each, decayed as measured steps come; no step carried them, so the
     kinds' mean chunks stay the measured ones."""
-    from specserve.engine.goodput import PRIOR_WEIGHT
 
     costs = {"off": {1: 0.01, 64: 0.02}, "chain2": {1: 0.011, 64: 0.024}}
     priors = {"off": {128: 0.005 + 128 * 20e-6, 512: 0.005 + 512 * 20e-6},

@@ -291,3 +291,43 @@ def test_static_runs_give_each_kind_its_mixed_step_line() -> None:
     cfg = SimConfig(costs={"off": {1: 0.01}}, modes={}, mixed_lines=lines)
     assert cfg.mixed_ms_of("chain3", 100) == pytest.approx(4.0 + 5.0)
     assert cfg.mixed_ms_of("fold", 100) == pytest.approx(cfg.fold_ms + 100 * 0.03)
+
+
+def test_traces_give_each_kind_its_mixed_step_line_and_static_runs_their_step_scale(
+        tmp_path) -> None:
+    """--fit-trace: per kind, least squares of each traced mixed step's time over the table's
+    decode step at its rows against its chunk tokens, leaving out the steps that switched
+    kind and folds. --fit-static's step scale: a kind's decode steps' mean time over the
+    table's at their mean rows, pooled over the concurrencies."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from simulate_spec_policy import static_step_scales, trace_mixed_lines
+
+    costs = {"off": {1: 0.006, 64: 0.008}, "chain2": {1: 0.007, 64: 0.010}}
+    recs = []
+    for i in range(20):  # off mixed steps: 5 ms + 20 us a token over the table
+        n, b = 128 + 32 * (i % 5), 32
+        ms = 1e3 * _interpolate(sorted(costs["off"].items()), b) + 5.0 + 0.020 * n
+        recs.append({"observed": "off", "b": b, "ms": ms, "chunk": n})
+    recs.append({"observed": "chain2", "b": 64, "ms": 99.0, "chunk": 256})  # a switch: out
+    for i in range(20):  # chain2: 7 ms + 24 us a token; pure steps and a fold in between
+        n = 128 + 64 * (i % 4)
+        ms = 10.0 + 7.0 + 0.024 * n
+        recs.append({"observed": "chain2", "b": 64, "ms": ms, "chunk": n})
+        recs.append({"observed": "chain2", "b": 64, "ms": 10.0, "chunk": 0})
+    recs.insert(30, {"observed": "fold", "b": 64, "ms": 80.0, "chunk": 256})
+    recs.insert(31, {"observed": "chain2", "b": 64, "ms": 99.0, "chunk": 256})  # back: out
+    trace = tmp_path / "trace-c64-1.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in recs) + json.dumps(
+        {"step": 1, "b": 64, "mode": "chain2"}) + "\n")
+    lines = trace_mixed_lines([trace], costs)
+    assert lines["off"] == pytest.approx((5.0, 0.020))
+    assert lines["chain2"] == pytest.approx((7.0, 0.024))
+    assert "fold" not in lines
+    run = {"step_seconds": {"off": [100, 100 * 0.0096, 100 * 64]}}  # 1.2x the table at 64
+    other = {"step_seconds": {"off": [300, 300 * 0.0072, 300 * 1]}}  # 1.2x at 1
+    report = {"points": [{"forced-off": {"runs": [run]}}, {"forced-off": {"runs": [other]}}]}
+    assert static_step_scales(report, costs) == pytest.approx({"off": 1.2})

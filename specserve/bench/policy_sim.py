@@ -66,6 +66,10 @@ class SimConfig:
     # kind's fixed part above (fitted to a sweep's static runs: scripts/simulate_spec_policy.py
     # --fit-static; a tree's verify beside the chunks costs ~2x a plain step's per token)
     mixed_lines: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # per kind: its decode steps' mean time over the table's at their rows, which the policy
+    # does not see in its table (an H100's plain steps under load: ~1.25x, mostly a few slow
+    # ones; speculative: ~1.05x: scripts/simulate_spec_policy.py --fit-static)
+    step_scale: dict[str, float] = field(default_factory=dict)
 
     def mixed_ms_of(self, kind: str, tokens: int) -> float:
         """Milliseconds a step of `kind` carrying `tokens` chunk tokens takes over its
@@ -149,7 +153,9 @@ def simulate(cfg: SimConfig, policy, concurrency: int, num_requests: int,
                     and policy.fold(mode, [r.rid for r in decoding]))
         spec = mode is not None and not fold
         b = len(decoding)
-        seconds = _step_seconds(rows, mode if spec else None, b) if b else 0.0
+        kind_now = mode if spec else None
+        seconds = (_step_seconds(rows, kind_now, b) * cfg.step_scale.get(kind_now or OFF, 1.0)
+                   if b else 0.0)
         if mixed:
             kind = mode if spec else "fold" if fold else OFF
             seconds += 1e-3 * cfg.mixed_ms_of(kind, sum(n for _, n in chunks))
