@@ -120,15 +120,12 @@ def run(engine, prompts: list[list[int]], output_lens: list[int], concurrency: i
             "triton_compiles": compiles}  # {kernel: compilations inside the run}
 
 
-def tabled(table: dict[str, dict[int, float]], piped: dict[str, dict[int, float]], kind: str,
-           rows: float) -> str:
-    """' (table T / P ms)': the start-up cost table's time of a kind of decode step (no
-    chunks) at its mean decode rows, and the pipelined table's, beside the time the run
-    measured; '' for other kinds."""
+def tabled(table: dict[str, dict[int, float]], kind: str, rows: float) -> str:
+    """' (table T ms)': the start-up cost table's time of a kind of decode step (no chunks)
+    at its mean decode rows, beside the time the run measured; '' for other kinds."""
     if kind not in table or rows < 1:
         return ""
-    t, p = (1e3 * _interpolate(sorted(x[kind].items()), rows) for x in (table, piped))
-    return f" (table {t:.1f} / {p:.1f})"
+    return f" (table {1e3 * _interpolate(sorted(table[kind].items()), rows):.1f})"
 
 
 def use(engine, name: str, policy) -> None:
@@ -147,11 +144,7 @@ def sweep(engine, args, levels: list[int], modes: list[str], rate: float, comm: 
     """Every configuration at every concurrency at one mean acceptance: out/spec_policy.json,
     its plot, the summary line and (--log) an experiments row."""
     table = engine.spec_cost_table
-    # the same entries timed as launches back to back (the device's rate under the engine's
-    # overlap): beside the table, to see which one the runs' measured steps follow
-    piped = engine.executor.control("profile_costs", batch_sizes=sorted(table["off"]),
-                                    pipelined=True)
-    print("cost table, launches back to back (ms):\n" + format_table(piped))
+    print("cost table (ms):\n" + format_table(table))
     if engine.spec_mixed_table:
         print("extra ms of a prefill chunk (columns: its tokens):\n"
               + format_table(engine.spec_mixed_table))
@@ -168,8 +161,6 @@ def sweep(engine, args, levels: list[int], modes: list[str], rate: float, comm: 
               "chunks_in_verify": args.chunks_in_verify,
               "cost_table_ms": {m: {b: t * 1e3 for b, t in row.items()}
                                 for m, row in table.items()},
-              "cost_table_pipelined_ms": {m: {b: t * 1e3 for b, t in row.items()}
-                                          for m, row in piped.items()},
               # what a prefill chunk added to a step of each kind at start-up (chunk tokens)
               "mixed_table_ms": {k: {n: t * 1e3 for n, t in row.items()}
                                  for k, row in (engine.spec_mixed_table or {}).items()},
@@ -234,7 +225,7 @@ def sweep(engine, args, levels: list[int], modes: list[str], rate: float, comm: 
                     acc[1] += t
                     acc[2] += b
             per = ", ".join(f"{k} {1e3 * t / n:.1f} ms x{n} @{b / n:.0f}"
-                            f"{tabled(table, piped, k, b / n)}"
+                            f"{tabled(table, k, b / n)}"
                             for k, (n, t, b) in sorted(kinds.items()))
             joined = sum(r["chunks_in_verify"] for r in rs)
             per += f"; chunks in verify x{joined}" if joined else ""

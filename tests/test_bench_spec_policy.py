@@ -77,14 +77,9 @@ def test_policy_sweep_script_runs(tmp_path: Path, pair: tuple[str, str]) -> None
     assert set(mixed) == {"off", "chain2", "chain1"}
     assert all(len(row) == 2 and min(row.values()) >= 0 for row in mixed.values())
     assert "extra ms of a prefill chunk" in proc.stdout
-    # the same entries timed back to back, beside it; each decode kind's measured time
-    # printed with both tables' times at its mean decode rows
-    piped = report["cost_table_pipelined_ms"]
-    assert {m: set(r) for m, r in piped.items()} == {
-        m: set(r) for m, r in report["cost_table_ms"].items()}
-    assert all(t > 0 for r in piped.values() for t in r.values())
-    assert "launches back to back" in proc.stdout
-    assert re.search(r"chain2 [\d.]+ ms x\d+ @\d+ \(table [\d.]+ / [\d.]+\)", proc.stdout)
+    # each decode kind's measured time printed with the table's at its mean decode rows
+    assert "cost table (ms):" in proc.stdout
+    assert re.search(r"chain2 [\d.]+ ms x\d+ @\d+ \(table [\d.]+\)", proc.stdout)
     assert 0 < report["cost_table_s"] < report["startup_s"]
     assert proc.stdout.count("the cost table's part") == 2
     # one adaptive policy for the sweep (a server's): its step count runs on across runs,

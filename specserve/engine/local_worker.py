@@ -66,8 +66,7 @@ class LocalWorker:
         if op == "profile_costs":  # every rank runs the same steps: their collectives meet
             from specserve.speculative.profile import profile_costs
 
-            return profile_costs(self._drafter, list(args["batch_sizes"]),
-                                 pipelined=bool(args.get("pipelined", False)))
+            return profile_costs(self._drafter, list(args["batch_sizes"]))
         if op == "profile_mixed":
             from specserve.speculative.profile import profile_mixed
 

@@ -29,25 +29,21 @@ PROFILE_CONTEXT = 256  # positions the profiled rows attend over
 
 def profile_costs(
     worker, batch_sizes: list[int], repeats: int = 3, context: int = PROFILE_CONTEXT,
-    pipelined: bool = False,
 ) -> dict[str, dict[int, float]]:
     """{mode: {batch size: median seconds}}; mode "off" is the plain decode step.
-    worker: SpecWorker. pipelined: each entry per launch of PIPELINED launches back to back
-    with one synchronisation after them, median of `repeats` rounds (the device's rate when
-    the host launches ahead, as the engine's overlap does), not of one launch waited for
-    (a diagnostic: a sweep's measured steps of the speculative modes ran 20-50% under the
-    waited-for entries at 128 rows on an H100, the plain step's at its entry)."""
+    worker: SpecWorker. Each entry is one launch waited for; the engine's steps at the same
+    rows took 0.94-1.03x it (median; H100, 8B) and back-to-back launches within 2-4% of it
+    (experiments/2026-12-06-policy-trace.md)."""
     runner = worker.runner
-    timed = _pipelined_time if pipelined else _median_time
     context = min(context, runner.max_positions - worker.lookahead - worker.keep_ahead - 2)
     table: dict[str, dict[int, float]] = {"off": {}}
     for bs in batch_sizes:
         rows = _rows(runner, bs, context, context + worker.lookahead + worker.keep_ahead + 1)
-        table["off"][bs] = timed(runner.device, partial(_plain, runner, rows), repeats)
+        table["off"][bs] = _median_time(runner.device, partial(_plain, runner, rows), repeats)
         for name, mode in worker.modes.items():
             with _histories(runner, mode, bs, context):
                 fn = partial(_cycle, worker, mode, rows)
-                table.setdefault(name, {})[bs] = timed(runner.device, fn, repeats)
+                table.setdefault(name, {})[bs] = _median_time(runner.device, fn, repeats)
     return table
 
 
@@ -190,14 +186,9 @@ def _chunk_then_cycle(worker, mode, rows: StepInput, chunk: StepInput) -> None:
     _cycle(worker, mode, rows)
 
 
-PIPELINED = 8  # launches a pipelined round times back to back
-
-
-def _median_time(device: torch.device, fn: Callable[[], None], repeats: int,
-                 launches: int = 1) -> float:
-    """Median over `repeats` rounds of a round's seconds per launch: `launches` calls of fn
-    back to back, one synchronisation after them (fn is warmed up first: kernel
-    compilation, allocator)."""
+def _median_time(device: torch.device, fn: Callable[[], None], repeats: int) -> float:
+    """Median seconds of fn over `repeats` calls, each waited for (fn is warmed up first:
+    kernel compilation, allocator)."""
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -207,15 +198,10 @@ def _median_time(device: torch.device, fn: Callable[[], None], repeats: int,
     for _ in range(repeats):
         sync()
         t0 = time.perf_counter()
-        for _ in range(launches):
-            fn()
+        fn()
         sync()
-        times.append((time.perf_counter() - t0) / launches)
+        times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
-
-
-def _pipelined_time(device: torch.device, fn: Callable[[], None], repeats: int) -> float:
-    return _median_time(device, fn, repeats, PIPELINED)
 
 
 def format_table(table: dict[str, dict[int, float]]) -> str:
