@@ -50,3 +50,32 @@ def test_auto_is_off_without_graphs(model: str) -> None:
     engine = Engine(EngineConfig(model=model, device="cpu", dtype="float32",
                                  cache=CacheConfig(page_size=4, num_pages=48)))
     assert not engine.runner.overlap and engine.scheduler.keep_ahead == 0
+
+
+def test_prompts_done_in_a_step_decode_next_from_its_launch(model: str) -> None:
+    """A step whose chunks finish prompts launches their first decodes with the others: the
+    next step takes every row from that launch (no second forward beside it), and the
+    tokens equal the engine's without overlap."""
+    from specserve.sampling_params import SamplingParams
+
+    outs = {}
+    for overlap in ("off", "on"):
+        engine = Engine(EngineConfig(
+            model=model, device="cpu", dtype="float32", decode_overlap=overlap,
+            cache=CacheConfig(page_size=4, num_pages=48),
+            scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=6)))
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        for i in range(3):
+            engine.add_request(f"r{i}", [5 + i, 9, 11, 13 + i, 2], params)
+        tokens: dict[str, list[int]] = {}
+        launched = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            launched.append(engine.runner.rows_launched_ahead)
+        outs[overlap] = tokens, launched
+    assert outs["on"][0] == outs["off"][0]
+    # step 1 prefills all three (and launches their first decodes); step 2 takes all three
+    # from that launch
+    assert outs["on"][1][:2] == [0, 3]
+    assert outs["off"][1][-1] == 0

@@ -325,7 +325,7 @@ class ModelRunner:
     def execute(self, step: StepInput) -> StepOutput:
         """Plain step: forward, sample the rows that reached their last token.
 
-        With overlap on, the next decode step of every request decoding here is launched
+        With overlap on, the next decode step of every request that sampled here is launched
         before this step's tokens are read (its input ids are this step's sampled tokens, on
         the device), so the device runs it while the host updates requests and schedules.
         The next call takes the rows it scheduled unchanged (same request id, position + 1)
@@ -379,13 +379,13 @@ class ModelRunner:
 
     def _launch_next(self, step: StepInput, where: dict[int, int],
                      step_tokens: torch.Tensor) -> None:
-        """Launch the next decode step of this step's decodes that will still run it."""
+        """Launch the next decode of the rows that sampled here (decodes, prompts done) that
+        run it (prompts left out took a second forward: H100, 8B, 13-15 ms a step, not 7)."""
         ps = self.page_size
         if step.eager:
             return  # logits processing reads tokens the host has not seen yet
-        index = [i for i in range(step.bs)
-                 if i in where and step.num_new_tokens[i] == 1
-                 and step.page_counts[i] * ps > step.starts[i] + 1  # a slot for it (yet)
+        ends = step.starts + step.num_new_tokens  # the next token's position; a slot for it
+        index = [i for i in range(step.bs) if i in where and step.page_counts[i] * ps > ends[i]
                  and step.tokens_left[i] > 1]  # this step's token does not end it
         if not index:
             return
@@ -395,6 +395,6 @@ class ModelRunner:
         ids = (step_tokens[:len(rows)] if rows == list(range(len(rows)))
                else step_tokens.index_select(0, self.tensor(rows)))
         nxt = step if len(index) == step.bs else step.select(index)
-        starts = nxt.starts + 1
+        starts = nxt.starts + nxt.num_new_tokens
         self._launched = LaunchedStep(nxt.request_ids, starts.tolist(),
                                       self._decode_rows(nxt, starts, ids))
