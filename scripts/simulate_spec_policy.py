@@ -21,6 +21,7 @@ import argparse
 import json
 import statistics
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -82,19 +83,24 @@ def static_mixed_lines(report: dict, prompt_len: int) -> dict[str, tuple[float, 
     prefilled in the run's mixed steps: requests x prompt_len over their count). A fixed
     part fitted below zero gives the line through the origin and the points' mean."""
     pts: dict[str, list[tuple[float, float]]] = {}
+    for point, kind, seconds in _static_runs(report):
+        mixed, pure = seconds.get(f"{kind}+mixed"), seconds.get(kind)
+        if mixed and pure and mixed[0] and pure[0]:
+            extra = 1e3 * (mixed[1] / mixed[0] - pure[1] / pure[0])
+            pts.setdefault(kind, []).append((point["requests"] * prompt_len / mixed[0], extra))
+    return {kind: _line(p) for kind, p in pts.items()}
+
+
+def _static_runs(report: dict) -> Iterator[tuple[dict, str, dict]]:
+    """(point, kind of step, the run's step_seconds) of every static run in the report
+    ("off" for the forced-off runs)."""
     for point in report.get("points", ()):
         for name, cfg in point.items():
             if name in ("plain", ADAPTIVE) or not isinstance(cfg, dict):
                 continue
             kind = OFF if name == "forced-off" else name
             for run in cfg.get("runs", ()):
-                seconds = run.get("step_seconds", {})
-                mixed, pure = seconds.get(f"{kind}+mixed"), seconds.get(kind)
-                if mixed and pure and mixed[0] and pure[0]:
-                    extra = 1e3 * (mixed[1] / mixed[0] - pure[1] / pure[0])
-                    pts.setdefault(kind, []).append(
-                        (point["requests"] * prompt_len / mixed[0], extra))
-    return {kind: _line(p) for kind, p in pts.items()}
+                yield point, kind, run.get("step_seconds", {})
 
 
 def static_step_scales(report: dict, costs: dict[str, dict[int, float]]) -> dict[str, float]:
@@ -102,19 +108,13 @@ def static_step_scales(report: dict, costs: dict[str, dict[int, float]]) -> dict
     time over the cost table's at their mean rows, pooled over the report's concurrencies
     (weighted by steps)."""
     acc: dict[str, list[float]] = {}
-    for point in report.get("points", ()):
-        for name, cfg in point.items():
-            if name in ("plain", ADAPTIVE) or not isinstance(cfg, dict):
-                continue
-            kind = OFF if name == "forced-off" else name
-            for run in cfg.get("runs", ()):
-                pure = run.get("step_seconds", {}).get(kind)
-                if pure and pure[0] and kind in costs:
-                    n, sec, rows = pure
-                    tabled = _interpolate(sorted(costs[kind].items()), max(1, rows / n))
-                    a = acc.setdefault(kind, [0.0, 0.0])
-                    a[0] += sec
-                    a[1] += n * tabled
+    for _, kind, seconds in _static_runs(report):
+        pure = seconds.get(kind)
+        if pure and pure[0] and kind in costs:
+            n, sec, rows = pure
+            a = acc.setdefault(kind, [0.0, 0.0])
+            a[0] += sec
+            a[1] += n * _interpolate(sorted(costs[kind].items()), max(1, rows / n))
     return {k: sec / tab for k, (sec, tab) in acc.items() if tab > 0}
 
 
