@@ -75,8 +75,8 @@ def record_preemptions(scheduler) -> list:
     preempted: list = []
     schedule = scheduler.schedule
 
-    def spy():
-        out = schedule()
+    def spy(**kw):
+        out = schedule(**kw)
         preempted.extend(out.preempted)
         return out
 

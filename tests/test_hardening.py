@@ -149,8 +149,8 @@ def test_seeded_sampling_survives_preemption(
     small = Engine(_config(target, 16, _spec(head, shape)))
     schedule, outputs_when_preempted = small.scheduler.schedule, []
 
-    def spy():
-        out = schedule()
+    def spy(**kw):
+        out = schedule(**kw)
         outputs_when_preempted.extend(r.num_output_tokens for r in out.preempted)
         return out
 

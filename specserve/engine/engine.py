@@ -14,12 +14,12 @@ from __future__ import annotations
 import dataclasses
 import gc
 import itertools
-import json
 import logging
 import random
 import time
 
 from specserve.config import EngineConfig
+from specserve.engine.cache_key import cache_identity
 from specserve.engine.executor import Executor
 from specserve.engine.local_worker import ProposerFactory, resolve_model
 from specserve.engine.memory import check_fits, drafter_configs
@@ -99,28 +99,17 @@ class Engine:
         self._ids = itertools.count()
         self._text: dict[str, TextState] = {}
         self._requests: dict[str, Request] = {}
-        self.closed = False
+        self.closed = self._ahead = False  # _ahead: the last step let the runner launch ahead
+        pages, ps = self.runner.num_pages, config.cache.page_size
         log.info("model %s: %d KV pages x %d tokens = %d tokens of context capacity",
-                 self.model_name, self.runner.num_pages, config.cache.page_size,
-                 self.runner.num_pages * config.cache.page_size)
+                 self.model_name, pages, ps, pages * ps)
 
     def default_sampling_params(self, **overrides: object) -> SamplingParams:
         """SamplingParams from the generation config's defaults, under `overrides`."""
         return self.generation_defaults.sampling_params(**overrides)
 
     def _cache_identity(self, drafter: SpecWorker | None) -> tuple[str, bool] | None:
-        """(identity, next-token keying) of the KV pages the active workers write; None when
-        a drafter's own KV is not known to be a function of the tokens (no cache key)."""
-        cfg = self.config
-        target = {"model": cfg.model, "load_format": cfg.load_format, "dtype": str(self.runner.dtype),
-                  "seed": cfg.seed if cfg.load_format == "dummy" else None}
-        if drafter is None or not drafter.stateful:
-            return json.dumps(target), False  # no draft KV in the pages
-        # every drafter keeping state in the pages (a page is cached once all cover it)
-        keys = [getattr(d.proposer, "prefix_cache_key", None) for d in drafter.stateful]
-        if None in keys:
-            return None
-        return json.dumps({**target, "draft": keys[0] if len(keys) == 1 else keys}), True
+        return cache_identity(self.config, self.runner.dtype, drafter)
 
     def _prefix_cache(self) -> PrefixCache | None:
         """The prefix cache, on unless switched off or unsafe (a drafter whose state the
@@ -262,7 +251,10 @@ class Engine:
             if isinstance(mode, bool):  # True: the configured mode, False: off
                 mode = self.drafter.default_mode if mode else None
             self.scheduler.lookahead = self.drafter.lookahead_of(mode)
-        out = self.scheduler.schedule()
+        # the plain step launched ahead last time holds decodes: prefill joins the next one
+        out = self.scheduler.schedule(defer_prefill=self._ahead and mode is None)
+        self._ahead = mode is None and self.runner.overlap and bool(out.scheduled) \
+            and not self.scheduler.expects_prefill(out)
         if not out.scheduled:
             self._release(out)
             return []
@@ -275,7 +267,8 @@ class Engine:
                     and policy.fold(mode, decodes))
         step = build_step_input(out, mode, eos_token_ids=self.scheduler.eos_token_ids,
                                 cached_prefixes=self.drafter is not None
-                                and self.drafter.host_drafts, fold=fold)
+                                and self.drafter.host_drafts, fold=fold,
+                                launch_ahead=self._ahead)
         result = self.executor.execute(step)
         accepted = self._record_spec(out, result)
         before = [s.request.num_output_tokens for s in out.scheduled]

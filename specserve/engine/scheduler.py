@@ -11,7 +11,9 @@ One step's plan, in priority order (a running request's priority is its admissio
 When a running request cannot get its pages, the lowest-priority running request (admitted
 last) is preempted: its pages are freed and it returns to the FRONT of the waiting queue with
 its output tokens kept, to be re-prefilled later. The highest-priority running request always
-progresses, so every request that fits the pool alone eventually completes.
+progresses, so every request that fits the pool alone eventually completes. With decode overlap,
+2-3 wait a step after a step whose decodes the runner launched ahead (defer_prefill): the next
+step runs them with those decodes in one forward rather than a second one beside the launch.
 
 Prefix caching (kv_cache/prefix_cache.py): after each update a request's full pages whose KV is
 complete (the target's, and the draft's as far as the step reports it) are registered: read-only
@@ -24,12 +26,7 @@ import time
 from collections import deque
 
 from specserve.config import SchedulerConfig
-from specserve.engine.plan import (
-    QueueFullError,
-    ScheduledRequest,
-    SchedulerOutput,
-    StepPlan,
-)
+from specserve.engine.plan import QueueFullError, ScheduledRequest, SchedulerOutput, StepPlan
 from specserve.engine.request import Request, RequestStatus
 from specserve.kv_cache.allocator import PageAllocator, pages_for
 from specserve.kv_cache.prefix_cache import PrefixCache
@@ -62,6 +59,7 @@ class Scheduler:
         self.running: list[Request] = []  # admission order = priority order
         self._requests: dict[str, Request] = {}  # unfinished requests by id
         self._lookahead = 0
+        self.deferred = False  # the last schedule() put prefill off (defer_prefill)
         # KV slots each decoding request keeps past its valid KV after a step: 1 lets the
         # runner launch the next decode step before this one's tokens reach the host, W +
         # lookahead the drafter its next speculative cycle
@@ -155,14 +153,19 @@ class Scheduler:
 
     # -- planning ------------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, defer_prefill: bool = False) -> SchedulerOutput:
+        """The next step's plan. defer_prefill: decodes only (launched ahead: chunks beside
+        them would take a second forward); the prefill next step, launched nothing ahead."""
         plan = StepPlan()
         decodes = [r for r in self.running if self._is_decode(r)]
         prefills = [r for r in self.running if not self._is_decode(r)]
-        for req in decodes + prefills:
+        # never twice in a row (expects_prefill is then True): no request waits two steps
+        self.deferred = bool(defer_prefill and decodes and (prefills or self.waiting and len(
+            self.running) < self.config.max_num_seqs))
+        for req in decodes + ([] if self.deferred else prefills):
             if req.status == RequestStatus.RUNNING:  # not preempted earlier in this step
                 self._schedule_running(req, plan)
-        if not plan.preempted:
+        if not plan.preempted and not self.deferred:
             self._admit_waiting(plan)
         entries = list(plan.entries.values())
         ordered = [e for e in entries if e.is_decode] + [e for e in entries if not e.is_decode]
@@ -170,6 +173,23 @@ class Scheduler:
                               finished_ids=self._finished_ids)
         self._finished_ids = []
         return out
+
+    def expects_prefill(self, out: SchedulerOutput) -> bool:
+        """Whether the step after `out` will likely carry prefill chunks: a prompt is not
+        done after it, or a waiting request could be admitted (a slot free once the rows
+        reaching max_tokens end, pages for its first chunk). A wrong guess costs one step."""
+        done = {s.request.request_id for s in out.scheduled if s.samples}
+        if self.deferred or any(r.num_tokens - r.num_computed_tokens > 1 and r.request_id not in done
+               for r in self.running):
+            return True
+        if not self.waiting:
+            return False
+        ending = sum(s.samples and s.request.max_tokens - s.request.num_output_tokens <= 1
+                     for s in out.scheduled)
+        n = pages_for(min(self.waiting[0].num_tokens, self.config.max_num_batched_tokens),
+                      self.page_size)
+        return (len(self.running) - ending < self.config.max_num_seqs
+                and n + len(self.running) <= self.allocator.num_free)
 
     @staticmethod
     def _is_decode(req: Request) -> bool:
@@ -195,7 +215,7 @@ class Scheduler:
         # shrink the chunk to the slots the request can own now rather than preempt for more
         capacity = (len(req.page_ids) + self.allocator.num_free) * self.page_size - start
         n = min(n, capacity)
-        self._grow(req, start + n)
+        self._grow_chunk(req, start + n)
         self._add_entry(plan, ScheduledRequest(req, n, start))
 
     def _reserve(self, req: Request, num_slots: int, plan: StepPlan) -> bool:
@@ -208,6 +228,14 @@ class Scheduler:
                 return False
         self._grow(req, num_slots)
         return True
+
+    def _grow_chunk(self, req: Request, end: int) -> None:
+        """Own a prefill chunk's slots up to `end`, and on a plain step (no lookahead) with
+        overlap, past a prompt's end the slot its first decode, launched ahead, writes."""
+        self._grow(req, end)
+        if end == req.num_tokens and self.keep_ahead and not self._lookahead \
+                and pages_for(end + 1, self.page_size) - len(req.page_ids) <= self.allocator.num_free:
+            self._grow(req, end + 1)
 
     def _grow(self, req: Request, num_slots: int) -> None:
         extra = pages_for(num_slots, self.page_size) - len(req.page_ids)
@@ -262,7 +290,7 @@ class Scheduler:
                 req.num_cached_pages = len(hit)
                 if req.num_preemptions == 0:
                     req.num_cached_tokens = start
-            self._grow(req, start + n)
+            self._grow_chunk(req, start + n)
             self._add_entry(plan, ScheduledRequest(req, n, start, from_cache=start > 0))
 
     # -- results -------------------------------------------------------------------------------

@@ -11,13 +11,15 @@ from specserve.worker.step_input import StepInput
 def build_step_input(out: SchedulerOutput, spec_mode: str | None = None,
                      speculate: bool | np.ndarray = True,
                      eos_token_ids: tuple[int, ...] = (),
-                     cached_prefixes: bool = False, fold: bool = False) -> StepInput:
+                     cached_prefixes: bool = False, fold: bool = False,
+                     launch_ahead: bool = True) -> StepInput:
     """One row per scheduled entry, in out.scheduled order (a StepOutput's rows align).
     spec_mode: the draft mode of this step (None: plain); speculate: which rows may use it
     (one flag for all, or one per row); eos_token_ids: what min_tokens masks besides the
     request's stop_token_ids; cached_prefixes: a row admitted on a cached prefix carries the
     prefix's tokens (for a drafter that reads whole histories on the host); fold: the
-    decodes run one token each in the prefill chunks' forward (StepInput.fold)."""
+    decodes run one token each in the prefill chunks' forward (StepInput.fold);
+    launch_ahead: StepInput.launch_ahead."""
     if spec_mode is None:
         speculate = False
     rows = out.scheduled
@@ -69,6 +71,7 @@ def build_step_input(out: SchedulerOutput, spec_mode: str | None = None,
         preempted_ids=[r.request_id for r in out.preempted],
         spec_mode=spec_mode or "",
         fold=fold and spec_mode is not None,
+        launch_ahead=launch_ahead,
         **extra,
     )
 

@@ -379,10 +379,10 @@ class ModelRunner:
 
     def _launch_next(self, step: StepInput, where: dict[int, int],
                      step_tokens: torch.Tensor) -> None:
-        """Launch the next decode of the rows that sampled here (decodes, prompts done) that
-        run it (prompts left out took a second forward: H100, 8B, 13-15 ms a step, not 7)."""
+        """Launch the next decode of every row that sampled here (decodes, prompts done),
+        unless the engine expects prefill chunks next step (StepInput.launch_ahead)."""
         ps = self.page_size
-        if step.eager:
+        if step.eager or not step.launch_ahead:
             return  # logits processing reads tokens the host has not seen yet
         ends = step.starts + step.num_new_tokens  # the next token's position; a slot for it
         index = [i for i in range(step.bs) if i in where and step.page_counts[i] * ps > ends[i]

@@ -69,7 +69,7 @@ FLAT_COUNTS = {"token_ids": "num_new_tokens", "page_ids": "page_counts",
                "bias_values": "bias_counts", "suppress_ids": "suppress_counts",
                "prefix_ids": "prefix_counts"}
 ARRAYS = {**ROW_ARRAYS, **FLAT_ARRAYS}
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 # the logits-processing arrays and their neutral values (StepInput's defaults)
 NEUTRAL_ROWS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
                 "min_left": 0, "history_counts": 0, "history_outputs": 0, "bias_counts": 0,
@@ -130,6 +130,10 @@ class StepInput:
     # a step with prefill chunks whose decodes run one token each in the chunks' forward,
     # feeding the drafter as they go (no verify forward of their own beside it)
     fold: bool = False
+    # the runner may launch the next decode of the rows that sample here before the host
+    # reads this step (decode overlap); False where the engine expects the next step to
+    # carry prefill chunks, which one forward runs with its decodes instead of a second
+    launch_ahead: bool = True
 
     def __post_init__(self) -> None:
         bs = len(self.request_ids)
@@ -209,7 +213,8 @@ class StepInput:
         for flat, counts in FLAT_COUNTS.items():
             rows[flat] = _gather(getattr(self, flat), _offsets(getattr(self, counts)), index)
         return StepInput(request_ids=[self.request_ids[i] for i in index.tolist()],
-                         spec_mode=self.spec_mode, fold=self.fold, **rows)
+                         spec_mode=self.spec_mode, fold=self.fold,
+                         launch_ahead=self.launch_ahead, **rows)
 
     # -- wire format ---------------------------------------------------------------------------
     def encode(self) -> bytes:
@@ -221,6 +226,7 @@ class StepInput:
             "preempted_ids": self.preempted_ids,
             "spec_mode": self.spec_mode,
             "fold": self.fold,
+            "launch_ahead": self.launch_ahead,
         }
         for name, dtype in ARRAYS.items():
             if name in PROCESSING and not self.eager:
@@ -247,6 +253,7 @@ class StepInput:
             preempted_ids=msg["preempted_ids"],
             spec_mode=msg["spec_mode"],
             fold=msg["fold"],
+            launch_ahead=msg["launch_ahead"],
             **arrays,
         )
 
