@@ -20,6 +20,7 @@ import random
 
 import pytest
 import torch
+from engine_drivers import record_preemptions
 from tiny_eagle import make_tiny_pair
 from tiny_models import device_fixture
 
@@ -158,15 +159,7 @@ def test_folded_steps_under_preemption(pair, device: str) -> None:
     ref = [o.token_ids for o in _llm(pair, device, 512, spec=False).generate(prompts, params)]
     small = _llm(pair, device, 40)  # 160 slots for 4 requests of up to 70 tokens plus lookahead
     small.engine.spec_policy = FoldAlways()
-    preempted = []
-    schedule = small.engine.scheduler.schedule
-
-    def record():
-        out = schedule()
-        preempted.extend(out.preempted)
-        return out
-
-    small.engine.scheduler.schedule = record
+    preempted = record_preemptions(small.engine.scheduler)
     assert [o.token_ids for o in small.generate(prompts, params)] == ref
     assert preempted and small.engine.drafter.counters.mode_steps["fold"] > 0
     assert small.engine.allocator.num_free == small.engine.allocator.num_total
