@@ -85,6 +85,27 @@ def test_simulation_matches_the_closed_form_of_one_slot() -> None:
     assert run["steps"] == {"off": 6 * 16}
 
 
+def test_plain_prefill_waits_a_step_after_a_launch_ahead_as_the_engine_does() -> None:
+    """A plain step launches its next decode ahead unless a prompt is mid-prefill; prompts
+    arriving behind such a launch prefill a step later, never in the launched step; without
+    overlap nothing waits."""
+    cfg = SimConfig(costs=COSTS, modes=MODES, prompt_len=128, output_len=16, noise=0.0,
+                    output_spread=0.5)
+    log: list = []
+    simulate(cfg, None, concurrency=8, num_requests=40, log=log)
+    waited = 0
+    for (_, _, _, ahead), (kind, b, chunk, _) in zip(log, log[1:]):
+        assert kind == "off"
+        if ahead == "off" and b:
+            assert chunk == 0
+        waited += ahead is None and chunk > 0
+    assert waited > 5 and sum(ahead == "off" for *_, ahead in log) > len(log) // 2
+    log.clear()
+    cfg.overlap = False
+    simulate(cfg, None, concurrency=8, num_requests=40, log=log)
+    assert all(ahead is None for *_, ahead in log)
+
+
 @pytest.mark.parametrize("rate, level", [(0.65, 256), (0.65, 32), (0.3, 128), (0.3, 32)])
 def test_adaptive_reaches_the_best_static_choice_in_the_simulation(rate: float,
                                                                    level: int) -> None:

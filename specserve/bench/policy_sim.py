@@ -16,9 +16,13 @@ The model, per step:
   plus, for rows whose drafter state is behind (tokens made while off), a catch-up of
   `catchup_ms` + `catchup_ms_per_token` per missed token (an off step's prefill chunks are
   missed too; a speculative or folded step's feed the drafter); plus, when the mode changes away
-  from a speculative mode, that mode's step (the cycle launched ahead is discarded);
+  from a speculative mode, that mode's step (the cycle launched ahead is discarded), and
+  coming on from a plain step that launched its next decode ahead, a plain step;
   everything times a random factor (1 + noise * N(0, 1)); a mixed step right after a pure
   step of its mode never folds (that cycle was launched ahead: the engine keeps it);
+- a plain step launches ahead unless a prompt is mid-prefill after it; the plain step after
+  one that did runs decodes only (prompts that arrived wait a step: the engine's
+  defer_prefill);
 - acceptance as the engine's synthetic model: request r's rate is uniform on [a - d, a + d]
   (d = min(a, 1 - a)); a cycle walks its draft's deepest path, depth i passing with
   1 - (1 - rate)^c_i (c_i: the path node's candidates, 1 for a chain).
@@ -112,10 +116,11 @@ def _step_seconds(rows: dict[str, list[tuple[int, float]]], mode: str | None,
 
 
 def simulate(cfg: SimConfig, policy, concurrency: int, num_requests: int,
-             seed: int = 0) -> dict:
+             seed: int = 0, log: list | None = None) -> dict:
     """One run: `num_requests` prompts through `concurrency` slots under `policy` (an
     AdaptivePolicy, a StaticPolicy, or None: off on every step). Returns tok_s (the steady
-    window's), tok_s_all, steps per mode ("fold" for folded steps) and seconds."""
+    window's), tok_s_all, steps per mode ("fold" for folded steps) and seconds. log: gets
+    each step's (kind, decode rows, chunk tokens, what it launched ahead or None)."""
     rng = random.Random(seed)
     rows = {m: sorted(row.items()) for m, row in cfg.costs.items()}  # the table, sorted once
     half = min(cfg.accept_rate, 1.0 - cfg.accept_rate)
@@ -139,11 +144,15 @@ def simulate(cfg: SimConfig, policy, concurrency: int, num_requests: int,
         mode = (policy.choose([r.rid for r in decoding], len(active) - len(decoding),
                               sum(r.behind for r in decoding))
                 if policy is not None else None)
-        # the step's plan: decode rows first (with the mode's lookahead), then chunks
+        # the step's plan: decode rows first (with the mode's lookahead), then chunks (none
+        # on a plain step after a plain one launched ahead: they wait a step, the engine's
+        # defer_prefill)
         budget = cfg.token_budget - len(decoding) * cfg.lookahead(mode)
+        defer = launched == OFF and mode is None and bool(decoding) and any(
+            r.prefilled < cfg.prompt_len for r in active)
         chunks: list[tuple[_Request, int]] = []
         for r in active:
-            if r.prefilled < cfg.prompt_len and budget > 0:
+            if r.prefilled < cfg.prompt_len and budget > 0 and not defer:
                 n = min(cfg.prompt_len - r.prefilled, budget)
                 chunks.append((r, n))
                 budget -= n
@@ -164,8 +173,9 @@ def simulate(cfg: SimConfig, policy, concurrency: int, num_requests: int,
             extra = 1e-3 * (cfg.catchup_ms + cfg.catchup_ms_per_token * behind)
             seconds += extra
             overhead["catch_up"] += extra
-        if prev_mode is not None and mode != prev_mode and b:
-            extra = _step_seconds(rows, prev_mode, b)  # the discarded launch ahead
+        if b and (launched == OFF and spec or prev_mode is not None and mode != prev_mode):
+            # the discarded launch ahead (a plain one: a plain step's time)
+            extra = _step_seconds(rows, None if launched == OFF else prev_mode, b)
             seconds += extra
             overhead["switch"] += extra
         seconds *= max(0.5, 1.0 + cfg.noise * rng.gauss(0.0, 1.0))
@@ -209,8 +219,15 @@ def simulate(cfg: SimConfig, policy, concurrency: int, num_requests: int,
             if first is None:
                 first = clock, tokens
         prev_mode = mode if spec else prev_mode if fold else None
-        # a pure speculative step launches its mode's next cycle before the host reads it
+        # a pure speculative step launches its mode's next cycle before the host reads it; a
+        # plain one its next decode unless prefill is due next (a prompt not done, or one
+        # deferred)
         launched = mode if spec and not mixed and cfg.overlap else None
+        if mode is None and cfg.overlap and not defer and all(
+                r.prefilled == cfg.prompt_len for r in active):
+            launched = OFF
+        if log is not None:
+            log.append((key, b, sum(n for _, n in chunks), launched))
     if first is not None and last is not None and last[0] > first[0] and last[1] > first[1]:
         window, counted = last[0] - first[0], last[1] - first[1]
     else:
