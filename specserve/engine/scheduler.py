@@ -179,8 +179,8 @@ class Scheduler:
         done after it, or a waiting request could be admitted (a slot free once the rows
         reaching max_tokens end, pages for its first chunk). A wrong guess costs one step."""
         done = {s.request.request_id for s in out.scheduled if s.samples}
-        if self.deferred or any(r.num_tokens - r.num_computed_tokens > 1 and r.request_id not in done
-               for r in self.running):
+        if self.deferred or any(r.num_tokens - r.num_computed_tokens > 1
+                                and r.request_id not in done for r in self.running):
             return True
         if not self.waiting:
             return False
