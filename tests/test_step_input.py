@@ -116,6 +116,16 @@ def test_release_lists_travel() -> None:
     assert victim.request_id not in sched.schedule().finished_ids
 
 
+@pytest.mark.parametrize("launch_ahead", [True, False])
+def test_step_flags_travel_and_survive_select(launch_ahead: bool) -> None:
+    """The step-wide flags (the draft mode, fold, launch_ahead) cross the wire and stay on
+    a selection of rows: a rank that dropped launch_ahead would launch ahead alone."""
+    _, out = scheduled(6, seed=4)
+    step = build_step_input(out, "chain3", fold=True, launch_ahead=launch_ahead)
+    for got in (StepInput.decode(step.encode()), step.select([2, 0])):
+        assert (got.spec_mode, got.fold, got.launch_ahead) == ("chain3", True, launch_ahead)
+
+
 def test_select_matches_list_indexing() -> None:
     _, out = scheduled(16, seed=5, decode_steps=1)
     step = build_step_input(out)
