@@ -92,10 +92,10 @@ def test_prompts_done_in_a_step_decode_next_from_its_launch(model: str, prompt_l
 
 
 def _closed_loop(model: str, overlap: str, legacy: bool = False
-                 ) -> tuple[dict, list[tuple[int, int]]]:
+                 ) -> tuple[dict, list[tuple[int, int]], Engine]:
     """A closed-loop load (a new request enters as one finishes, as a benchmark's clients
-    do); returns the tokens and, per step, (rows taken from the launch ahead, rows run in a
-    forward of the step's own)."""
+    do); returns the tokens, per step (rows taken from the launch ahead, rows run in a
+    forward of the step's own), and the engine."""
     from specserve.sampling_params import SamplingParams
 
     engine = Engine(EngineConfig(
@@ -129,7 +129,7 @@ def _closed_loop(model: str, overlap: str, legacy: bool = False
                     temperature=0, max_tokens=2 + n % 7, ignore_eos=True))
                 n += 1
         steps.append((runner.rows_launched_ahead - taken, sum(ran)))
-    return tokens, steps
+    return tokens, steps, engine
 
 
 def test_prefill_waits_a_step_rather_than_run_beside_a_launch(model: str) -> None:
@@ -138,12 +138,21 @@ def test_prefill_waits_a_step_rather_than_run_beside_a_launch(model: str) -> Non
     forward beside the launched one (H100, 8B, 128 rows: 16-20 ms a step, not 8-11): no
     step both takes launched rows and runs rows of its own. The control: launching ahead
     whatever comes next splits steps so. Tokens equal the engine's without overlap."""
-    ref, _ = _closed_loop(model, "off")
-    got, steps = _closed_loop(model, "on")
+    from prometheus_client import CollectorRegistry
+
+    from specserve.server.metrics import EngineMetrics
+
+    ref, _, plain = _closed_loop(model, "off")
+    got, steps, eng = _closed_loop(model, "on")
     assert got == ref and len(got) == 12
+    deferred = eng.stats()["num_prefill_deferrals"]
+    assert deferred >= 3 and plain.stats()["num_prefill_deferrals"] == 0
+    registry = CollectorRegistry()
+    EngineMetrics(registry).observe_engine_stats(eng.stats())
+    assert registry.get_sample_value("specserve:num_prefill_deferrals_total") == deferred
     assert sum(t for t, _ in steps) > 20  # decodes did run launched ahead
     assert sum(1 for t, r in steps if r and not t) > 4  # and prefill joined their steps
     assert not [s for s in steps if s[0] and s[1]], steps
-    always, split = _closed_loop(model, "on", legacy=True)
+    always, split, _ = _closed_loop(model, "on", legacy=True)
     assert always == ref
     assert [s for s in split if s[0] and s[1]]

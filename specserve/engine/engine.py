@@ -349,6 +349,7 @@ class Engine:
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_prefill_deferrals": self.scheduler.num_deferrals,
             "kv_free_pages": free,
             "kv_total_pages": total,
             "kv_usage": 1.0 - free / total,

@@ -60,6 +60,7 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # unfinished requests by id
         self._lookahead = 0
         self.deferred = False  # the last schedule() put prefill off (defer_prefill)
+        self.num_deferrals = 0  # cumulative: steps that did
         # KV slots each decoding request keeps past its valid KV after a step: 1 lets the
         # runner launch the next decode step before this one's tokens reach the host, W +
         # lookahead the drafter its next speculative cycle
@@ -162,6 +163,7 @@ class Scheduler:
         # never twice in a row (expects_prefill is then True): no request waits two steps
         self.deferred = bool(defer_prefill and decodes and (prefills or self.waiting and len(
             self.running) < self.config.max_num_seqs))
+        self.num_deferrals += self.deferred
         for req in decodes + ([] if self.deferred else prefills):
             if req.status == RequestStatus.RUNNING:  # not preempted earlier in this step
                 self._schedule_running(req, plan)

@@ -23,6 +23,8 @@ PROMPT_TOKENS = PREFIX + "prompt_tokens_total"
 GENERATION_TOKENS = PREFIX + "generation_tokens_total"
 REQUEST_ABORTED = PREFIX + "request_aborted_total"
 NUM_PREEMPTIONS = PREFIX + "num_preemptions_total"
+# steps whose prefill waited a step behind decodes launched ahead (decode overlap)
+NUM_PREFILL_DEFERRALS = PREFIX + "num_prefill_deferrals_total"
 TTFT = PREFIX + "time_to_first_token_seconds"
 TPOT = PREFIX + "time_per_output_token_seconds"
 E2E_LATENCY = PREFIX + "e2e_request_latency_seconds"
@@ -69,6 +71,9 @@ class EngineMetrics:
         self.num_preemptions = _counter(
             NUM_PREEMPTIONS, "Requests preempted (KV freed, recomputed later).", r
         )
+        self.num_prefill_deferrals = _counter(
+            NUM_PREFILL_DEFERRALS, "Steps whose prefill waited one step behind decodes "
+            "launched ahead (it then runs with the next step's decodes in one forward).", r)
         self.ttft = Histogram(TTFT, "Time to first token (s).", buckets=_TTFT_BUCKETS, registry=r)
         self.tpot = Histogram(
             TPOT, "Time per output token after the first (s).", buckets=_TPOT_BUCKETS, registry=r
@@ -169,6 +174,7 @@ class EngineMetrics:
             ("num_draft_tokens", self.spec_num_draft_tokens),
             ("num_accepted_tokens", self.spec_num_accepted),
             ("num_preemptions", self.num_preemptions),
+            ("num_prefill_deferrals", self.num_prefill_deferrals),
             ("prefix_cache_queries", self.prefix_cache_queries),
             ("prefix_cache_hits", self.prefix_cache_hits),
         ):
