@@ -152,13 +152,19 @@ def _check_hits(llm: LLM, outs: list[list], exact: bool = True) -> None:
         assert all(c % PAGE == 0 and c < len(p) for c, p in zip(wave, _prompts()))
 
 
-def test_plain_greedy_identical_with_caching(pair, reference) -> None:
-    llm = _llm(pair[0], None, pair[1], True)
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_plain_greedy_identical_with_caching(pair, reference, overlap: str) -> None:
+    """Overlap on (a GPU's default): decodes launched ahead, prefill deferred behind them,
+    a prompt's last chunk owning its first decode's slot; the same pages cached."""
+    llm = _llm(pair[0], None, pair[1], True, decode_overlap=overlap)
     waves, preempted, outs = _run(llm)
     for wave in waves:
         assert wave == reference
     assert preempted, "the small pool was meant to force a preemption"
     _check_hits(llm, outs)
+    if overlap == "on":
+        stats = llm.engine.stats()
+        assert llm.engine.runner.rows_launched_ahead > 0 and stats["num_prefill_deferrals"] > 0
 
 
 def _spec_run(pair, name: str, caching: bool, **kw) -> tuple[LLM, dict, list, list]:
