@@ -168,6 +168,9 @@ def main() -> int:
                     help="with --report: each kind's mixed-step line from the per-step traces "
                          "beside it (trace-*.jsonl of bench_spec_policy.py --trace), over the "
                          "lines --fit-static gives")
+    ap.add_argument("--profiled-priors", action="store_true",
+                    help="start the policy from the report's start-up profile of mixed steps "
+                         "(mixed_table_ms), not from the model's own costs")
     ap.add_argument("--sha", default="", help="with --results: the sweep's SHA prefix")
     ap.add_argument("--accept-rate", default="0.65")
     ap.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,256")
@@ -239,6 +242,11 @@ def main() -> int:
     if lines:
         print("mixed-step lines (fixed ms, ms a chunk token): " + ", ".join(
             f"{k} ({a:.2f}, {c:.4f})" for k, (a, c) in lines.items()))
+    priors: dict = {}
+    if args.profiled_priors:
+        priors = report.get("mixed_table_ms") or {}
+        if not args.report or not priors:
+            ap.error("--profiled-priors reads the mixed_table_ms of a --report")
     modes, verify = {}, {}
     for name in costs:
         if name != OFF:
@@ -250,7 +258,7 @@ def main() -> int:
                         output_len=args.output_len, token_budget=args.token_budget,
                         output_spread=args.output_len_spread,
                         **model, catchup_ms=args.catchup_ms, noise=args.noise,
-                        mixed_lines=lines, step_scale=scales)
+                        mixed_lines=lines, step_scale=scales, mixed_priors=priors)
         names = [OFF, *modes, ADAPTIVE]
         per: dict[int, dict[str, list[float]]] = {c: {} for c in levels}
         for seed in range(args.seeds):

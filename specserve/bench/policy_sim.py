@@ -74,6 +74,10 @@ class SimConfig:
     # does not see in its table (an H100's plain steps under load: ~1.25x, mostly a few slow
     # ones; speculative: ~1.05x: scripts/simulate_spec_policy.py --fit-static)
     step_scale: dict[str, float] = field(default_factory=dict)
+    # the start-up profile's mixed steps the policy starts from ({kind: {chunk tokens: ms}},
+    # e.g. a sweep report's mixed_table_ms); empty: the model's own costs at 128 and 512
+    # tokens (a profile that reads the steps exactly, which an engine's does not)
+    mixed_priors: dict[str, dict[int, float]] = field(default_factory=dict)
 
     def mixed_ms_of(self, kind: str, tokens: int) -> float:
         """Milliseconds a step of `kind` carrying `tokens` chunk tokens takes over its
@@ -247,8 +251,9 @@ def sweep(cfg: SimConfig, levels: list[int], requests_per_slot: int = 4,
 
     # the engine's start-up profile of mixed steps: each kind's extra at two chunk sizes (its
     # 128 and 512 tokens: speculative/profile.py)
-    priors = {k: {n: 1e-3 * cfg.mixed_ms_of(k, n) for n in (128, 512)}
-              for k in (OFF, *cfg.modes)}
+    priors = {k: {int(n): 1e-3 * ms for n, ms in row.items()}
+              for k, row in cfg.mixed_priors.items()} or \
+        {k: {n: 1e-3 * cfg.mixed_ms_of(k, n) for n in (128, 512)} for k in (OFF, *cfg.modes)}
 
     def adaptive() -> AdaptivePolicy:
         return AdaptivePolicy(shapes, cfg.costs, widths={m: cfg.lookahead(m) for m in shapes},
