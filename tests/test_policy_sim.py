@@ -254,13 +254,17 @@ def test_adaptive_turns_off_where_eager_mixed_steps_sink_speculation() -> None:
     runs its cycle eagerly: 14.5 ms more; a fold 25.5 ms; 21 us a chunk token), rate 0.3,
     the sweep's concurrencies in order: at C=32 plain decoding wins by 28% (3.5k vs 2.7k
     tok/s). With a borrowed slope reading a 14 ms fixed part into plain steps' line, the
-    policy kept chain modes: 0.91 here, 0.67-0.72 in 4 of 10 seeds of the whole table;
-    now 0.95-1.0."""
+    policy kept chain modes: 0.91 in one seed, 0.67-0.72 in 4 of 10 seeds of the whole
+    table; now 0.90-0.97 per seed, 0.94 in the mean of four. What is left: with every
+    output of one length requests finish in waves, and a wave's first step (16 rows
+    decoding, 16 prefilling) scores the tree above plain, where the next step holds 32
+    rows (a catch-up and a few tree steps)."""
     costs = {m: {b: t / 1e3 for b, t in row.items()} for m, row in H100_5DA_MS.items()}
     cfg = SimConfig(costs=costs, modes=MODES, verify_tokens={"tree4x3x8": 8}, accept_rate=0.3,
                     prefill_ms_per_token=0.02125, mixed_ms=14.53, fold_ms=25.49)
-    points = sweep(cfg, [1, 2, 4, 8, 16, 32], seed=2000, repeats=1)
-    assert points[-1]["adaptive_vs_best"] >= 0.93, points[-1]
+    ends = [sweep(cfg, [1, 2, 4, 8, 16, 32], seed=seed, repeats=1)[-1]["adaptive_vs_best"]
+            for seed in (2000, 0, 1000, 3000)]
+    assert min(ends) >= 0.88 and sum(ends) / len(ends) >= 0.93, ends
 
 
 def test_output_lengths_spread_per_request_and_the_simulation_follows_them() -> None:

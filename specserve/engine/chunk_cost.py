@@ -15,24 +15,46 @@ the mode).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+RATIO_CLIP = (0.25, 4.0)  # bounds of one step's measured extra over its prior line's
+
 
 class ChunkCost:
-    def __init__(self, decay: float = 0.97, token_scale: float = 64.0) -> None:
+    def __init__(self, decay: float = 0.97, token_scale: float = 64.0,
+                 group: Callable[[str], str] | None = None) -> None:
         """decay: weight kept by earlier observations of a kind per new one; token_scale:
-        the chunk-size spread one pseudo-observation of the pooled slope stands for."""
+        the chunk-size spread one pseudo-observation of the pooled slope stands for; group:
+        the kinds whose priors one measured step corrects together (default: each its own).
+
+        Priors (a start-up profile) read a group's kinds alike wrong: the profile times the
+        chunk forward and the cycle back to back, where the engine's mixed step also pays the
+        host work a launch ahead hides and the step after it that launches nothing. On an
+        H100 every speculative mode's mixed steps ran ~1.3x their profiled extra; learnt one
+        mode at a time, the policy tried chain3, chain2, the tree and chain1 in turn (~40
+        steps of mixed speculative steps at 20-27 ms where plain ran 10-14 ms) before it
+        went off (experiments/2026-12-06-plain-prefill-deferral.md). So each measured step of
+        a kind that has priors also corrects, by its ratio to its prior line, the priors of
+        every kind of its group."""
         self.decay, self.token_scale = decay, token_scale
-        self.stats: dict[str, list[float]] = {}  # kind -> [w, w N, w N^2, w y, w N y]
+        self.group = group or (lambda kind: kind)
+        self.stats: dict[str, list[float]] = {}  # kind -> [w, w N, w N^2, w y, w N y] measured
         self.pooled = [0.0] * 5
         self.mean_tokens: float | None = None  # chunk tokens of recent mixed steps
         self.chunks: dict[str, list[float]] = {}  # kind -> [w, w N] of its measured steps
+        self.priors: dict[str, list[float]] = {}  # kind -> its prior points' sums (undecayed)
+        self.prior_left: dict[str, float] = {}  # kind -> the share of its priors' weight left
+        self.ratios: dict[str, list[float]] = {}  # group -> [w, w r]: measured / prior extra
 
     def prior(self, kind: str, tokens: int, extra: float, weight: float) -> None:
         """A point of the kind's line measured apart (the start-up profile of mixed steps),
         worth `weight` observations, decayed as they are: it shapes the fitted line, not
-        the kind's mean chunk (no step carried it)."""
+        the kind's mean chunk (no step carried it); scaled by its group's measured ratio to
+        the priors."""
         n = float(tokens)
         point = (weight, weight * n, weight * n * n, weight * extra, weight * n * extra)
-        st = self.stats.setdefault(kind, [0.0] * 5)
+        st = self.priors.setdefault(kind, [0.0] * 5)
+        self.prior_left[kind] = 1.0
         for acc in (st, self.pooled):
             for i, v in enumerate(point):
                 acc[i] += v
@@ -43,6 +65,14 @@ class ChunkCost:
         n = float(tokens)
         self.mean_tokens = n if self.mean_tokens is None else \
             self.mean_tokens + 0.1 * (n - self.mean_tokens)
+        if kind in self.priors:
+            nbar, ybar, slope = self._line(self.priors[kind], 0.0)
+            expected = ybar + slope * (n - nbar)
+            if expected > 0.0:
+                r = min(RATIO_CLIP[1], max(RATIO_CLIP[0], extra / expected))
+                acc = self.ratios.setdefault(self.group(kind), [0.0, 0.0])
+                acc[0], acc[1] = acc[0] * 0.9 + 1.0, acc[1] * 0.9 + r
+            self.prior_left[kind] *= self.decay
         point = (1.0, n, n * n, extra, n * extra)
         ch = self.chunks.setdefault(kind, [0.0, 0.0])
         ch[0], ch[1] = ch[0] * self.decay + 1.0, ch[1] * self.decay + n
@@ -50,6 +80,25 @@ class ChunkCost:
         for acc in (st, self.pooled):
             for i, v in enumerate(point):
                 acc[i] = acc[i] * self.decay + v
+
+    def ratio(self, kind: str) -> float:
+        """Measured over prior extra of the kind's group (decayed; one pseudo-step at 1)."""
+        w, wr = self.ratios.get(self.group(kind), (0.0, 0.0))
+        return (wr + 1.0) / (w + 1.0)
+
+    def kinds(self) -> set[str]:
+        """Kinds with a line: measured steps or priors."""
+        return set(self.stats) | set(self.priors)
+
+    def _points(self, kind: str) -> list[float] | None:
+        """The kind's measured points plus its priors (their weight left, scaled by the
+        group's ratio); None: neither."""
+        st, pr = self.stats.get(kind), self.priors.get(kind)
+        if pr is None:
+            return st
+        m, r = self.prior_left[kind], self.ratio(kind)
+        scaled = [m * pr[0], m * pr[1], m * pr[2], m * r * pr[3], m * r * pr[4]]
+        return scaled if st is None else [a + b for a, b in zip(st, scaled)]
 
     def _line(self, st: list[float], slope_prior: float) -> tuple[float, float, float]:
         """(mean N, mean y, slope) of a kind's decayed points, the slope shrunk toward
@@ -63,7 +112,7 @@ class ChunkCost:
 
     def extra(self, kind: str) -> float | None:
         """The kind's expected extra seconds at the mean chunk size (None: never seen)."""
-        st = self.stats.get(kind)
+        st = self._points(kind)
         if st is None or st[0] <= 0.0 or self.mean_tokens is None:
             return None
         pooled = self._line(self.pooled, 0.0)[2]
@@ -71,16 +120,23 @@ class ChunkCost:
         return max(0.0, ybar + slope * (self.mean_tokens - nbar))
 
     def mean_chunk(self, kind: str) -> float | None:
-        """Chunk tokens of the kind's mixed steps (decayed), else (none seen) of every kind's
-        recent ones. Kinds differ: requests that finish together (plain steps, one token
-        each) leave in waves and their prompts arrive as one large chunk; a speculative
-        mode's finish apart and trickle in one prompt a step. The kind's own mean also keeps
-        its charge per chunk token at what its steps measured, however its line splits into
-        fixed part and slope (one large chunk and a slope borrowed from the other kinds read
-        as a 14 ms fixed part)."""
+        """Chunk tokens of the kind's mixed steps (decayed), else (none seen) of its group's,
+        else of every kind's recent ones. Kinds differ: requests that finish together (plain
+        steps, one token each) leave in waves and their prompts arrive as one large chunk;
+        a speculative mode's finish apart and trickle in one prompt a step. The kind's own
+        mean also keeps its charge per chunk token at what its steps measured, however its
+        line splits into fixed part and slope (one large chunk and a slope borrowed from the
+        other kinds read as a 14 ms fixed part). A speculative mode not run yet takes the
+        run ones' mean, not the recent steps': a load's first wave of prompts (2k-token
+        chunks) read as a share of mixed steps of 0.3 where every speculative mode ran 0.9-1
+        (H100, C = 64)."""
         ch = self.chunks.get(kind)
         if ch is not None and ch[0] > 0.0:
             return ch[1] / ch[0]
+        g = self.group(kind)
+        mates = [c for k, c in self.chunks.items() if self.group(k) == g and c[0] > 0.0]
+        if mates:
+            return sum(c[1] for c in mates) / sum(c[0] for c in mates)
         return self.mean_tokens
 
     def pooled_slope(self) -> float | None:
@@ -93,7 +149,7 @@ class ChunkCost:
         It passes through the kind's mean point: where the fitted slope would make the
         fixed part negative (a steep slope read off chunks of nearly one size), the line
         through the origin and that point."""
-        st = self.stats.get(kind)
+        st = self._points(kind)
         if st is None or st[0] <= 0.0:
             return None
         prior = slope_prior if slope_prior is not None else self.pooled_slope() or 0.0

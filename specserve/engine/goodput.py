@@ -44,7 +44,7 @@ class GoodputModel:
         self.mixed_prior = dict(self.mixed_extra)
         # with steps' chunk tokens known: each kind's extra as fixed + per token, and the
         # chunk tokens per emitted token (decayed sums over steps)
-        self.chunk_cost = ChunkCost()
+        self.chunk_cost = ChunkCost(group=_group)
         for kind, row in (mixed_priors or {}).items():
             for tokens, extra in row.items():
                 self.chunk_cost.prior(kind, int(tokens), extra, PRIOR_WEIGHT)
@@ -68,7 +68,7 @@ class GoodputModel:
             return line
         slope = self.chunk_cost.pooled_slope() or 0.0
         if kind not in ("off", "fold"):  # a speculative kind: as the ones seen (one eager cycle)
-            seen = [ln[0] for k in self.chunk_cost.stats if k not in ("off", "fold")
+            seen = [ln[0] for k in self.chunk_cost.kinds() if k not in ("off", "fold")
                     for ln in [self.chunk_cost.line(k)] if ln is not None]
             if seen:
                 return sum(seen) / len(seen), slope
@@ -135,7 +135,7 @@ class GoodputModel:
             self.mixed_extra[key] += 0.1 * (extra - self.mixed_extra[key])
             return
         self.chunk_cost.observe(key, chunk_tokens, extra)
-        for kind in self.chunk_cost.stats:
+        for kind in self.chunk_cost.kinds():
             self.mixed_extra[kind] = self.chunk_cost.extra(kind)
 
     def finished(self, prompt_tokens: int, output_tokens: int) -> None:
@@ -179,6 +179,13 @@ class GoodputModel:
 
         here = bound(current)
         return {name: b * bound(name) / here for name in per_row}
+
+
+def _group(kind: str) -> str:
+    """The kinds of mixed step whose profiled priors one measured step corrects together:
+    the speculative modes (each a cycle beside the chunks), apart from plain and folded
+    steps."""
+    return kind if kind in ("off", "fold") else "spec"
 
 
 def _extra_cap(step: float, chunk_tokens: int | None) -> float:
