@@ -45,6 +45,7 @@ class ChunkCost:
         self.priors: dict[str, list[float]] = {}  # kind -> its prior points' sums (undecayed)
         self.prior_left: dict[str, float] = {}  # kind -> the share of its priors' weight left
         self.ratios: dict[str, list[float]] = {}  # group -> [w, w r]: measured / prior extra
+        self.group_chunks: dict[str, list[float]] = {}  # group -> [w, w N], decayed per step
 
     def prior(self, kind: str, tokens: int, extra: float, weight: float) -> None:
         """A point of the kind's line measured apart (the start-up profile of mixed steps),
@@ -74,8 +75,9 @@ class ChunkCost:
                 acc[0], acc[1] = acc[0] * 0.9 + 1.0, acc[1] * 0.9 + r
             self.prior_left[kind] *= self.decay
         point = (1.0, n, n * n, extra, n * extra)
-        ch = self.chunks.setdefault(kind, [0.0, 0.0])
-        ch[0], ch[1] = ch[0] * self.decay + 1.0, ch[1] * self.decay + n
+        for ch in (self.chunks.setdefault(kind, [0.0, 0.0]),
+                   self.group_chunks.setdefault(self.group(kind), [0.0, 0.0])):
+            ch[0], ch[1] = ch[0] * self.decay + 1.0, ch[1] * self.decay + n
         st = self.stats.setdefault(kind, [0.0] * 5)
         for acc in (st, self.pooled):
             for i, v in enumerate(point):
@@ -121,7 +123,8 @@ class ChunkCost:
 
     def mean_chunk(self, kind: str) -> float | None:
         """Chunk tokens of the kind's mixed steps (decayed), else (none seen) of its group's,
-        else of every kind's recent ones. Kinds differ: requests that finish together (plain
+        else of its group's recent ones (decayed per step of the group: a kind not run
+        again would keep its old chunks at full weight), else of every kind's recent ones. Kinds differ: requests that finish together (plain
         steps, one token each) leave in waves and their prompts arrive as one large chunk;
         a speculative mode's finish apart and trickle in one prompt a step. The kind's own
         mean also keeps its charge per chunk token at what its steps measured, however its
@@ -133,10 +136,9 @@ class ChunkCost:
         ch = self.chunks.get(kind)
         if ch is not None and ch[0] > 0.0:
             return ch[1] / ch[0]
-        g = self.group(kind)
-        mates = [c for k, c in self.chunks.items() if self.group(k) == g and c[0] > 0.0]
-        if mates:
-            return sum(c[1] for c in mates) / sum(c[0] for c in mates)
+        gc = self.group_chunks.get(self.group(kind))
+        if gc is not None and gc[0] > 0.0:
+            return gc[1] / gc[0]
         return self.mean_tokens
 
     def pooled_slope(self) -> float | None:
