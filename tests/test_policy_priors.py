@@ -99,3 +99,22 @@ def test_adaptive_leaves_speculation_when_mixed_steps_cost_more_than_profiled(
     best = [max(p[m]["tok_s"] for m in ("off", *MODES)) for p in ratios]
     assert all(p["off"]["tok_s"] == b for p, b in zip(ratios, best))  # plain is the best here
     assert statistics.mean(p["adaptive_vs_best"] for p in ratios) >= 0.95, ratios
+
+
+def test_a_speculative_modes_own_chunks_age_with_its_groups_steps() -> None:
+    """A mode's own mean chunk from an earlier load (chain2 at a low concurrency) is stale
+    once the other speculative modes ran on: it ages with every step of the group and, worth
+    less than one step, gives way to the group's recent mean. On an H100 (C = 64 after
+    C = 1..32) chain2's own old chunks read a share of mixed steps of 0.56 where chain3,
+    running, measured 1.0, and the policy left chain3 for chain2."""
+    cost = ChunkCost(group=_group)
+    for _ in range(5):
+        cost.observe("chain2", 2000, 0.05)
+    assert cost.mean_chunk("chain2") == pytest.approx(2000)
+    for _ in range(5):
+        cost.observe("off", 700, 0.01)  # another group: chain2's chunks do not age
+    assert cost.mean_chunk("chain2") == pytest.approx(2000)
+    for _ in range(60):
+        cost.observe("chain3", 128, 0.01)
+    assert cost.mean_chunk("chain2") < 200
+    assert cost.mean_chunk("chain3") == pytest.approx(128)

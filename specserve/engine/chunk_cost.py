@@ -75,8 +75,12 @@ class ChunkCost:
                 acc[0], acc[1] = acc[0] * 0.9 + 1.0, acc[1] * 0.9 + r
             self.prior_left[kind] *= self.decay
         point = (1.0, n, n * n, extra, n * extra)
+        g = self.group(kind)
+        for k, ch in self.chunks.items():  # a kind's own chunks age with every step of its group
+            if k != kind and self.group(k) == g:
+                ch[0], ch[1] = ch[0] * self.decay, ch[1] * self.decay
         for ch in (self.chunks.setdefault(kind, [0.0, 0.0]),
-                   self.group_chunks.setdefault(self.group(kind), [0.0, 0.0])):
+                   self.group_chunks.setdefault(g, [0.0, 0.0])):
             ch[0], ch[1] = ch[0] * self.decay + 1.0, ch[1] * self.decay + n
         st = self.stats.setdefault(kind, [0.0] * 5)
         for acc in (st, self.pooled):
@@ -134,7 +138,7 @@ class ChunkCost:
         chunks) read as a share of mixed steps of 0.3 where every speculative mode ran 0.9-1
         (H100, C = 64)."""
         ch = self.chunks.get(kind)
-        if ch is not None and ch[0] > 0.0:
+        if ch is not None and ch[0] >= 1.0:
             return ch[1] / ch[0]
         gc = self.group_chunks.get(self.group(kind))
         if gc is not None and gc[0] > 0.0:
