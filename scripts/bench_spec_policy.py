@@ -204,7 +204,7 @@ def sweep(engine, args, levels: list[int], modes: list[str], rate: float, comm: 
                         "rho": pol.chunk_ema / pol.emitted_ema if pol.emitted_ema else None,
                         "chunk_lines": {k: (pol.chunk_cost.line(k)[0] * 1e3,
                                             pol.chunk_cost.line(k)[1] * 1e6)
-                                        for k in pol.chunk_cost.stats}}
+                                        for k in sorted(pol.chunk_cost.kinds())}}
         for name in configs:
             rs = runs[name]
             steps: dict[str, int] = {}
@@ -249,8 +249,9 @@ def sweep(engine, args, levels: list[int], modes: list[str], rate: float, comm: 
         point["adaptive_vs_plain"] = point[ADAPTIVE]["tok_s"] / point[PLAIN]["tok_s"]
         point["forced_off_vs_plain"] = point[OFF]["tok_s"] / point[PLAIN]["tok_s"]
         report["points"].append(point)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "spec_policy.json").write_text(json.dumps(report, indent=1))
+        # after every concurrency: a run stopped by a time limit keeps the levels it finished
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "spec_policy.json").write_text(json.dumps(report, indent=1))
     from specserve.bench.plots import plot_sweep
 
     series = {m: [p[m]["tok_s"] for p in report["points"]] for m in configs}
