@@ -46,6 +46,7 @@ class ChunkCost:
         self.prior_left: dict[str, float] = {}  # kind -> the share of its priors' weight left
         self.ratios: dict[str, list[float]] = {}  # group -> [w, w r]: measured / prior extra
         self.group_chunks: dict[str, list[float]] = {}  # group -> [w, w N], decayed per step
+        self.full_chunks: dict[str, list[float]] = {}  # kind -> [w, w N] of budget-cut steps
 
     def prior(self, kind: str, tokens: int, extra: float, weight: float) -> None:
         """A point of the kind's line measured apart (the start-up profile of mixed steps),
@@ -60,12 +61,17 @@ class ChunkCost:
             for i, v in enumerate(point):
                 acc[i] += v
 
-    def observe(self, kind: str, tokens: int, extra: float) -> None:
+    def observe(self, kind: str, tokens: int, extra: float, arrival: bool = True) -> None:
         """A mixed step of `kind` with `tokens` chunk tokens took `extra` seconds more than
-        its decode step."""
+        its decode step. arrival: its chunks are what arrived, not a backlog the step's
+        budget cut (a load's first wave): only such steps measure the mean chunk, unless
+        none does (a budget that prefill fills on every step)."""
         n = float(tokens)
         self.mean_tokens = n if self.mean_tokens is None else \
             self.mean_tokens + 0.1 * (n - self.mean_tokens)
+        if not arrival:
+            full = self.full_chunks.setdefault(kind, [0.0, 0.0])
+            full[0], full[1] = full[0] * self.decay + 1.0, full[1] * self.decay + n
         if kind in self.priors:
             nbar, ybar, slope = self._line(self.priors[kind], 0.0)
             expected = ybar + slope * (n - nbar)
@@ -77,10 +83,10 @@ class ChunkCost:
         point = (1.0, n, n * n, extra, n * extra)
         g = self.group(kind)
         for k, ch in self.chunks.items():  # a kind's own chunks age with every step of its group
-            if k != kind and self.group(k) == g:
+            if arrival and k != kind and self.group(k) == g:
                 ch[0], ch[1] = ch[0] * self.decay, ch[1] * self.decay
         for ch in (self.chunks.setdefault(kind, [0.0, 0.0]),
-                   self.group_chunks.setdefault(g, [0.0, 0.0])):
+                   self.group_chunks.setdefault(g, [0.0, 0.0])) if arrival else ():
             ch[0], ch[1] = ch[0] * self.decay + 1.0, ch[1] * self.decay + n
         st = self.stats.setdefault(kind, [0.0] * 5)
         for acc in (st, self.pooled):
@@ -143,6 +149,9 @@ class ChunkCost:
         gc = self.group_chunks.get(self.group(kind))
         if gc is not None and gc[0] > 0.0:
             return gc[1] / gc[0]
+        full = self.full_chunks.get(kind)
+        if full is not None and full[0] > 0.0:
+            return full[1] / full[0]
         return self.mean_tokens
 
     def pooled_slope(self) -> float | None:

@@ -127,14 +127,18 @@ class GoodputModel:
         catch-up (experiments/2026-12-06-policy-trace.md)."""
         return min(1.0, rho * tokens / self.chunk_cost.mean_chunk(name))
 
-    def learn_mixed(self, key: str, extra: float, chunk_tokens: int | None) -> None:
-        """A mixed step's extra seconds: with its chunk tokens known, every kind's extra is
-        re-read from its fitted line at the recent mean chunk size (engine/chunk_cost.py);
-        else a decayed mean of the kind's extras."""
+    def learn_mixed(self, key: str, extra: float, chunk_tokens: int | None,
+                    batch: int = 0) -> None:
+        """A mixed step's extra seconds (beside `batch` decode rows): with its chunk tokens
+        known, every kind's extra is re-read from its fitted line at the recent mean chunk
+        size (engine/chunk_cost.py); else a decayed mean of the kind's extras. A step whose
+        chunks filled what its budget left beside the rows carried a backlog, not arrivals."""
         if chunk_tokens is None:
             self.mixed_extra[key] += 0.1 * (extra - self.mixed_extra[key])
             return
-        self.chunk_cost.observe(key, chunk_tokens, extra)
+        width = self.widths.get(key, 1)
+        full = bool(self.token_budget) and chunk_tokens + batch * width >= self.token_budget
+        self.chunk_cost.observe(key, chunk_tokens, extra, arrival=not full)
         for kind in self.chunk_cost.kinds():
             self.mixed_extra[kind] = self.chunk_cost.extra(kind)
 

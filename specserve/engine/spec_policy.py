@@ -360,7 +360,7 @@ class AdaptivePolicy(GoodputModel):
                 self.mixed_share += 0.05 * (1.0 - self.mixed_share)
                 extra = min(_extra_cap(_interpolate(self.costs["off"], batch), chunk_tokens),
                             max(0.0, seconds - self.step_time(None, batch)))
-                self.learn_mixed("fold", extra, chunk_tokens)
+                self.learn_mixed("fold", extra, chunk_tokens, batch)
             return
         key = "off" if mode is None else mode
         prev, self._prev = self._prev, key
@@ -387,7 +387,7 @@ class AdaptivePolicy(GoodputModel):
         if mixed:  # the prefill chunks' time on top of the decode step (clipped: _extra_cap)
             extra = min(_extra_cap(tabled, chunk_tokens),
                         max(0.0, seconds - self.step_time(mode, batch)))
-            self.learn_mixed(key, extra, chunk_tokens)
+            self.learn_mixed(key, extra, chunk_tokens, batch)
             return
         ratio = min(2.0, max(0.5, seconds / tabled))
         self.scale[key] += self.rescale * (ratio - self.scale[key])
