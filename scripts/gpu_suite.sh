@@ -402,12 +402,15 @@ if has policy; then
     echo "policy tests rc=$?"; tail -4 "$out/policy_tests.log"
   fi
   # one invocation per rate (4 requests a slot and every configuration warmed up at each
-  # concurrency: ~7 min each); reports under policy-R/
+  # concurrency: ~7 min each on an H100, the report rewritten after every concurrency);
+  # output lengths +-50% a request (requests finish apart, as served ones do); per-step
+  # decision traces beside each report; reports under policy-R/
   for rate in 0.65 0.3; do
     ppart "$rate" || continue
     timeout 580 python scripts/bench_spec_policy.py --model llama-3.1-8b \
       --concurrency 1,2,4,8,16,32,64,128,256 --modes chain3,chain1,chain2,tree4x3x8 \
       --accept-rate "$rate" --output-len 64 --prompt-len 128 --min-requests 12 --repeats 1 \
+      --output-len-spread 0.5 --trace \
       --out "$out/policy-$rate" --label "llama-3.1-8b policy sweep rate {rate}" \
       --log --exp-dir experiments > "$out/policy-$rate.log" 2>&1
     echo "policy rate $rate rc=$?"; grep "adaptive /\|Error" "$out/policy-$rate.log" | tail -3
@@ -419,7 +422,7 @@ if has policy; then
     timeout 580 python scripts/bench_spec_policy.py --model llama-3.1-8b \
       --concurrency 1,2,4,8,16,32,64,128,256 --modes chain3,chain1,chain2,tree4x3x8 \
       --accept-rate 0.65 --output-len 64 --prompt-len 128 --min-requests 12 --repeats 1 \
-      --emulate-comm pcie-nccl-8gpu \
+      --output-len-spread 0.5 --trace --emulate-comm pcie-nccl-8gpu \
       --emulate-compute shard --out "$out/policy-pcie" --log --exp-dir experiments \
       --label "llama-3.1-8b policy sweep rate 0.65 PCIe-TP8 shard" > "$out/policy-pcie.log" 2>&1
     echo "policy PCIe TP8 rc=$?"; grep "adaptive /\|Error" "$out/policy-pcie.log" | tail -3
@@ -430,6 +433,7 @@ if has policy; then
     timeout 300 python scripts/bench_spec_policy.py --model "$pair" --load-format auto \
       --draft-model "$head" --concurrency 1,16,64 --modes chain3,chain1,chain2,tree4x3x8 \
       --accept-rate 0 --prompts code --prompt-len 128 --output-len 96 --min-requests 8 \
+      --output-len-spread 0.5 --repeats 1 \
       --out "$out/policy-pair" --log --exp-dir experiments \
       --label "tiny-code eagle3 policy sweep (real acceptance)" > "$out/policy-pair.log" 2>&1
     echo "policy bundled pair rc=$?"; grep -v "^ " "$out/policy-pair.log" | grep -v INFO | tail -8
