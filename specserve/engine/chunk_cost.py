@@ -85,9 +85,10 @@ class ChunkCost:
         for k, ch in self.chunks.items():  # a kind's own chunks age with every step of its group
             if arrival and k != kind and self.group(k) == g:
                 ch[0], ch[1] = ch[0] * self.decay, ch[1] * self.decay
-        for ch in (self.chunks.setdefault(kind, [0.0, 0.0]),
-                   self.group_chunks.setdefault(g, [0.0, 0.0])) if arrival else ():
-            ch[0], ch[1] = ch[0] * self.decay + 1.0, ch[1] * self.decay + n
+        if arrival:
+            for ch in (self.chunks.setdefault(kind, [0.0, 0.0]),
+                       self.group_chunks.setdefault(g, [0.0, 0.0])):
+                ch[0], ch[1] = ch[0] * self.decay + 1.0, ch[1] * self.decay + n
         st = self.stats.setdefault(kind, [0.0] * 5)
         for acc in (st, self.pooled):
             for i, v in enumerate(point):
@@ -132,17 +133,20 @@ class ChunkCost:
         return max(0.0, ybar + slope * (self.mean_tokens - nbar))
 
     def mean_chunk(self, kind: str) -> float | None:
-        """Chunk tokens of the kind's mixed steps (decayed), else (none seen) of its group's,
-        else of its group's recent ones (decayed per step of the group: a kind not run
-        again would keep its old chunks at full weight), else of every kind's recent ones. Kinds differ: requests that finish together (plain
-        steps, one token each) leave in waves and their prompts arrive as one large chunk;
-        a speculative mode's finish apart and trickle in one prompt a step. The kind's own
-        mean also keeps its charge per chunk token at what its steps measured, however its
-        line splits into fixed part and slope (one large chunk and a slope borrowed from the
-        other kinds read as a 14 ms fixed part). A speculative mode not run yet takes the
-        run ones' mean, not the recent steps': a load's first wave of prompts (2k-token
-        chunks) read as a share of mixed steps of 0.3 where every speculative mode ran 0.9-1
-        (H100, C = 64)."""
+        """Chunk tokens a mixed step of the kind carries: its own steps' mean (decayed), while
+        they are worth a step (they age with every step of its group); else its group's recent
+        steps' (decayed per step of the group); else, where only steps whose budget cut their
+        chunks were seen (every step prefill-bound), theirs; else every kind's recent ones.
+
+        Kinds differ: requests that finish together (plain steps, one token each) leave in
+        waves and their prompts arrive as one large chunk; a speculative mode's finish apart
+        and trickle in one prompt a step. The kind's own mean also keeps its charge per chunk
+        token at what its steps measured, however its line splits into fixed part and slope
+        (one large chunk and a slope borrowed from the other kinds read as a 14 ms fixed
+        part). A speculative mode not run lately takes the run ones' mean, not its old one
+        nor every step's: a load's first wave of prompts (2k-token chunks) or an earlier
+        load's chunks read a share of mixed steps of 0.3-0.56 where the running mode
+        measured 0.9-1 (H100, C = 64)."""
         ch = self.chunks.get(kind)
         if ch is not None and ch[0] >= 1.0:
             return ch[1] / ch[0]
