@@ -11,6 +11,8 @@ per-token, --mixed-ms, ...) to a policy sweep's per-kind step times before readi
         --fit --fit-static    # and each kind's mixed-step line from the static runs
     python scripts/simulate_spec_policy.py --report OUT/policy-0.65/spec_policy.json \
         --fit --fit-trace     # or from the adaptive runs' per-step traces (--trace)
+    python scripts/simulate_spec_policy.py --report OUT/policy-0.65/spec_policy.json \
+        --fit --fit-static --profiled-priors   # the policy starts from the run's own profile
     python scripts/simulate_spec_policy.py --results experiments/results.jsonl --sha dd72cd7 \
         --accept-rate 0.65,0.3 --concurrency 1,2,4,8,16,32,64,128,256 --seeds 3
 """

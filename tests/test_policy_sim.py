@@ -156,7 +156,8 @@ def test_simulation_script_reads_a_report_and_refuses_bad_flags(tmp_path) -> Non
     for flags, says in ((["--accept-rate", "1.5"], "--accept-rate must be in (0, 1)"),
                         (["--seeds", "0"], "must be at least 1"),
                         (["--concurrency", "x"], "--concurrency must be"),
-                        (["--output-len-spread", "-0.1"], "--output-len-spread must be")):
+                        (["--output-len-spread", "-0.1"], "--output-len-spread must be"),
+                        (["--profiled-priors"], "--profiled-priors reads the mixed_table_ms")):
         bad = subprocess.run([sys.executable, str(script), "--report", str(report), *flags],
                              capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2 and says in bad.stderr, bad.stderr
