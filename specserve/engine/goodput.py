@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from specserve.engine.chunk_cost import ChunkCost
 
+SPEC = "spec"  # the group of the speculative modes' mixed steps (_group)
 PRIOR_WEIGHT = 4.0  # steps' worth of each profiled mixed-step point (decayed as steps are)
 
 
@@ -67,8 +68,8 @@ class GoodputModel:
         if line is not None:
             return line
         slope = self.chunk_cost.pooled_slope() or 0.0
-        if kind not in ("off", "fold"):  # a speculative kind: as the ones seen (one eager cycle)
-            seen = [ln[0] for k in self.chunk_cost.kinds() if k not in ("off", "fold")
+        if _group(kind) == SPEC:  # a speculative kind: as the ones seen (one eager cycle)
+            seen = [ln[0] for k in self.chunk_cost.kinds() if _group(k) == SPEC
                     for ln in [self.chunk_cost.line(k)] if ln is not None]
             if seen:
                 return sum(seen) / len(seen), slope
@@ -189,7 +190,7 @@ def _group(kind: str) -> str:
     """The kinds of mixed step whose profiled priors one measured step corrects together:
     the speculative modes (each a cycle beside the chunks), apart from plain and folded
     steps."""
-    return kind if kind in ("off", "fold") else "spec"
+    return kind if kind in ("off", "fold") else SPEC
 
 
 def _extra_cap(step: float, chunk_tokens: int | None) -> float:
