@@ -96,6 +96,11 @@ class SpecConfig:
         choices=("static", "adaptive"),
         flags=("--spec-policy", "--speculative-policy"),
     )
+    profile_budget: float = option(
+        10.0, "adaptive policy: seconds its start-up cost table may take; batch sizes past it "
+        "are extrapolated from the smaller ones timed (the two smallest always are) and mixed "
+        "steps not timed are left to the policy's priors (0 = no limit)", min=0.0,
+        metavar="SECONDS")
     prompt_lookup_max: int | None = option(
         None, "ngram: longest n-gram of the context's end looked up in the prompt + output "
         "(vLLM's name)", min=1, help_default="4 with method ngram")

@@ -128,20 +128,23 @@ class Engine:
         return PrefixCache(self.allocator, self.config.cache.page_size, *identity)
 
     def _adaptive_policy(self) -> AdaptivePolicy:
-        """Profile each mode and plain steps at powers of two to max_num_seqs, and chunks."""
+        """Profile each mode and plain steps at powers of two to max_num_seqs, and chunks,
+        within spec.profile_budget seconds (speculative/profile_budget.py)."""
         from specserve.speculative.profile import format_table
+        from specserve.speculative.profile_budget import profile_within
 
-        top = self.config.scheduler.max_num_seqs
+        top, control = self.config.scheduler.max_num_seqs, self.executor.control
         sizes = sorted({min(1 << i, top) for i in range(top.bit_length() + 1)})
-        t0 = time.perf_counter()
-        table = self.executor.control("profile_costs", batch_sizes=sizes)  # on every rank
-        mixed = self.spec_mixed_table = self.executor.control(  # the policy's priors
-            "profile_mixed", batch_size=min(64, top))
-        self.spec_cost_seconds = time.perf_counter() - t0
-        log.info("speculation cost table (ms per step, %.1f s to measure):\n%s\nextra ms of "
-                 "a prefill chunk (columns: its tokens):\n%s", self.spec_cost_seconds,
-                 format_table(table), format_table(mixed) if mixed else "-")
-        self.spec_cost_table = table
+        prof = profile_within(  # each call on every rank; what to time decided here (rank 0)
+            self.config.spec.profile_budget, sizes, min(64, top),
+            lambda b: control("profile_costs", batch_sizes=b),
+            lambda b, c: control("profile_mixed", batch_size=b, chunks=c))
+        table = self.spec_cost_table = prof.table
+        mixed = self.spec_mixed_table = prof.mixed  # the policy's priors
+        self.spec_cost_seconds = prof.seconds
+        log.info("speculation cost table (ms per step; %s):\n%s\nextra ms of a prefill chunk "
+                 "(columns: its tokens):\n%s", prof.describe(), format_table(table),
+                 format_table(mixed) if mixed else "-")
         return self.new_adaptive_policy()
 
     def new_adaptive_policy(self) -> AdaptivePolicy:

@@ -68,9 +68,10 @@ class LocalWorker:
 
             return profile_costs(self._drafter, list(args["batch_sizes"]))
         if op == "profile_mixed":
-            from specserve.speculative.profile import profile_mixed
+            from specserve.speculative.profile import MIXED_CHUNKS, profile_mixed
 
-            return profile_mixed(self._drafter, int(args["batch_size"]))
+            chunks = tuple(int(n) for n in args.get("chunks", MIXED_CHUNKS))
+            return profile_mixed(self._drafter, int(args["batch_size"]), chunks)
         if op == "set_speculation":
             enabled = bool(args["enabled"])
             self.drafter = self._drafter if enabled else None
