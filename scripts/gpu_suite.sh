@@ -417,17 +417,15 @@ if has policy; then
     simulated "$out/policy-$rate" "$rate"
   done
   # the comm-bound regime: every all-reduce of a TP-8 model costs the 8-GPU PCIe table's
-  # latency (rank 0's shard computes), so speculation's verify got expensive. Capturing the
-  # graphs waits the emulated latencies too: on an H100 (2026-12-06) the start-up had not
-  # ended after 400 s with token graphs to 8192 tokens (89 s each for the plain and the
-  # features set, 36-49 s per chain mode's cycles); token graphs stop at 2048 tokens here
-  # (the larger chunks run eagerly, both waiting what the table says)
+  # latency (rank 0's shard computes), so speculation's verify got expensive. (Graph capture
+  # once waited the emulated latencies too: on an H100, 2026-12-06, the start-up had not ended
+  # after 400 s, token graphs 89 s per set; capture now runs with the waits at zero, the
+  # graphs waiting the table at replay; tests/test_comm_gpu.py checks the replayed waits)
   if ppart pcie; then
     timeout 580 python scripts/bench_spec_policy.py --model llama-3.1-8b \
       --concurrency 1,2,4,8,16,32,64,128,256 --modes chain3,chain1,chain2,tree4x3x8 \
       --accept-rate 0.65 --output-len 64 --prompt-len 128 --min-requests 12 --repeats 1 \
       --output-len-spread 0.5 --trace --emulate-comm pcie-nccl-8gpu \
-      --cuda-graph-max-tokens 2048 \
       --emulate-compute shard --out "$out/policy-pcie" --log --exp-dir experiments \
       --label "llama-3.1-8b policy sweep rate 0.65 PCIe-TP8 shard" > "$out/policy-pcie.log" 2>&1
     echo "policy PCIe TP8 rc=$?"; grep "adaptive /\|Error" "$out/policy-pcie.log" | tail -3

@@ -328,3 +328,49 @@ def test_bench_latency_runs_each_table(tmp_path, capsys) -> None:
     assert list(points) == ["slow", "fast"]
     # 4 layers: 9 all-reduce points per step, each 2.99 ms longer with the slow table
     assert points["slow"] - points["fast"] >= 9 * 2.99 * 0.95
+
+
+def test_quiet_zeroes_every_wait_then_restores_the_table_in_place() -> None:
+    """Graph capture runs inside quiet(): its warm-ups wait nothing, and the graphs, which
+    read the same device arrays at replay, wait the table's latencies after."""
+    table = LatencyTable.load("pcie-nccl-8gpu")
+    emu = CommEmulator(table, 8, CPU, pad=False, max_bytes=1 << 16)
+    first, real = emu._ns[-1], emu.latency_ns(8192)
+    assert real > 0
+    with emu.quiet():
+        assert emu.latency_ns(8192) == 0
+        with emu.quiet():  # nested: still quiet after the inner one ends
+            pass
+        assert emu.latency_ns(8192) == 0
+        assert emu.latency_ns(1 << 20) == 0  # an array grown inside is quiet too
+    assert emu._ns[0] is first and emu.latency_ns(8192) == real
+    assert emu.latency_ns(1 << 20) == round(table.latency_us(8, 1 << 20) * 1e3)
+
+
+def test_graph_capture_waits_no_emulated_latency(monkeypatch, tmp_path) -> None:
+    """Both capture loops (batch graphs: decode and speculative cycles; token graphs) run
+    their warm-ups and captures with the emulator quiet, and leave it waiting the table."""
+    from specserve.worker.cuda_graph import BatchGraphs, batch_buckets
+    from specserve.worker.token_graphs import TokenGraphs
+
+    seen: list[int] = []
+
+    def spy(self, *args) -> None:  # stands in for a bucket's warm-ups and capture
+        seen.append(comm.emulator().latency_ns(256))
+
+    monkeypatch.setattr(BatchGraphs, "_capture", spy)
+    monkeypatch.setattr(TokenGraphs, "_capture", spy)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+    comm.init_comm(CommConfig(emulate_comm=_flat(tmp_path, 1500.0)), hidden=HIDDEN,
+                   dtype=torch.float32, device=CPU, rows=[1, 16])
+    try:
+        BatchGraphs(lambda **views: (), {"x": torch.zeros(4, 1)}, {"x": 0}, 4, "test",
+                    pool=object())
+        graphs = TokenGraphs(lambda ids, pos, md: ids, 64, 4, 2, 128, 1, 1, 16, 0, CPU,
+                             capture=False)
+        graphs.capture = True
+        graphs.add_variant("plain", lambda ids, pos, md: ids)
+        assert len(seen) == len(batch_buckets(4)) + len(graphs.buckets) and set(seen) == {0}
+        assert comm.emulator().latency_ns(256) == 1_500_000
+    finally:
+        comm.reset()

@@ -16,6 +16,7 @@ its process group's own all-reduce.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 
@@ -114,6 +115,12 @@ def communicator() -> Communicator | None:
 
 def emulator() -> CommEmulator | None:
     return _EMULATOR
+
+
+def quiet_emulator() -> contextlib.AbstractContextManager:
+    """Inside: the emulator's waits are zero (CUDA graph capture: the captured graphs wait
+    the table's latencies at replay); a no-op without an emulator."""
+    return _EMULATOR.quiet() if _EMULATOR is not None else contextlib.nullcontext()
 
 
 def _communicator() -> Communicator | None:

@@ -26,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from specserve.config import EngineConfig
+from specserve.distributed.comm import quiet_emulator
 from specserve.distributed.dispatch import message_rows
 
 log = logging.getLogger(__name__)
@@ -180,9 +181,10 @@ class BatchGraphs:
         self.outputs: dict[int, Sequence[torch.Tensor]] = {}
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         gc.collect()  # garbage holding CUDA objects goes now, not during a capture
-        for bs in tqdm(list(reversed(self.buckets)), desc=f"capturing {name} graphs",
-                       leave=False):
-            self._capture(bs)
+        with quiet_emulator():  # warm-ups wait no emulated latency; replays will
+            for bs in tqdm(list(reversed(self.buckets)), desc=f"capturing {name} graphs",
+                           leave=False):
+                self._capture(bs)
 
     def _capture(self, bs: int) -> None:
         stream = torch.cuda.Stream()

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from specserve.distributed.comm import quiet_emulator
 from specserve.kernels.paged_attention import PAD_BLOCK, query_block_size
 from specserve.layers.attention_metadata import AttentionMetadata
 from specserve.worker.cuda_graph import no_gc_during_capture
@@ -153,9 +154,10 @@ class TokenGraphs:
         if not self.capture:
             return
         self.pools[name] = torch.cuda.graph_pool_handle()
-        for t in tqdm(list(reversed(self.buckets)), desc=f"capturing token graphs ({name})",
-                      leave=False):
-            self._capture(name, t)
+        with quiet_emulator():  # warm-ups wait no emulated latency; replays will
+            for t in tqdm(list(reversed(self.buckets)),
+                          desc=f"capturing token graphs ({name})", leave=False):
+                self._capture(name, t)
 
     def has(self, name: str) -> bool:
         return name in self.variants
