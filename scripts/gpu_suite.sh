@@ -381,7 +381,7 @@ if has policy; then
   # mean AL ~2.5 (rate 0.65) and ~1.5 (rate 0.3) at chain 3; dummy 8B weights. Also prints
   # the start-up cost table (its measuring time is in the log) and the GPU spec-policy tests.
   # POLICY_PARTS picks parts (default all) to fit a time limit: on an H100 (2026-12-06)
-  # the policy tests ~2 min, 0.65 ~4 min; pcie more than 7 min (give it a call of its own).
+  # the policy tests ~2 min, 0.65 ~8 min (two rounds); pcie: give it a call of its own.
   pparts=",${POLICY_PARTS:-tests,0.65,0.3,pcie,pair},"
   # the same table in the model engine (CPU, ~1 min; scripts/simulate_spec_policy.py), its
   # chunk costs those the sweep's adaptive policy learnt: the policy's own losses vs the GPU's
@@ -402,14 +402,16 @@ if has policy; then
     echo "policy tests rc=$?"; tail -4 "$out/policy_tests.log"
   fi
   # one invocation per rate (4 requests a slot and every configuration warmed up at each
-  # concurrency: ~7 min each on an H100, the report rewritten after every concurrency);
-  # output lengths +-50% a request (requests finish apart, as served ones do); per-step
-  # decision traces beside each report; reports under policy-R/
+  # concurrency, two rounds of each: one round took 243 s on an H100 at rate 0.65, and its
+  # steady window at C = 8 lasted 0.85 s, where one probe and its switch back are ~3%; the
+  # report rewritten after every concurrency); output lengths +-50% a request (requests
+  # finish apart, as served ones do); per-step decision traces beside each report; reports
+  # under policy-R/
   for rate in 0.65 0.3; do
     ppart "$rate" || continue
     timeout 580 python scripts/bench_spec_policy.py --model llama-3.1-8b \
       --concurrency 1,2,4,8,16,32,64,128,256 --modes chain3,chain1,chain2,tree4x3x8 \
-      --accept-rate "$rate" --output-len 64 --prompt-len 128 --min-requests 12 --repeats 1 \
+      --accept-rate "$rate" --output-len 64 --prompt-len 128 --min-requests 12 --repeats 2 \
       --output-len-spread 0.5 --trace \
       --out "$out/policy-$rate" --label "llama-3.1-8b policy sweep rate {rate}" \
       --log --exp-dir experiments > "$out/policy-$rate.log" 2>&1
