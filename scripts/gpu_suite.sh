@@ -345,34 +345,51 @@ if has longctx; then
   # paged decode at long context vs the bandwidth roofline (weights + every request's KV at the
   # copy bandwidth of the same run): 1k and 8k at bs 1-64, 32k at bs 1 and 16 (bs 32 at 32k
   # needs ~137 GB of KV, more than one H200 leaves); EAGLE-3 chain 3 at synthetic AL 3 at 8k;
-  # then the roofline plot (experiments/)
+  # then the roofline plot (experiments/). LONGCTX_PARTS picks parts (default all) to fit a
+  # time limit: 8k (1k and 8k), 32k, chain3, sdpa; the plot takes what this OUT_DIR holds
+  lparts=",${LONGCTX_PARTS:-8k,32k,chain3,sdpa},"
+  for p in ${lparts//,/ }; do
+    case $p in 8k|32k|chain3|sdpa) ;;
+      *) echo "LONGCTX_PARTS: unknown part '$p' (parts: 8k,32k,chain3,sdpa)" >&2; exit 2 ;;
+    esac
+  done
+  lpart() { [[ $lparts == *",$1,"* ]]; }
   lc=(--model llama-3.1-8b --load-format dummy --output-len 64 --runs 2 --warmup 1 --floor
       --log --exp-dir experiments)
   # an 80 GB card holds the weights and ~32 requests of 8k (bs 64: ~71 GB of KV) or 8 of 32k
   bs8=1,16,32,64 n8=64 bs32=1,16 n32=16
   mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
   if [[ "$mib" =~ ^[0-9]+$ ]] && (( mib < 100000 )); then bs8=1,16,32 n8=32 bs32=1,8 n32=8; fi
-  timeout 500 "${ss[@]}" bench latency "${lc[@]}" --context-len 1024,8192 --batch-sizes $bs8 \
-    --max-num-seqs $n8 --max-model-len 9216 --label "llama-3.1-8b long-context" \
-    --json-out "$out/longctx-8k.json" > "$out/longctx-8k.log" 2>&1
-  echo "longctx 1k/8k rc=$?"; grep -E "^ +[0-9]+ +[0-9]+ baseline" "$out/longctx-8k.log"
-  timeout 400 "${ss[@]}" bench latency "${lc[@]}" --context-len 32768 --batch-sizes $bs32 \
-    --max-num-seqs $n32 --max-model-len 33792 --label "llama-3.1-8b long-context 32k" \
-    --json-out "$out/longctx-32k.json" > "$out/longctx-32k.log" 2>&1
-  echo "longctx 32k rc=$?"; grep -E "^ +[0-9]+ +[0-9]+ baseline" "$out/longctx-32k.log"
-  timeout 300 "${ss[@]}" bench latency "${lc[@]}" --context-len 8192 --batch-sizes 1,16 \
-    --max-num-seqs 16 --max-model-len 9216 --cuda-graph-max-bs 16 --spec-algorithm eagle3 \
-    --spec-draft-model dummy --spec-num-steps 3 --spec-topk 1 --spec-synthetic-accept-len 3 \
-    --label "llama-3.1-8b chain3 synthetic AL3 ctx8k" --json-out "$out/longctx-chain3.json" \
-    > "$out/longctx-chain3.log" 2>&1
-  echo "longctx chain3 8k rc=$?"; grep -E "^ +8192" "$out/longctx-chain3.log"
+  if lpart 8k; then
+    timeout 500 "${ss[@]}" bench latency "${lc[@]}" --context-len 1024,8192 --batch-sizes $bs8 \
+      --max-num-seqs $n8 --max-model-len 9216 --label "llama-3.1-8b long-context" \
+      --json-out "$out/longctx-8k.json" > "$out/longctx-8k.log" 2>&1
+    echo "longctx 1k/8k rc=$?"; grep -E "^ +[0-9]+ +[0-9]+ baseline" "$out/longctx-8k.log"
+  fi
+  if lpart 32k; then
+    timeout 400 "${ss[@]}" bench latency "${lc[@]}" --context-len 32768 --batch-sizes $bs32 \
+      --max-num-seqs $n32 --max-model-len 33792 --label "llama-3.1-8b long-context 32k" \
+      --json-out "$out/longctx-32k.json" > "$out/longctx-32k.log" 2>&1
+    echo "longctx 32k rc=$?"; grep -E "^ +[0-9]+ +[0-9]+ baseline" "$out/longctx-32k.log"
+  fi
+  if lpart chain3; then
+    timeout 300 "${ss[@]}" bench latency "${lc[@]}" --context-len 8192 --batch-sizes 1,16 \
+      --max-num-seqs 16 --max-model-len 9216 --cuda-graph-max-bs 16 --spec-algorithm eagle3 \
+      --spec-draft-model dummy --spec-num-steps 3 --spec-topk 1 --spec-synthetic-accept-len 3 \
+      --label "llama-3.1-8b chain3 synthetic AL3 ctx8k" --json-out "$out/longctx-chain3.json" \
+      > "$out/longctx-chain3.log" 2>&1
+    echo "longctx chain3 8k rc=$?"; grep -E "^ +8192" "$out/longctx-chain3.log"
+  fi
   # the attention kernel alone against torch's fused kernels (cuDNN, FlashAttention-2,
   # memory-efficient) on the same K/V: 1k-32k context, bs 1-64, Llama-3.1-8B's heads
-  timeout 300 python scripts/bench_decode_vs_sdpa.py --json-out "$out/decode_vs_sdpa.json" \
-    > "$out/decode_vs_sdpa.log" 2>&1
-  echo "decode vs sdpa rc=$?"; tail -13 "$out/decode_vs_sdpa.log"
-  cp "$out/decode_vs_sdpa.json" "experiments/$(date +%F)-decode-vs-sdpa.json" 2>/dev/null
-  python scripts/plot_roofline.py "$out"/longctx-8k.json "$out"/longctx-32k.json --goal 0.9 \
+  if lpart sdpa; then
+    timeout 300 python scripts/bench_decode_vs_sdpa.py --json-out "$out/decode_vs_sdpa.json" \
+      > "$out/decode_vs_sdpa.log" 2>&1
+    echo "decode vs sdpa rc=$?"; tail -13 "$out/decode_vs_sdpa.log"
+    cp "$out/decode_vs_sdpa.json" "experiments/$(date +%F)-decode-vs-sdpa.json" 2>/dev/null
+  fi
+  held=$(ls "$out"/longctx-8k.json "$out"/longctx-32k.json 2>/dev/null)
+  [ -n "$held" ] && python scripts/plot_roofline.py $held --goal 0.9 \
     --goal-context 8192 --out experiments/llama-3.1-8b-long-context-roofline.png
 fi
 if has policy; then

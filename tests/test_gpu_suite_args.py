@@ -33,21 +33,49 @@ class Parsed(Exception):
     """Raised by the patched parse_args once a script's flags parsed."""
 
 
-@pytest.fixture(scope="module")
-def suite_commands(tmp_path_factory: pytest.TempPathFactory) -> list[list[str]]:
-    tmp = tmp_path_factory.mktemp("suite")
+def _run_suite(tmp: Path, steps: str, **env_extra: str) -> tuple[list[list[str]], int, str]:
+    """The suite's python commands (recorded, not run), its exit status and stderr."""
     bin_dir = tmp / "bin"
-    bin_dir.mkdir()
+    bin_dir.mkdir(exist_ok=True)
     (bin_dir / "python").write_text(RECORDER.format(python=sys.executable))
     (bin_dir / "timeout").write_text('#!/bin/sh\nshift\nexec "$@"\n')  # run without a limit
     (bin_dir / "nvidia-smi").write_text("#!/bin/sh\nexit 0\n")
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     log = tmp / "commands.jsonl"
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SUITE_LOG": str(log)}
-    subprocess.run(["bash", "scripts/gpu_suite.sh", str(tmp / "out"), STEPS], cwd=REPO,
-                   env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
-    return [json.loads(line) for line in log.read_text().splitlines()]
+    log.write_text("")
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SUITE_LOG": str(log),
+           **env_extra}
+    done = subprocess.run(["bash", "scripts/gpu_suite.sh", str(tmp / "out"), steps], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    return [json.loads(line) for line in log.read_text().splitlines()], done.returncode, \
+        done.stderr
+
+
+@pytest.fixture(scope="module")
+def suite_commands(tmp_path_factory: pytest.TempPathFactory) -> list[list[str]]:
+    return _run_suite(tmp_path_factory.mktemp("suite"), STEPS)[0]
+
+
+def test_parts_pick_the_commands_of_a_step(tmp_path: Path) -> None:
+    """LONGCTX_PARTS / POLICY_PARTS run only the parts named (a call's time limit), and a
+    part not known stops the suite with a message naming the parts."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "longctx-32k.json").write_text("{}")  # as the 32k run leaves it
+    cmds, rc, _ = _run_suite(tmp_path, "longctx", LONGCTX_PARTS="32k")
+    assert rc == 0
+    ran = [" ".join(c) for c in cmds]
+    assert any("--context-len 32768" in c for c in ran), ran
+    assert not any("1024,8192" in c or "eagle3" in c or "decode_vs_sdpa" in c for c in ran)
+    plot = [c for c in cmds if c[0] == "scripts/plot_roofline.py"]
+    assert len(plot) == 1 and not any("longctx-8k" in a for a in plot[0]), plot
+    cmds, rc, _ = _run_suite(tmp_path, "policy", POLICY_PARTS="0.3")
+    rates = [c[c.index("--accept-rate") + 1] for c in cmds if "--accept-rate" in c]
+    assert rc == 0 and rates and set(rates) == {"0.3"}, cmds
+    for name, step in (("LONGCTX_PARTS", "longctx"), ("POLICY_PARTS", "policy")):
+        cmds, rc, err = _run_suite(tmp_path, step, **{name: "nope"})
+        assert rc == 2 and f"{name}: unknown part 'nope'" in err
+        assert all(c[-1] == "doctor" for c in cmds), cmds  # nothing of the step ran
 
 
 def _check_cli(argv: list[str]) -> None:
