@@ -47,6 +47,7 @@ METHODS: dict[str, SpecMethod] = {
     )
 }
 IMPLEMENTED = tuple(name for name, m in METHODS.items() if m.implemented)
+PROFILE_BUDGET = 10.0  # seconds of the adaptive policy's start-up cost table, by default
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ class SpecConfig:
         flags=("--spec-policy", "--speculative-policy"),
     )
     profile_budget: float = option(
-        10.0, "adaptive policy: seconds its start-up cost table may take; batch sizes past it "
+        PROFILE_BUDGET, "adaptive policy: seconds its start-up cost table may take; batch sizes past it "
         "are extrapolated from the smaller ones timed (the two smallest always are) and mixed "
         "steps not timed are left to the policy's priors (0 = no limit)", min=0.0,
         metavar="SECONDS")
@@ -162,6 +163,9 @@ class SpecConfig:
                 f"{self.topk} and {self.num_steps} steps, got {self.verify_tokens}",
             )
         self._check_method_keys()
+        if self.policy == "static" and self.profile_budget != PROFILE_BUDGET:
+            raise ConfigError(SpecConfig, "profile_budget", "applies to the adaptive policy "
+                              "only (a static one profiles nothing): drop it or choose adaptive")
         if not self.enabled:
             if self.policy != "static":
                 raise ConfigError(SpecConfig, "policy",

@@ -149,6 +149,13 @@ def test_profile_budget_option() -> None:
     assert config_from_cli_args(args, SpecConfig).profile_budget == 2.5
     with pytest.raises(ConfigError, match="profile.budget"):
         SpecConfig(profile_budget=-1.0)
+    # a static policy profiles nothing: a budget given to it is refused, not ignored
+    eagle = dict(algorithm="eagle3", draft_model="dummy")
+    with pytest.raises(ConfigError, match="profile.budget.*adaptive policy only"):
+        SpecConfig(**eagle, profile_budget=2.5)
+    with pytest.raises(ConfigError, match="profile.budget.*adaptive policy only"):
+        SpecConfig(profile_budget=0.0)  # speculation off
+    assert SpecConfig(**eagle).profile_budget == 10.0
 
 
 @pytest.fixture(scope="module")
