@@ -144,7 +144,7 @@ def test_the_engine_tells_the_policy_each_steps_chunk_tokens(pair) -> None:
 
     class Recording(StaticPolicy):
         def observe(self, mode, accepted, seconds, batch, mixed=False, folded=False,
-                    chunk_tokens=None):
+                    chunk_tokens=None, chain_runs=None):
             seen.append((mixed, chunk_tokens))
 
     llm.engine.spec_policy = Recording("chain3")

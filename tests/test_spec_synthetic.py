@@ -18,9 +18,10 @@ from specserve.speculative.tree import DraftTree
 from specserve.speculative.verify import synthetic_accept, synthetic_accept_lengths
 
 
-def naive_length(tree: DraftTree, b: int, rate: float, u: list[float]) -> int:
+def naive_length(tree: DraftTree, b: int, rate: float, u: list[float]) -> tuple[int, int]:
     """Walk root -> first deepest node; at a node with c children pass on u[depth] <
-    1 - (1 - rate)^c; the accept length is 1 + the passes before the first failure."""
+    1 - (1 - rate)^c; the accept length is 1 + the passes before the first failure. Also the
+    chain's run on the same path and draws (pass on u[depth] < rate), 2 r + (whole path)."""
     parents, depth = tree.parents[b].tolist(), tree.depth[b].tolist()
     deepest = max(range(len(depth)), key=lambda i: (depth[i], -i))
     path = [deepest]
@@ -33,7 +34,12 @@ def naive_length(tree: DraftTree, b: int, rate: float, u: list[float]) -> int:
         if not u[depth[node]] < 1 - (1 - rate) ** c:
             break
         length += 1
-    return length
+    run = 0
+    for node in path[:-1]:
+        if not u[depth[node]] < rate:
+            return length, 2 * run
+        run += 1
+    return length, 2 * run + 1
 
 
 @pytest.mark.parametrize("k,steps,n", [(1, 4, 5), (3, 3, 8), (4, 3, 16)])
@@ -49,10 +55,14 @@ def test_random_lengths_match_a_naive_walk(k: int, steps: int, n: int) -> None:
     )
     rates = torch.rand(bs, generator=gen)
     draws = torch.rand(bs, steps + 1, generator=gen)
-    got = synthetic_accept_lengths(tree, rates, draws)
-    want = [naive_length(tree, b, rates[b].item(), draws[b].tolist()) for b in range(bs)]
+    got, chain = synthetic_accept_lengths(tree, rates, draws)
+    naive = [naive_length(tree, b, rates[b].item(), draws[b].tolist()) for b in range(bs)]
+    want = [w for w, _ in naive]
     assert got.tolist() == want
+    assert chain.tolist() == [c for _, c in naive]
     assert len(set(want)) > 2, "the draws should give several lengths"
+    assert {c & 1 for c in chain.tolist()} == {0, 1} and len(set(chain.tolist())) > 2
+    assert all(c >> 1 <= w - 1 for c, w in zip(chain.tolist(), want))  # never past the tree
     res = synthetic_accept(tree, got)
     assert res.num_emitted.tolist() == want
 

@@ -187,17 +187,23 @@ def simulate(cfg: SimConfig, policy, concurrency: int, num_requests: int,
         key = "fold" if fold else mode or OFF
         steps[key] = steps.get(key, 0) + 1
         accepted: dict[str, int] = {}
+        chain: dict[str, int] = {}  # a tree's chain runs (2 r + o, as the engine's)
         finished: list[_Request] = []
         for r in decoding:
             n = 1
             if spec:
                 r.behind = 0
-                acc = 0
+                acc = run = 0
+                alive = True
                 for c in cfg.path_children(mode):
-                    if rng.random() >= 1.0 - (1.0 - r.rate) ** c:
+                    u = rng.random()  # the same draw decides the chain (one candidate)
+                    alive = alive and u < r.rate
+                    run += alive
+                    if u >= 1.0 - (1.0 - r.rate) ** c:
                         break
                     acc += 1
                 accepted[r.rid] = acc
+                chain[r.rid] = 2 * run + alive  # o: the chain passed the whole path
                 n += acc
             elif not fold:
                 r.behind += 1
@@ -215,7 +221,8 @@ def simulate(cfg: SimConfig, policy, concurrency: int, num_requests: int,
                 tokens += 1
         if policy is not None:
             policy.observe(mode, accepted, seconds, b, mixed=mixed, folded=fold,
-                           chunk_tokens=sum(n for _, n in chunks))
+                           chunk_tokens=sum(n for _, n in chunks),
+                           chain_runs=chain if spec and cfg.modes[mode][0] > 1 else None)
         for r in finished:
             active.remove(r)
             if policy is not None:

@@ -3,6 +3,8 @@ decayed counts per request and drafter family, shrunk toward global estimates (t
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 GLOBAL_STEP_DECAY = 0.9  # the global counts remember at least ~10 steps, whatever the batch
 
 
@@ -42,18 +44,29 @@ class AcceptanceEstimates:
         self.observe_step({request_id: accepted}, topk, depth, method)
 
     def observe_step(self, accepted: dict[str, int], topk: int, depth: int,
-                     method: str = "") -> None:
+                     method: str = "", chain_runs: dict[str, int] | None = None) -> None:
         """One step's cycles (request id -> drafts accepted) of one mode: each request's own
         counts as observe() does; the global counts once, decayed by 0.99 per cycle but by no
-        less than GLOBAL_STEP_DECAY a step (at 256 rows 0.99 a cycle would keep ~2 steps)."""
-        fam = self.family(topk, method)
+        less than GLOBAL_STEP_DECAY a step (at 256 rows 0.99 a cycle would keep ~2 steps).
+        chain_runs (a tree mode's step: request id -> 2 r + o, speculative/verify.chain_runs):
+        the same drafter's chains learn from it too, r accepted and then, unless o, a
+        rejection (a tree-only run would otherwise teach its chains nothing)."""
+        self._observe(accepted, self.family(topk, method), depth, ())
+        if chain_runs and topk > 1:
+            self._observe({rid: r >> 1 for rid, r in chain_runs.items()},
+                          self.family(1, method), depth,
+                          {rid for rid, r in chain_runs.items() if r & 1})
+
+    def _observe(self, accepted: dict[str, int], fam: object, depth: int,
+                 untested: Collection[str]) -> None:
+        """observe_step for one family; a request in `untested` had its next depth untried."""
         tried, hit = [0.0] * depth, [0.0] * depth
         for request_id, m in accepted.items():
             hits, trials = self._row((request_id, fam))
             for d in range(self.max_depth):  # depths this mode did not try fade too
                 hits[d] *= self.decay
                 trials[d] *= self.decay
-            for d in range(min(m + 1, depth)):  # depth d + 1 was tried
+            for d in range(min(m + (request_id not in untested), depth)):  # d + 1 was tried
                 trials[d] += 1.0
                 tried[d] += 1.0
                 if d < m:

@@ -273,7 +273,7 @@ class Engine:
                                 and self.drafter.host_drafts, fold=fold,
                                 launch_ahead=self._ahead)
         result = self.executor.execute(step)
-        accepted = self._record_spec(out, result)
+        accepted, chain_runs = self._record_spec(out, result)
         before = [s.request.num_output_tokens for s in out.scheduled]
         self.scheduler.update(out, result.token_ids, result.num_computed,
                               result.draft_computed)
@@ -286,7 +286,7 @@ class Engine:
             seconds = time.perf_counter() - t0
             chunk_tokens = sum(s.num_new_tokens for s in out.scheduled if not s.is_decode)
             policy.observe(mode, accepted, seconds, len(decodes), mixed=mixed, folded=fold,
-                           chunk_tokens=chunk_tokens)
+                           chunk_tokens=chunk_tokens, chain_runs=chain_runs)
             # wall time per kind of step: what the policy's model must explain
             kind = ("fold" if fold else mode or "off") + ("+mixed" if mixed else "")
             n, total, rows = self.step_seconds.get(kind, (0, 0.0, 0))
@@ -302,17 +302,20 @@ class Engine:
             self.executor.execute(build_step_input(out))
 
     @staticmethod
-    def _record_spec(out: SchedulerOutput, result: StepOutput) -> dict[str, int]:
-        """Per-request speculation statistics of the rows that ran a verify cycle; returns
-        {request id: drafts accepted} of those rows."""
+    def _record_spec(out: SchedulerOutput, result: StepOutput
+                     ) -> tuple[dict[str, int], dict[str, int] | None]:
+        """Per-request speculation statistics of the rows that ran a verify cycle: {request
+        id: drafts accepted} and, after a tree's cycle, its chain runs (StepOutput)."""
         accepted: dict[str, int] = {}
         if result.num_drafted is None:
-            return accepted
+            return accepted, None
         for s, drafted, emitted in zip(out.scheduled, result.num_drafted, result.token_ids):
             if drafted:
                 s.request.record_spec_cycle(drafted, len(emitted) - 1)
                 accepted[s.request.request_id] = len(emitted) - 1
-        return accepted
+        runs = result.chain_runs
+        return accepted, None if runs is None else {
+            s.request.request_id: r for s, r in zip(out.scheduled, runs) if r >= 0}
 
     def _postprocess(self, out: SchedulerOutput) -> list[RequestOutput]:
         results = []

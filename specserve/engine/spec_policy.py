@@ -38,10 +38,11 @@ class SpecPolicy(Protocol):
 
     def observe(self, mode: str | None, accepted: dict[str, int], seconds: float | None,
                 batch: int, mixed: bool = False, folded: bool = False,
-                chunk_tokens: int | None = None) -> None:
+                chunk_tokens: int | None = None, chain_runs: dict | None = None) -> None:
         """After a step: per speculating request the drafts it accepted; the step's wall time
         (None: not measured) with `batch` decode rows; mixed: prefill chunks ran in it too
-        (chunk_tokens of them, when known); folded: fold() said so for it."""
+        (chunk_tokens of them, when known); folded: fold() said so for it; chain_runs: a
+        tree's cycle's per request (StepOutput.chain_runs): what the same drafter's chains learn."""
         ...
 
     def forget(self, request_id: str, prompt_tokens: int = 0,
@@ -61,7 +62,7 @@ class _Fixed:
 
     def observe(self, mode: str | None, accepted: dict[str, int], seconds: float | None,
                 batch: int, mixed: bool = False, folded: bool = False,
-                chunk_tokens: int | None = None) -> None:
+                chunk_tokens: int | None = None, chain_runs: dict | None = None) -> None:
         pass
 
     def forget(self, request_id: str, prompt_tokens: int = 0,
@@ -347,7 +348,7 @@ class AdaptivePolicy(GoodputModel):
 
     def observe(self, mode: str | None, accepted: dict[str, int], seconds: float | None,
                 batch: int, mixed: bool = False, folded: bool = False,
-                chunk_tokens: int | None = None) -> None:
+                chunk_tokens: int | None = None, chain_runs: dict | None = None) -> None:
         if self.trace is not None:
             self.trace.append({"observed": "fold" if folded else mode or "off", "b": batch,
                                "ms": None if seconds is None else round(seconds * 1e3, 3),
@@ -367,7 +368,7 @@ class AdaptivePolicy(GoodputModel):
         if mode is not None:
             method, topk, steps = self.modes[mode]
             self.family_run[(method, topk)] = self.steps
-            self.acceptance.observe_step(accepted, topk, steps, method)
+            self.acceptance.observe_step(accepted, topk, steps, method, chain_runs)
         if chunk_tokens is not None:
             self.count_tokens(chunk_tokens, batch + sum(accepted.values()))
         if seconds is None or not batch:

@@ -32,6 +32,7 @@ from specserve.speculative.proposer import DraftShape, Proposer
 from specserve.speculative.tree import DraftTree
 from specserve.speculative.verify import (
     VerifyResult,
+    chain_runs,
     synthetic_accept,
     synthetic_accept_lengths,
     verify,
@@ -102,7 +103,8 @@ class SpecCycle:
             ) -> tuple[torch.Tensor, ...]:
         """state [bs, S] (the proposer's state at P - 1); root_pos [bs] = P; root_tokens
         [bs]; page_table [bs, max_pages]; valid [bs]. Returns emitted [bs, W] (-1 padded),
-        num_emitted [bs] and the proposer's new state [bs, S]; with logprobs_k >= 0 also the
+        num_emitted [bs], the chain runs [bs] (a tree's: verify.chain_runs; a chain's own
+        accepted count, 2 m) and the proposer's new state [bs, S]; with logprobs_k >= 0 also the
         emitted tokens' raw log-probs (chosen [bs, W], top values and ids [bs, W, k]), from
         the target's logits at the accepted path's nodes. proc: the rows' logits processing
         (eager cycles only); forward: the target forward over the nodes, when the caller runs
@@ -118,11 +120,12 @@ class SpecCycle:
             self.compact_kv(result, window, valid)
         new_state = self.proposer.extend_accepted(self.shape, result, feats, root_pos,
                                                   page_table, valid, window)
+        chain = result.chain_run if result.chain_run is not None else 2 * result.num_accepted
         if logprobs_k < 0:
-            return result.emitted, result.num_emitted, new_state
+            return result.emitted, result.num_emitted, chain, new_state
         nodes = result.accepted_nodes.clamp(min=0)  # [bs, W]: node that decided each token
         at = logits.gather(1, nodes[:, :, None].expand(-1, -1, logits.shape[-1]))
-        return (result.emitted, result.num_emitted, new_state,
+        return (result.emitted, result.num_emitted, chain, new_state,
                 *token_logprobs(at, result.emitted, logprobs_k))
 
     def verify(self, mode: str, tree: DraftTree, root_pos: torch.Tensor,
@@ -159,22 +162,34 @@ class SpecCycle:
             logits = proc.for_tree(tree.tokens, tree.mask, tree.depth).apply(
                 raw.view(bs * n, v)).view(bs, n, v)
         if mode == "synthetic":
-            return synthetic_accept(tree, self._synthetic_lengths(tree, st, root_pos),
-                                    logits), feats, raw
+            lengths, chain = self._synthetic_lengths(tree, st, root_pos)
+            result = synthetic_accept(tree, lengths, logits)
+            if chain is None:  # a fixed length: a chain accepts as many, unless deeper
+                acc = result.num_accepted
+                chain = 2 * acc + (acc >= tree.depth.amax(dim=1)).long()
+            result.chain_run = chain
+            return result, feats, raw
         if mode == "greedy":
-            return walk_tree(tree, logits.argmax(dim=-1)), feats, raw
-        probs = probs_from_logits(logits.view(bs * n, v), st.repeat_interleave(n)).view(bs, n, v)
-        # node i decides the token at its position + 1: the draw is keyed by that position
-        uniforms = token_uniforms(st.seeds, tree.positions(root_pos) + 1)
-        return verify(tree, probs, uniforms), feats, raw
+            result = walk_tree(tree, logits.argmax(dim=-1))
+        else:
+            probs = probs_from_logits(logits.view(bs * n, v),
+                                      st.repeat_interleave(n)).view(bs, n, v)
+            # node i decides the token at its position + 1: the draw is keyed by that position
+            uniforms = token_uniforms(st.seeds, tree.positions(root_pos) + 1)
+            result = verify(tree, probs, uniforms)
+        if self.shape.topk > 1:
+            result.chain_run = chain_runs(tree, result.accepted_nodes)
+        return result, feats, raw
 
     def _synthetic_lengths(self, tree: DraftTree, st: SamplingTensors,
-                           root_pos: torch.Tensor) -> int | torch.Tensor:
+                           root_pos: torch.Tensor
+                           ) -> tuple[int | torch.Tensor, torch.Tensor | None]:
         """COST-ONLY accept lengths: the fixed one, or random: request r's acceptance rate
         is uniform on [a - d, a + d] (a the configured mean, d = min(a, 1 - a)), keyed by its
-        seed; each cycle's draws are keyed by (seed, root position)."""
+        seed; each cycle's draws are keyed by (seed, root position). Also the random chain
+        runs (synthetic_accept_lengths; None for the fixed length)."""
         if self.rate_params is None:
-            return self.synthetic_accept_len
+            return self.synthetic_accept_len, None
         u = uniform_noise(st.seeds, torch.zeros_like(st.seeds), 1, SYNTHETIC_RATE_SALT)[:, 0]
         rates = self.rate_params[0] + (2.0 * u - 1.0) * self.rate_params[1]  # [bs]
         draws = uniform_noise(st.seeds, root_pos, tree.max_depth + 1, SYNTHETIC_DRAW_SALT)

@@ -125,14 +125,14 @@ class CycleRunner:
         forward: NodesForward | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """The cycle plus the inputs of the cycle after it, on the device: (emitted,
-        num_emitted, new state, next root position, next root token), then the log-prob
-        tensors when logprobs_k >= 0 (eager cycles only, see SpecCycle.run)."""
-        emitted, num, new_state, *lp = self.cycle.run(
+        num_emitted, chain runs, new state, next root position, next root token), then the
+        log-prob tensors when logprobs_k >= 0 (eager cycles only, see SpecCycle.run)."""
+        emitted, num, chain, new_state, *lp = self.cycle.run(
             mode, state, root_pos, root_tokens, page_table, valid, st, proc, logprobs_k,
             forward
         )
         last = emitted.gather(1, (num - 1).clamp(min=0)[:, None]).squeeze(1)
-        return emitted, num, new_state, root_pos + num, last, *lp
+        return emitted, num, chain, new_state, root_pos + num, last, *lp
 
     @property
     def num_graphs(self) -> int:
@@ -142,11 +142,12 @@ class CycleRunner:
     def speculate(
         self, rows: StepInput, state_of: Callable[[], torch.Tensor], launch_next: bool,
         forward: NodesForward | None = None,
-    ) -> tuple[list[list[int]], torch.Tensor]:
+    ) -> tuple[list[list[int]], torch.Tensor, list | None, list[int]]:
         """One cycle over the rows (all decodes at their roots). state_of() gives the rows'
         proposer state [bs, S] (not called when the cycle launched ahead holds every row).
         Returns each row's emitted tokens, the new state [bs, S] (a copy: graph outputs
-        are reused) and, when a row asks, per row the emitted tokens' log-prob entries.
+        are reused), when a row asks, per row the emitted tokens' log-prob entries (else
+        None), and each row's chain run (SpecCycle.run).
         forward: the verify forward runs inside the caller's (an eager cycle; a cycle
         launched ahead is dropped, none is launched)."""
         starts = rows.starts.tolist()
@@ -167,9 +168,10 @@ class CycleRunner:
                     match, dtype=torch.long, pin_memory=self.runner.device.type == "cuda"
                 ).to(self.runner.device, non_blocking=True)
                 out = tuple(t.index_select(0, idx) for t in out)
-        emitted, num_emitted, new_state, next_root, next_token, *lp = out
+        emitted, num_emitted, chain, new_state, next_root, next_token, *lp = out
         new_state = new_state.clone()  # graph outputs are overwritten by the next replay
-        host = torch.cat([num_emitted[:, None], emitted], dim=1).to("cpu", non_blocking=True)
+        host = torch.cat([num_emitted[:, None], chain[:, None], emitted],
+                         dim=1).to("cpu", non_blocking=True)
         done = torch.cuda.Event() if self.runner.device.type == "cuda" else None
         if done is not None:
             done.record()
@@ -177,7 +179,8 @@ class CycleRunner:
             self._launch_next(rows, new_state, next_root, next_token)
         if done is not None:
             done.synchronize()  # this cycle's tokens only; the next cycle keeps running
-        tokens = [row[1 : 1 + row[0]] for row in host.tolist()]
+        host = host.tolist()
+        tokens = [row[2 : 2 + row[0]] for row in host]
         if self._launched is not None:
             self._launched.starts[:] = [a + len(t) for a, t in zip(starts, tokens)]
         logprobs = None
@@ -187,7 +190,7 @@ class CycleRunner:
             flat = logprob_lists(tuple(lp), ks)
             logprobs = [None if k < 0 else flat[j * w: j * w + len(t)]
                         for j, (k, t) in enumerate(zip(rows.logprobs.tolist(), tokens))]
-        return tokens, new_state, logprobs
+        return tokens, new_state, logprobs, [row[1] for row in host]
 
     def run(self, rows: StepInput, inputs: dict[str, object],
             forward: NodesForward | None = None) -> tuple[torch.Tensor, ...]:

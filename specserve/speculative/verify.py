@@ -30,6 +30,9 @@ class VerifyResult:
     num_accepted: torch.Tensor  # [bs] draft tokens accepted (root excluded)
     emitted: torch.Tensor  # [bs, max_depth + 1] accepted draft tokens then the bonus, -1 padded
     num_emitted: torch.Tensor  # [bs] = num_accepted + 1
+    # [bs] what a chain of the same drafter would have accepted, for the adaptive policy: see
+    # chain_runs (None until the cycle computes it)
+    chain_run: torch.Tensor | None = None
 
 
 def walk_tree(
@@ -83,6 +86,32 @@ def verify(tree: DraftTree, probs: torch.Tensor, uniforms: torch.Tensor) -> Veri
     return walk_tree(tree, sample_per_node(probs, uniforms))
 
 
+def chain_runs(tree: DraftTree, accepted_nodes: torch.Tensor) -> torch.Tensor:
+    """[bs] what a chain of the same drafter would have accepted in this tree's cycle, 2 r + o.
+
+    The chain drafts each depth's top-scored child of the node before (the tree's greedy
+    path, same tokens); verification draws one target token per node, keyed by its position,
+    so a chain accepts exactly the accepted path's leading greedy-path nodes: r of them. o is
+    1 when the chain's next depth went untested (its greedy child was pruned from the tree, or
+    the tree ended), so r is a lower bound; else the chain rejects depth r + 1."""
+    bs, n = tree.tokens.shape
+    idx = torch.arange(n, device=tree.tokens.device)
+    is_child = tree.parents[:, None, :] == idx[None, :, None]  # [bs, i, j]: j a child of i
+    best = torch.where(is_child, tree.scores[:, None, :], float("-inf")).argmax(dim=2)
+    top = torch.where(is_child.any(dim=2), best, -1)  # [bs, n] greedy child of each node
+    node = torch.zeros(bs, dtype=torch.long, device=idx.device)
+    run = torch.zeros_like(node)
+    alive = torch.ones(bs, dtype=torch.bool, device=idx.device)
+    untested = torch.zeros_like(alive)
+    for d in range(1, min(tree.max_depth, accepted_nodes.shape[1] - 1) + 1):
+        child = top.gather(1, node[:, None]).squeeze(1)
+        untested |= alive & (child < 0)
+        alive = alive & (child >= 0) & (accepted_nodes[:, d] == child)
+        run += alive.long()
+        node = torch.where(alive, child, node)
+    return 2 * run + (untested | alive).long()
+
+
 def _deepest_path(tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
     """The path from the root to the first node of maximal depth: is_child [bs, n, n]
     (is_child[b, i, j]: j is the path child of i) and has_child [bs, n]."""
@@ -116,11 +145,14 @@ def synthetic_accept(
 
 
 def synthetic_accept_lengths(tree: DraftTree, rates: torch.Tensor,
-                             uniforms: torch.Tensor) -> torch.Tensor:
+                             uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """COST-ONLY: random accept lengths [bs] along the deepest path. A path node with c
     children (candidates) passes to the next depth with probability 1 - (1 - rate)^c (each
     candidate accepted with the row's rate); uniforms [bs, >= max_depth] decide, one per depth;
-    the walk stops at the first failure. rates [bs] in [0, 1]."""
+    the walk stops at the first failure. rates [bs] in [0, 1]. Also the chain runs [bs]
+    (2 r + o as chain_runs): a chain of the path's tokens passes a depth where its uniform is
+    below the rate itself (one candidate), the same draws, so a chain never passes where the
+    tree fails; o when it passed the whole path."""
     is_child, has_child = _deepest_path(tree)
     num_children = (tree.parents[:, None, :] == torch.arange(
         tree.num_nodes, device=tree.tokens.device)[None, :, None]).sum(dim=2)  # [bs, n]
@@ -132,4 +164,8 @@ def synthetic_accept_lengths(tree: DraftTree, rates: torch.Tensor,
     on_path = has_child | is_child.any(dim=1)
     blocked = (tree.mask & (on_path & ~step)[:, None, :]).any(dim=2)  # [bs, n] a failed ancestor
     passed = on_path & has_child & ~blocked
-    return 1 + passed.sum(dim=1)
+    chain_step = torch.where(has_child, uniforms.gather(1, depth) < rates[:, None].float(), False)
+    chain_blocked = (tree.mask & (on_path & ~chain_step)[:, None, :]).any(dim=2)
+    run = (on_path & has_child & ~chain_blocked).sum(dim=1)
+    whole = run == (on_path & has_child).sum(dim=1)
+    return 1 + passed.sum(dim=1), 2 * run + whole.long()

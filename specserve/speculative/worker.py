@@ -308,7 +308,7 @@ class SpecWorker:
         self.runner.discard_launched()
         tokens: list[list[int]] = [[] for _ in range(step.bs)]
         computed = step.num_new_tokens.tolist()
-        drafted = [0] * step.bs
+        drafted, runs = [0] * step.bs, [-1] * step.bs  # runs: chain runs of a tree's rows
         logprobs: list | None = [None] * step.bs if (step.logprobs >= 0).any() else None
         prompt_lps: list | None = [None] * step.bs if (step.prompt_logprobs >= 0).any() \
             else None
@@ -338,7 +338,7 @@ class SpecWorker:
             # no launch ahead while prefill chunks run: a request finishing its prefill here
             # speculates next step (the launch would not hold it), and a chunk that goes on
             # runs next step in the verify forward of a cycle launched then
-            emitted, new_state, lps = mode.cycles.speculate(
+            emitted, new_state, lps, chain = mode.cycles.speculate(
                 rows, lambda: draft.states(rows, mode.shape), launch_next=not others,
                 forward=chunks
             )
@@ -349,7 +349,7 @@ class SpecWorker:
             roots = rows.token_ids.tolist()  # one token per decode row
             for j, (i, rid) in enumerate(zip(decodes, rows.request_ids)):
                 m = len(emitted[j])
-                tokens[i], computed[i], drafted[i] = emitted[j], m, proposed
+                tokens[i], computed[i], drafted[i], runs[i] = emitted[j], m, proposed, chain[j]
                 if lps is not None:
                     logprobs[i] = lps[j]
                 start = int(rows.starts[j])
@@ -362,7 +362,7 @@ class SpecWorker:
             mode.cycles.discard_launched()
         self._observe(step, tokens)
         return StepOutput(tokens, computed, drafted, self._draft_computed(step), logprobs,
-                          prompt_lps)
+                          prompt_lps, runs if mode.shape.topk > 1 and rows is not None else None)
 
     def _features_forward(self, ids: torch.Tensor, positions: torch.Tensor,
                           md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

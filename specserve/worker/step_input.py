@@ -289,6 +289,9 @@ class StepOutput:
     # per row that asked (prompt_logprobs >= 0): the entries of prompt positions
     # starts + 1 .. (the tokens after the chunk's positions, within the prompt); else None
     prompt_logprobs: list[list[list] | None] | None = None
+    # a tree mode's step: per row, what a chain of the same drafter would have accepted,
+    # 2 r + o (speculative/verify.chain_runs; -1 for rows that did not speculate); else None
+    chain_runs: list[int] | None = None
 
 
 def _offsets(counts: np.ndarray) -> np.ndarray:
