@@ -123,6 +123,30 @@ def test_policy_probes_stale_drafter_families_within_the_margin() -> None:
     assert [i for i, p in enumerate(picks) if p == "tree"] == [7], picks
 
 
+def test_a_trees_chain_runs_teach_its_chains_without_probes() -> None:
+    """While a tree runs, its cycles' chain runs (2 r + untested) keep the same drafter's
+    chain family learnt: no probe of it, and its estimates follow the runs (r = 1: the first
+    depth passes, the second fails); without them the chains are probed every interval."""
+    modes = {"chain3": (1, 3), "tree": (4, 3)}
+    costs = {**COSTS, "tree": {1: 1.3, 8: 9.0}}
+    for runs in (True, False):
+        policy = AdaptivePolicy(modes, costs, dwell=1, explore_every=8, probe_budget=1.0)
+        policy.current = "tree"
+        policy.observe("tree", {"r0": 3}, None, 1, chain_runs={"r0": 2} if runs else None)
+        picks = []
+        for _ in range(100):
+            mode = policy.choose(["r0"])
+            picks.append(mode)
+            policy.observe(mode, {"r0": 3 if mode == "tree" else 1}, None, 1,
+                           chain_runs={"r0": 2} if runs and mode == "tree" else None)
+        if runs:
+            assert picks == ["tree"] * 100, picks
+            first, second, _ = policy.acceptance.rates("r0", 1)
+            assert first > 0.9 and second < 0.1, (first, second)
+        else:
+            assert picks.count("chain3") >= 3, picks  # scoring low: every 4 x 8 steps
+
+
 def test_measured_step_times_rescale_the_table() -> None:
     policy = AdaptivePolicy(MODES, COSTS)
     for _ in range(50):

@@ -102,39 +102,38 @@ class AdaptivePolicy(GoodputModel):
 
         goodput(mode) = sum_r E_r(mode) / T(mode, B)        goodput(off) = B / T(off, B)
 
-    over the B requests about to decode (each mode at the batch the step's token budget lets
-    it hold beside the prefill its tokens bring: GoodputModel.batches), E_r from
-    AcceptanceEstimates, T from the start-up
-    cost table (speculative/profile.py) interpolated in B and rescaled per mode by the ratio
-    of measured to tabled step times of pure decode steps (decayed, each ratio clipped to
-    [1/2, 2]), plus, weighted by the share of steps that also carry prefill chunks, the
-    extra time such steps take in that mode (learnt: a speculative step runs the chunks in
-    its verify forward, or, a tree's on an MLA target, as a forward of their own; a plain
-    step in its one forward). A speculative
-    mode's step that carries chunks may also fold: its decodes run one token each in the
-    chunks' forward, feeding the drafter (no catch-up after), at the plain step's time plus
-    a learnt extra; fold() picks the better of the two per such step, and a mode's score
-    counts its mixed steps at that better rate.
+    over the B requests about to decode (each mode at the batch the step's token budget lets it
+    hold beside the prefill its tokens bring: GoodputModel.batches), E_r from
+    AcceptanceEstimates, T from the start-up cost table (speculative/profile.py) interpolated in
+    B and rescaled per mode by the ratio of measured to tabled step times of pure decode steps
+    (decayed, each ratio clipped to [1/2, 2]), plus, weighted by the share of steps that also
+    carry prefill chunks, the extra time such steps take in that mode (learnt: a speculative
+    step runs the chunks in its verify forward, or, a tree's on an MLA target, as a forward of
+    their own; a plain step in its one forward). A speculative mode's step that carries chunks
+    may also fold: its decodes run one token each in the chunks' forward, feeding the drafter
+    (no catch-up after), at the plain step's time plus a learnt extra; fold() picks the better
+    of the two per such step, and a mode's score counts its mixed steps at that better rate.
 
-    A switch costs: the step launched ahead for the old mode is discarded, and a proposer
-    coming back from off catches up over the tokens made meanwhile (a target forward over
-    every position the decoding requests' drafter state lacks, prompts prefilled while off
-    included: the engine counts them, `behind`). The policy learns that cost per kind of
-    switch (on, off, between modes) from the steps that switched, in step times of the new
-    mode, the catch-up apart as seconds per position behind, and keeps those steps out of the
-    rescaling: coming back on after a long stretch off at a large batch costs tens of steps,
-    which the gain must pay for, and so must a probe from off. It switches when the
-    gain exceeds `hysteresis`, `dwell` steps passed since the last switch (or the gain
-    exceeds `leap`, or the decode batch has halved or doubled since that switch: a load
-    that changes fast must not wait out the dwell mode by mode), and
-    the gain over `horizon` steps pays for the switch. Acceptance is only learnt by running a mode: every
-    `explore_every` steps at most, one step of a drafter family (method, topk) not run for
-    that long is tried (a family never run: once the first dwell passed, so that a tree
-    whose acceptance beats the chains' is seen early), and no more often than its two switches' learnt cost spends
-    `probe_budget` of the steps (4x rarer when it scores below `probe_margin` of the current
-    mode). The granularity is the step: one mode for every speculating row, because the
-    verify width of a captured graph is fixed, so excluding rows would save their drafting
-    but not their verify slots.
+    A switch costs: the step launched ahead for the old mode is discarded, and a proposer coming
+    back from off catches up over the tokens made meanwhile (a target forward over every
+    position the decoding requests' drafter state lacks, prompts prefilled while off included:
+    the engine counts them, `behind`). The policy learns that cost per kind of switch (on, off,
+    between modes) from the steps that switched, in step times of the new mode, the catch-up
+    apart as seconds per position behind, and keeps those steps out of the rescaling: coming
+    back on after a long stretch off at a large batch costs tens of steps, which the gain must
+    pay for, and so must a probe from off. It switches when the gain exceeds `hysteresis`,
+    `dwell` steps passed since the last switch (or the gain exceeds `leap`, or the decode batch
+    has halved or doubled since that switch: a load that changes fast must not wait out the
+    dwell mode by mode), and the gain over `horizon` steps pays for the switch. Acceptance is
+    learnt by running a mode (a tree's cycles also teach its drafter's chains,
+    verify.chain_runs, which are then not probed while it runs): every `explore_every` steps at
+    most, one step of a drafter family (method, topk) not run for that long is tried (a family
+    never run: once the first dwell passed, so that a tree whose acceptance beats the chains' is
+    seen early), and no more often than its two switches' learnt cost spends `probe_budget` of
+    the steps (4x rarer when it scores below `probe_margin` of the current mode). The
+    granularity is the step: one mode for every speculating row, because the verify width of a
+    captured graph is fixed, so excluding rows would save their drafting but not their verify
+    slots.
     """
 
     needs_batch = True
@@ -367,7 +366,9 @@ class AdaptivePolicy(GoodputModel):
         prev, self._prev = self._prev, key
         if mode is not None:
             method, topk, steps = self.modes[mode]
-            self.family_run[(method, topk)] = self.steps
+            # a tree's chain runs keep its chains' acceptance fresh: no probe needed for it
+            for fam in {(method, topk), (method, 1 if chain_runs else topk)} & self.families:
+                self.family_run[fam] = self.steps
             self.acceptance.observe_step(accepted, topk, steps, method, chain_runs)
         if chunk_tokens is not None:
             self.count_tokens(chunk_tokens, batch + sum(accepted.values()))
