@@ -345,6 +345,11 @@ def test_quiet_zeroes_every_wait_then_restores_the_table_in_place() -> None:
         assert emu.latency_ns(1 << 20) == 0  # an array grown inside is quiet too
     assert emu._ns[0] is first and emu.latency_ns(8192) == real
     assert emu.latency_ns(1 << 20) == round(table.latency_us(8, 1 << 20) * 1e3)
+    with torch.inference_mode():  # arrays made under the engine's inference mode
+        emu = CommEmulator(table, 8, CPU, pad=False, max_bytes=1 << 16)
+    with emu.quiet():  # entered and left outside it (a capture loop)
+        assert emu.latency_ns(8192) == 0
+    assert emu.latency_ns(8192) == real
 
 
 def test_graph_capture_waits_no_emulated_latency(monkeypatch, tmp_path) -> None:

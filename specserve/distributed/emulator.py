@@ -109,12 +109,15 @@ class CommEmulator:
         self._grow(max_bytes)
 
     def _fill(self, ns: torch.Tensor) -> None:
-        if self.quiet_depth:
-            ns.zero_()
-            return
-        sizes = np.arange(ns.numel(), dtype=np.float64) * GRANULE
-        values = np.rint(self.table.latency_us(self.world, sizes) * 1e3).astype(np.int32)
-        ns.copy_(torch.from_numpy(values))
+        # the arrays may be inference tensors (made under the engine's inference mode): their
+        # in-place updates must run in one, wherever quiet() is left
+        with torch.inference_mode():
+            if self.quiet_depth:
+                ns.zero_()
+                return
+            sizes = np.arange(ns.numel(), dtype=np.float64) * GRANULE
+            values = np.rint(self.table.latency_us(self.world, sizes) * 1e3).astype(np.int32)
+            ns.copy_(torch.from_numpy(values))
 
     def _grow(self, nbytes: int) -> None:
         count = -(-nbytes // GRANULE) + 1
