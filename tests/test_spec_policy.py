@@ -147,6 +147,21 @@ def test_a_trees_chain_runs_teach_its_chains_without_probes() -> None:
             assert picks.count("chain3") >= 3, picks  # scoring low: every 4 x 8 steps
 
 
+def test_one_slow_switch_step_does_not_price_every_later_switch() -> None:
+    """A switch step is learnt at most 4x what it was expected to cost: one that stalled (a
+    compile: 400 step times) moves the cost a little, a switch that really costs 30 steps is
+    still learnt within a few switches."""
+    policy = AdaptivePolicy(MODES, COSTS, dwell=1, explore_every=1000)
+    t = policy.step_time("chain3", 1)
+    policy.observe(None, {}, 1.0, 1)
+    policy.observe("chain3", {"r0": 3}, 400 * t, 1)  # off -> chain3, stalled
+    assert 2.0 < policy.switch_steps["on"] < 4.0, policy.switch_steps
+    for _ in range(12):
+        policy.observe(None, {}, 1.0, 1)
+        policy.observe("chain3", {"r0": 3}, 31 * t, 1)
+    assert policy.switch_steps["on"] > 25.0, policy.switch_steps
+
+
 def test_measured_step_times_rescale_the_table() -> None:
     policy = AdaptivePolicy(MODES, COSTS)
     for _ in range(50):

@@ -45,8 +45,7 @@ class SpecPolicy(Protocol):
         tree's cycle's per request (StepOutput.chain_runs): what the same drafter's chains learn."""
         ...
 
-    def forget(self, request_id: str, prompt_tokens: int = 0,
-               output_tokens: int = 0) -> None:
+    def forget(self, request_id: str, prompt_tokens: int = 0, output_tokens: int = 0) -> None:
         """A request finished (the prompt tokens it prefilled, the tokens it made) or was
         aborted."""
         ...
@@ -65,8 +64,7 @@ class _Fixed:
                 chunk_tokens: int | None = None, chain_runs: dict | None = None) -> None:
         pass
 
-    def forget(self, request_id: str, prompt_tokens: int = 0,
-               output_tokens: int = 0) -> None:
+    def forget(self, request_id: str, prompt_tokens: int = 0, output_tokens: int = 0) -> None:
         pass
 
 
@@ -379,7 +377,10 @@ class AdaptivePolicy(GoodputModel):
         if prev is not None and prev != key:  # a switch: its extra time, not the mode's
             kind = self._kind(prev, key)
             t = self.step_time(mode, batch) + (self.mixed_extra[key] if mixed else 0.0)
-            extra = max(0.0, seconds / t - 1.0)
+            # at most 4x what the switch was expected to cost: a one-off (a compile) must not
+            # price every later switch (H200, the bundled pair: one 558 ms step, off after)
+            cap = 4.0 * (1.0 + self.switch_cost(prev, key, batch))
+            extra = max(0.0, min(seconds / t, cap) - 1.0)
             if kind == "on":  # the catch-up's share: per position behind, from the fitted line
                 self.catch_up_line.observe("on", self.behind, extra * t)
                 self.catch_up_per_token = self.catch_up_line.line("on", self._prefill_slope())[1]
@@ -394,7 +395,6 @@ class AdaptivePolicy(GoodputModel):
         ratio = min(2.0, max(0.5, seconds / tabled))
         self.scale[key] += self.rescale * (ratio - self.scale[key])
 
-    def forget(self, request_id: str, prompt_tokens: int = 0,
-               output_tokens: int = 0) -> None:
+    def forget(self, request_id: str, prompt_tokens: int = 0, output_tokens: int = 0) -> None:
         self.acceptance.forget(request_id)
         self.finished(prompt_tokens, output_tokens)
