@@ -397,8 +397,9 @@ if has policy; then
   # mode and the adaptive policy in one engine; random per-request synthetic acceptance with
   # mean AL ~2.5 (rate 0.65) and ~1.5 (rate 0.3) at chain 3; dummy 8B weights. Also prints
   # the start-up cost table (its measuring time is in the log) and the GPU spec-policy tests.
-  # POLICY_PARTS picks parts (default all) to fit a time limit: on an H100 (2026-12-06)
-  # the policy tests ~2 min, 0.65 ~8 min (two rounds); pcie: give it a call of its own.
+  # POLICY_PARTS picks parts (default all but reference) to fit a time limit: on an H100
+  # (2026-12-06) the policy tests ~2 min, 0.65 ~8 min (two rounds); pcie: give it a call of
+  # its own; reference (~6 min) trains the reference pair, then sweeps it.
   pparts=",${POLICY_PARTS:-tests,0.65,0.3,pcie,pair},"
   # the same table in the model engine (CPU, ~1 min; scripts/simulate_spec_policy.py), its
   # chunk costs those the sweep's adaptive policy learnt: the policy's own losses vs the GPU's
@@ -409,8 +410,9 @@ if has policy; then
   }
   ppart() { [[ $pparts == *",$1,"* ]]; }
   for p in ${pparts//,/ }; do
-    case $p in tests|0.65|0.3|pcie|pair) ;;
-      *) echo "POLICY_PARTS: unknown part '$p' (parts: tests,0.65,0.3,pcie,pair)" >&2; exit 2 ;;
+    case $p in tests|0.65|0.3|pcie|pair|reference) ;;
+      *) echo "POLICY_PARTS: unknown part '$p' (parts: tests,0.65,0.3,pcie,pair,reference)" >&2
+         exit 2 ;;
     esac
   done
   if tests_too && ppart tests; then
@@ -459,6 +461,25 @@ if has policy; then
       --out "$out/policy-pair" --log --exp-dir experiments \
       --label "tiny-code eagle3 policy sweep (real acceptance)" > "$out/policy-pair.log" 2>&1
     echo "policy bundled pair rc=$?"; grep -v "^ " "$out/policy-pair.log" | grep -v INFO | tail -8
+  fi
+  # real acceptance on the reference pair (a 46M-parameter code target and its head: its
+  # weights, ~106 MB, are not kept, so it is trained here, ~300 s on an H200 without the
+  # recipe's evaluation, outside $out), then swept as the bundled pair
+  if ppart reference; then
+    ref=${REFERENCE_PAIR_DIR:-/tmp/specserve-reference-pair}
+    timeout 420 python scripts/train_reference_pair.py --out "$ref" --pairs reference \
+      --no-eval > "$out/reference-train.log" 2>&1
+    echo "reference pair trained rc=$?"; tail -2 "$out/reference-train.log"
+    cp "$ref/results.json" "$out/reference-train.json" 2>/dev/null
+    timeout 170 python scripts/bench_spec_policy.py --model "$ref/reference/target" \
+      --load-format auto --draft-model "$ref/reference/head" --concurrency 1,16,64 \
+      --modes chain3,chain1,chain2,tree4x3x8 --accept-rate 0 --prompts code \
+      --prompt-len 128 --output-len 96 --min-requests 8 --output-len-spread 0.5 --repeats 1 \
+      --out "$out/policy-reference" --log --exp-dir experiments \
+      --label "reference pair eagle3 policy sweep (real acceptance)" \
+      > "$out/policy-reference.log" 2>&1
+    echo "policy reference pair rc=$?"; grep "adaptive /\|Error" "$out/policy-reference.log" \
+      | tail -3
   fi
 fi
 if has mtp; then

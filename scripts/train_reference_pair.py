@@ -257,6 +257,8 @@ def run_pair(name: str, p: Preset, args: argparse.Namespace, ctx: dict) -> dict:
                        final_top1_per_step=[round(a, 3) for a in head.accuracy[-1]])
     res["head_seconds"] = time.perf_counter() - t0
     res["size_mb"] = dict(target=_dir_mb(out / "target"), head=_dir_mb(out / "head"))
+    if not args.eval:  # the pair is all the caller wants (a sweep of its own follows)
+        return res
     t0 = time.perf_counter()
     try:
         res["eval"] = evaluate_pair(out, args, ctx["holdout"])
@@ -313,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-corpus-mb", type=float, default=24.0)
     ap.add_argument("--holdout-permille", type=int, default=10)
     ap.add_argument("--time-scale", type=float, default=1.0, help="scales every time budget")
+    ap.add_argument("--eval", action=argparse.BooleanOptionalAction, default=True,
+                    help="run stage 5 (--no-eval: stop once the pair is saved)")
     ap.add_argument("--eval-prompts", type=int, default=32)
     ap.add_argument("--eval-prompt-tokens", type=int, default=128)
     ap.add_argument("--eval-max-tokens", type=int, default=128)

@@ -57,7 +57,8 @@ def suite_commands(tmp_path_factory: pytest.TempPathFactory) -> list[list[str]]:
     return _run_suite(tmp_path_factory.mktemp("suite"), STEPS)[0]
 
 
-def test_parts_pick_the_commands_of_a_step(tmp_path: Path) -> None:
+def test_parts_pick_the_commands_of_a_step(tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """LONGCTX_PARTS / POLICY_PARTS run only the parts named (a call's time limit), and a
     part not known stops the suite with a message naming the parts."""
     (tmp_path / "out").mkdir()
@@ -72,6 +73,15 @@ def test_parts_pick_the_commands_of_a_step(tmp_path: Path) -> None:
     cmds, rc, _ = _run_suite(tmp_path, "policy", POLICY_PARTS="0.3")
     rates = [c[c.index("--accept-rate") + 1] for c in cmds if "--accept-rate" in c]
     assert rc == 0 and rates and set(rates) == {"0.3"}, cmds
+    # the reference pair: trained without the recipe's evaluation, then swept; both parse
+    cmds, rc, _ = _run_suite(tmp_path, "policy", POLICY_PARTS="reference")
+    assert rc == 0 and [c[0] for c in cmds if c[0].startswith("scripts/")] == [
+        "scripts/train_reference_pair.py", "scripts/bench_spec_policy.py"], cmds
+    train, sweep = (c for c in cmds if c[0].startswith("scripts/"))
+    assert "--no-eval" in train and sweep[sweep.index("--model") + 1].endswith(
+        "/reference/target")
+    for argv in (train, sweep):
+        _check_script(argv[0], argv[1:], monkeypatch)
     for name, step in (("LONGCTX_PARTS", "longctx"), ("POLICY_PARTS", "policy")):
         cmds, rc, err = _run_suite(tmp_path, step, **{name: "nope"})
         assert rc == 2 and f"{name}: unknown part 'nope'" in err
@@ -98,6 +108,7 @@ def _check_cli(argv: list[str]) -> None:
 def _check_script(path: str, argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     spec = importlib.util.spec_from_file_location(Path(path).stem, REPO / path)
     module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # a script's dataclasses look it up
     env = dict(os.environ)
     try:
         spec.loader.exec_module(module)

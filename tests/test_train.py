@@ -168,6 +168,31 @@ def test_recipe_end_to_end_on_toy_sizes(tmp_path: Path) -> None:
             assert r["greedy_match"] == 3
 
 
+def test_recipe_without_eval_stops_once_the_pair_is_saved(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """--no-eval (the GPU suite trains the reference pair, then sweeps it itself): run_pair
+    returns after the head, evaluate_pair never runs; with the default it does."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    spec = importlib.util.spec_from_file_location("recipe", ROOT / "scripts/train_reference_pair.py")
+    recipe = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "recipe", recipe)  # its dataclasses look it up
+    spec.loader.exec_module(recipe)
+    monkeypatch.setattr(recipe, "train_target", lambda p, stream, tok, out, *a: {"steps": 1})
+    monkeypatch.setattr(recipe, "train_eagle3", lambda cfg: SimpleNamespace(
+        steps=1, losses=[1.0], accuracy=[[0.5]]))
+    evaluated = []
+    monkeypatch.setattr(recipe, "evaluate_pair", lambda out, args, holdout: evaluated.append(1)
+                        or {"results": []})
+    ctx = {"stream": None, "tok": None, "device": "cpu", "head_list": "x", "holdout": []}
+    for flag, runs in (("--no-eval", 0), ("--eval", 1)):
+        args = SimpleNamespace(out=str(tmp_path), time_scale=1.0, seed=0, device="cpu",
+                               progress=False, eval=flag == "--eval")
+        res = recipe.run_pair("toy", recipe.PRESETS["toy"], args, ctx)
+        assert len(evaluated) == runs and ("eval" in res) == bool(runs), res
+
+
 def test_ctrl_c_saves_after_the_step_and_exits_130(tmp_path: Path, target: str,
                                                   code_files: tuple[str, ...],
                                                   monkeypatch: pytest.MonkeyPatch,
