@@ -76,8 +76,14 @@ class DraftState:
             return
         ids, starts = rows.request_ids, rows.starts.tolist()
         tokens, off = rows.token_ids.tolist(), rows.tok_off.tolist()  # host lists: one pass
+        covered, pending = self.covered, self.pending
         for r in index:
-            self.append(ids[r], starts[r], tokens[off[r]:off[r + 1]])
+            rid, start = ids[r], starts[r]
+            cov, pend = covered.get(rid), pending.get(rid)
+            if cov is not None and pend is not None and cov + len(pend) == start:
+                pend += tokens[off[r]:off[r + 1]]  # append()'s common case, inline
+            else:
+                self.append(rid, start, tokens[off[r]:off[r + 1]])
 
     def restore_cached(self, step: StepInput) -> None:
         """Rows admitted on a cached prefix: the draft KV of [0, start) is in their pages."""

@@ -28,8 +28,8 @@ Several drafters: the worker may hold a primary proposer plus extra model-free o
 every other proposer B that keeps state, like a plain step: B records the tokens whose target
 KV became valid (root and accepted drafts, positions P .. P + m - 1) and catches up before it
 next speculates. The pages' draft KV is valid up to the minimum over the proposers.
-The only device-to-host copy of a speculative step is the emitted tokens (plus the sampled
-tokens of prefill chunks, when a step has any).
+The only device-to-host copy of a speculative step is the emitted tokens with each row's chain
+run (plus the sampled tokens of prefill chunks, when a step has any).
 """
 
 from __future__ import annotations
@@ -163,9 +163,8 @@ class SpecWorker:
                 m.cycles.overlap = False
         # overlap: the next cycle is launched before this one is read; its requests keep the
         # slots it may write, up to W + lookahead past their valid KV
-        self.keep_ahead = 0
-        if self.overlap:
-            self.keep_ahead = max(m.shape.width + m.lookahead for m in self.modes.values())
+        self.keep_ahead = max(m.shape.width + m.lookahead for m in self.modes.values()) \
+            if self.overlap else 0
 
     # -- the primary drafter's per-request state (tests, older callers) --------------------------
     @property
@@ -205,9 +204,10 @@ class SpecWorker:
     def _draft_computed(self, step: StepInput) -> list[int] | None:
         """Per row: positions whose draft KV is valid now in every drafter keeping state
         (None: no draft KV in the pages)."""
-        if not self.stateful:
+        if not self.stateful:  # (one list per drafter, then a min per row: ~3x a generator's)
             return None
-        return [min(d.covered.get(rid, 0) for d in self.stateful) for rid in step.request_ids]
+        ids = step.request_ids
+        return [min(v) for v in zip(*([d.covered.get(r, 0) for r in ids] for d in self.stateful))]
 
     def _observe(self, step: StepInput, tokens: list[list[int]]) -> None:
         for d in self.drafts.values():
