@@ -38,7 +38,8 @@ def test_policy_picks_the_best_goodput_with_hysteresis_and_dwell() -> None:
     # chain3 at batch 8: at most 8 * 4 tokens / 9 s, well under off's 8 / 2 (beyond the
     # hysteresis, however high the acceptance estimates)
     costs = {**COSTS, "chain3": {1: 1.2, 8: 9.0}}
-    policy = AdaptivePolicy(MODES, costs, hysteresis=0.05, dwell=3, explore_every=1000)
+    policy = AdaptivePolicy(MODES, costs, hysteresis=0.05, dwell=3, explore_every=1000,
+                            score_every=1)  # (costs change between steps: score every step)
     one, eight = ["r0"], [f"r{i}" for i in range(8)]
     for _ in range(3):
         for rid in eight:
@@ -162,6 +163,26 @@ def test_one_slow_switch_step_does_not_price_every_later_switch() -> None:
     assert policy.switch_steps["on"] > 25.0, policy.switch_steps
 
 
+def test_the_same_requests_are_scored_every_few_steps() -> None:
+    """Scoring (~30 us a step on the host, 4-6% of a small model's 0.8 ms step) is redone
+    every score_every-th step while the requests about to decode stay the same and no probe
+    is due; other requests are scored at once."""
+    policy = AdaptivePolicy(MODES, COSTS, dwell=1, explore_every=10**6)
+    policy.observe("chain3", {"r0": 1}, None, 1)  # its family ran: no probe is due
+    scored = []
+    for _ in range(12):
+        policy.choose(["r0"])
+        scored.append(policy.scored_at == policy.steps)
+    assert scored == [True, False, False, True] + [False, False, False, True] * 2, scored
+    policy.choose(["r1"])
+    assert policy.scored_at == policy.steps
+    fresh = AdaptivePolicy(MODES, COSTS, dwell=1, explore_every=10**6, score_every=1)
+    fresh.observe("chain3", {"r0": 1}, None, 1)
+    for _ in range(5):
+        fresh.choose(["r0"])
+        assert fresh.scored_at == fresh.steps
+
+
 def test_measured_step_times_rescale_the_table() -> None:
     policy = AdaptivePolicy(MODES, COSTS)
     for _ in range(50):
@@ -174,7 +195,8 @@ def test_measured_step_times_rescale_the_table() -> None:
 
 
 def test_switch_steps_teach_the_switch_cost_not_the_scale() -> None:
-    policy = AdaptivePolicy({"chain3": (1, 3)}, COSTS, dwell=1, explore_every=1000)
+    policy = AdaptivePolicy({"chain3": (1, 3)}, COSTS, dwell=1, explore_every=1000,
+                            score_every=1)
     policy.observe("chain3", {"r0": 3}, 1.2, 1)
     for _ in range(40):  # every off -> chain3 switch step costs 4 step times more than chain3
         policy.observe(None, {}, 1.0, 1)

@@ -139,7 +139,7 @@ class AdaptivePolicy(GoodputModel):
     def __init__(self, modes: dict[str, tuple], costs: dict[str, dict[int, float]],
                  hysteresis: float = 0.05, dwell: int = 8, explore_every: int = 128,
                  rescale: float = 0.1, horizon: int = 64, probe_margin: float = 0.25,
-                 probe_budget: float = 0.005, leap: float = 0.25,
+                 probe_budget: float = 0.005, leap: float = 0.25, score_every: int = 4,
                  widths: dict[str, int] | None = None, token_budget: int | None = None,
                  max_rows: int | None = None,
                  mixed_priors: dict[str, dict[int, float]] | None = None) -> None:
@@ -157,7 +157,7 @@ class AdaptivePolicy(GoodputModel):
         super().__init__(costs, rescale, widths, token_budget, max_rows, mixed_priors)
         self.hysteresis, self.dwell, self.explore_every = hysteresis, dwell, explore_every
         self.horizon, self.probe_margin = horizon, probe_margin
-        self.probe_budget, self.leap = probe_budget, leap
+        self.probe_budget, self.leap, self.score_every = probe_budget, leap, score_every
         self.acceptance = AcceptanceEstimates(max(m[2] for m in self.modes.values()))
         # extra time of a step that switched, in step times of its mode (priors: the
         # discarded launch ahead; a catch-up forward on the way back on)
@@ -180,7 +180,7 @@ class AdaptivePolicy(GoodputModel):
         # chain1 ran 1.10x plain)
         self.family_run = dict.fromkeys(self.families, -1)
         self.last_scores: dict[str, float] = {}
-        self.scored_at = -1  # the step the last scores were computed at
+        self.scored_at, self.scored_ids = -1, []  # the step (and requests) last scored
         self._prev: str | None = None  # the last observed step's mode ("off" for off)
         # a list: every choose() and observe() appends a record (benchmarks' decision traces)
         self.trace: list[dict] | None = None
@@ -315,9 +315,9 @@ class AdaptivePolicy(GoodputModel):
         self.since_switch += 1
         if not decoding:
             return self.current
-        # scoring costs ~3 us a request on the host: while no probe can happen (no family
-        # stale for explore_every), done every 4th step only during the dwell (where only a
-        # leap may switch) and past 64 rows
+        # scoring costs ~30 us a step and ~3 a request on the host: while no probe can happen
+        # (no family stale for explore_every), done every score_every-th step only during the
+        # dwell (where only a leap may switch), past 64 rows and for the requests last scored
         sw = self.switch_steps
         soonest = max(self.explore_every, min(2 * sw["mode"], sw["on"] + sw["off"])
                       / self.probe_budget)  # the shortest interval _probe allows
@@ -325,11 +325,11 @@ class AdaptivePolicy(GoodputModel):
                     for t in self.family_run.values())
         b, b0 = len(decoding), self.switch_batch
         steady = b0 <= 2 * b <= 4 * b0  # the load neither halved nor doubled since the switch
-        if not stale and self.steps % 4 and (self.since_switch < self.dwell and steady
-                                             or b > 64):
+        if not stale and self.steps % self.score_every and (
+                self.since_switch < self.dwell and steady or b > 64 or decoding == self.scored_ids):
             return self.current
         scores = self.last_scores = self.scores(decoding, others)
-        self.scored_at = self.steps
+        self.scored_at, self.scored_ids = self.steps, list(decoding)
         key = "off" if self.current is None else self.current
         probe = self._probe(scores, key, len(decoding))
         if probe is not None:  # one step of it; the current mode stays
