@@ -117,7 +117,8 @@ def run(engine, prompts: list[list[int]], output_lens: list[int], concurrency: i
             "chunks_in_verify": stats.get("num_chunks_in_verify", 0) - in_verify,
             # positions a drafter's catch-up forwards ran the target over (after off steps)
             "catch_up_tokens": stats.get("num_catch_up_tokens", 0) - caught_up,
-            "triton_compiles": compiles}  # {kernel: compilations inside the run}
+            "triton_compiles": compiles,  # {kernel: compilations inside the run}
+            "triton_compile_keys": compiles.details}  # which specialization each was
 
 
 def tabled(table: dict[str, dict[int, float]], kind: str, rows: float) -> str:

@@ -42,6 +42,10 @@ with triton_compiles() as counts:
     seen.append(dict(counts))
 _scale[(1,)](x, 64, BLOCK=16)  # outside the block: not counted
 seen.append(dict(counts))
+with triton_compiles() as more:
+    _scale[(1,)](x, 63, BLOCK=64)  # n no longer divisible by 16: compiles
+    _scale[(1,)](x, 1, BLOCK=64)  # n == 1: a constant, compiles
+seen.append(counts.details + more.details)
 print(json.dumps(seen))
 '''
 
@@ -57,7 +61,11 @@ def test_compilations_are_counted_per_kernel_inside_the_block_only(tmp_path) -> 
                               "PYTHONPATH": str(tests.parent)})
     assert out.returncode == 0, out.stderr[-2000:]
     seen = json.loads(out.stdout.strip().splitlines()[-1])
-    assert seen == [{"_scale": 1}, {"_scale": 1}, {"_scale": 2}, {"_scale": 2}], seen
+    assert seen[:4] == [{"_scale": 1}, {"_scale": 1}, {"_scale": 2}, {"_scale": 2}], seen
+    # which specialization each compile was: the constexpr, the integer's class (D: divisible
+    # by 16, absent: plain, 1: a constant)
+    assert seen[4] == ["_scale(x_ptr=D, n=D, BLOCK=64)", "_scale(x_ptr=D, n=D, BLOCK=32)",
+                       "_scale(x_ptr=D, BLOCK=64)", "_scale(x_ptr=D, n=1, BLOCK=64)"], seen[4]
 
 
 def test_the_previous_hook_is_put_back() -> None:
