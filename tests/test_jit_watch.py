@@ -45,6 +45,7 @@ seen.append(dict(counts))
 with triton_compiles() as more:
     _scale[(1,)](x, 63, BLOCK=64)  # n no longer divisible by 16: compiles
     _scale[(1,)](x, 1, BLOCK=64)  # n == 1: a constant, compiles
+    _scale[(1,)](x[1:], 64, BLOCK=64)  # a pointer off 16-byte alignment: compiles
 seen.append(counts.details + more.details)
 print(json.dumps(seen))
 '''
@@ -63,9 +64,9 @@ def test_compilations_are_counted_per_kernel_inside_the_block_only(tmp_path) -> 
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen[:4] == [{"_scale": 1}, {"_scale": 1}, {"_scale": 2}, {"_scale": 2}], seen
     # which specialization each compile was: the constexpr, the integer's class (D: divisible
-    # by 16, absent: plain, 1: a constant)
-    assert seen[4] == ["_scale(x_ptr=D, n=D, BLOCK=64)", "_scale(x_ptr=D, n=D, BLOCK=32)",
-                       "_scale(x_ptr=D, BLOCK=64)", "_scale(x_ptr=D, n=1, BLOCK=64)"], seen[4]
+    # by 16, absent: plain, 1: a constant), a pointer's only when unaligned
+    assert seen[4] == ["_scale(n=D, BLOCK=64)", "_scale(n=D, BLOCK=32)", "_scale(BLOCK=64)",
+                       "_scale(n=1, BLOCK=64)", "_scale(x_ptr=unaligned, n=D, BLOCK=64)"], seen[4]
 
 
 def test_the_previous_hook_is_put_back() -> None:

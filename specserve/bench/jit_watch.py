@@ -18,8 +18,9 @@ from collections.abc import Iterator
 
 class Compiles(dict):
     """{kernel name: compilations}; `details`: one line per compilation, the kernel and each
-    argument compiled as other than a plain value (a constexpr's value; "D": an integer or a
-    pointer specialized as divisible by 16; an integer 1 is a constexpr)."""
+    argument compiled as other than a plain value: a constexpr's value (an integer 1 is one),
+    "D" for an integer specialized as divisible by 16, "unaligned" for a pointer that is not
+    16-byte aligned (the aligned ones, the rule, are left out)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -44,7 +45,12 @@ def _specialization(kwargs: dict) -> str:
         assert len(names) == len(specs)
     except (ValueError, SyntaxError, AssertionError):
         return f"{_kernel_name(kwargs)}: {key[:300]}"
-    parts = [f"{n}={spec}" for n, (_, spec) in zip(names, specs) if spec not in ("", None)]
+    parts = []
+    for n, (ty, spec) in zip(names, specs):
+        if str(ty).startswith("*"):  # a pointer: aligned is the rule
+            parts += [] if spec == "D" else [f"{n}=unaligned"]
+        elif spec not in ("", None):
+            parts.append(f"{n}={spec}")
     return f"{_kernel_name(kwargs)}({', '.join(parts)})"
 
 
