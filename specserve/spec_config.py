@@ -97,11 +97,11 @@ class SpecConfig:
         choices=("static", "adaptive"),
         flags=("--spec-policy", "--speculative-policy"),
     )
-    profile_budget: float = option(
-        PROFILE_BUDGET, "adaptive policy: seconds its start-up cost table may take; batch sizes past it "
+    profile_budget: float | None = option(
+        None, "adaptive policy: seconds its start-up cost table may take; batch sizes past it "
         "are extrapolated from the smaller ones timed (the two smallest always are) and mixed "
         "steps not timed are left to the policy's priors (0 = no limit)", min=0.0,
-        metavar="SECONDS")
+        metavar="SECONDS", help_default=f"{PROFILE_BUDGET:g} with the adaptive policy")
     prompt_lookup_max: int | None = option(
         None, "ngram: longest n-gram of the context's end looked up in the prompt + output "
         "(vLLM's name)", min=1, help_default="4 with method ngram")
@@ -163,7 +163,7 @@ class SpecConfig:
                 f"{self.topk} and {self.num_steps} steps, got {self.verify_tokens}",
             )
         self._check_method_keys()
-        if self.policy == "static" and self.profile_budget != PROFILE_BUDGET:
+        if self.policy == "static" and self.profile_budget is not None:
             raise ConfigError(SpecConfig, "profile_budget", "applies to the adaptive policy "
                               "only (a static one profiles nothing): drop it or choose adaptive")
         if not self.enabled:

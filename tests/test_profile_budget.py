@@ -14,7 +14,7 @@ from specserve.config import CacheConfig, SchedulerConfig
 from specserve.config_flags import ConfigError
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
-from specserve.spec_config import SpecConfig
+from specserve.spec_config import PROFILE_BUDGET, SpecConfig
 from specserve.speculative.profile_budget import at, extrapolate, profile_within
 
 SIZES = [1, 2, 4, 8, 16, 32]
@@ -92,6 +92,8 @@ def test_budget_stops_before_a_size_whose_predicted_time_would_pass_it() -> None
         assert prof.table[m][32] == pytest.approx(step_seconds(m, 32))
     assert fake.mixed_calls == [] and prof.mixed == {}
     assert prof.seconds == 7.0 <= 10.0
+    unset = FakeProfiler(call_seconds=float)  # no budget given: the adaptive default, 10 s
+    assert unset.run(budget=None).measured == [1, 2, 4] and PROFILE_BUDGET == 10.0
     assert "1, 2, 4 measured, 8, 16, 32 extrapolated" in prof.describe()
     assert "mixed steps not timed" in prof.describe()
 
@@ -141,7 +143,7 @@ def test_profile_budget_option() -> None:
 
     from specserve.config_flags import add_cli_args, config_from_cli_args
 
-    assert SpecConfig().profile_budget == 10.0
+    assert SpecConfig().profile_budget is None  # PROFILE_BUDGET (10 s) when adaptive
     parser = argparse.ArgumentParser()
     add_cli_args(parser, SpecConfig)
     args = parser.parse_args(["--spec-profile-budget", "2.5", "--spec-policy", "adaptive",
@@ -155,7 +157,10 @@ def test_profile_budget_option() -> None:
         SpecConfig(**eagle, profile_budget=2.5)
     with pytest.raises(ConfigError, match="profile.budget.*adaptive policy only"):
         SpecConfig(profile_budget=0.0)  # speculation off
-    assert SpecConfig(**eagle).profile_budget == 10.0
+    with pytest.raises(ConfigError, match="profile.budget.*adaptive policy only"):
+        SpecConfig(**eagle, profile_budget=10.0)  # the default's value, given: refused too
+    assert SpecConfig(**eagle).profile_budget is None
+    assert SpecConfig(**eagle, policy="adaptive").profile_budget is None
 
 
 @pytest.fixture(scope="module")

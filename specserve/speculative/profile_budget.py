@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from specserve.spec_config import PROFILE_BUDGET
 from specserve.speculative.profile import MIXED_CHUNKS
 
 MIN_MEASURED = 2  # batch sizes always timed (the smallest ones): a slope to extrapolate
@@ -60,14 +61,16 @@ def _join(values: list[int]) -> str:
 
 
 def profile_within(
-    budget: float, sizes: list[int], mixed_rows: int,
+    budget: float | None, sizes: list[int], mixed_rows: int,
     measure_costs: Callable[[list[int]], Table],
     measure_mixed: Callable[[int, list[int]], Table],
     chunks: tuple[int, ...] = MIXED_CHUNKS, clock: Callable[[], float] = time.perf_counter,
 ) -> Profile:
     """The cost table at `sizes` (ascending) and the mixed-step table at up to `mixed_rows`
-    rows within `budget` seconds (0: no limit). measure_costs(batch sizes) and
-    measure_mixed(rows, chunk sizes) time on every rank (profile_costs, profile_mixed)."""
+    rows within `budget` seconds (0: no limit; None: PROFILE_BUDGET). measure_costs(batch
+    sizes) and measure_mixed(rows, chunk sizes) time on every rank (profile_costs,
+    profile_mixed)."""
+    budget = PROFILE_BUDGET if budget is None else budget
     limit = budget if budget > 0 else math.inf
     start = clock()
     table: Table = {}
