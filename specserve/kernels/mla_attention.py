@@ -40,8 +40,8 @@ MIN_DOT = 16  # smallest tl.dot dimension on GPUs
 LOG2E = 1.4426950408889634
 
 
-# per-step integers are not specialized on (1, multiples of 16): fewer compiles
-@jit(do_not_specialize=["num_m_blocks", "mask_width"])
+# per-step integers (page table and mask widths too) aren't specialized on 1 / multiples of 16
+@jit(do_not_specialize=["num_m_blocks", "mask_width", "stride_tab", "stride_mr", "stride_mi"])
 def _mla_attention_kernel(
     q_lat_ptr, q_pe_ptr, cache_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
     query_start_loc_ptr, seq_lens_ptr, page_table_ptr, mask_ptr,

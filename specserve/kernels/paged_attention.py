@@ -61,8 +61,8 @@ PAD_BLOCK = 1 << 20  # a block table's query block past every request: the progr
 # attention
 
 
-# per-step integers are not specialized on (1, multiples of 16): fewer compiles
-@jit(do_not_specialize=["num_m_blocks", "mask_width"])
+# per-step integers (page table and mask widths too) aren't specialized on 1 / multiples of 16
+@jit(do_not_specialize=["num_m_blocks", "mask_width", "stride_pt", "stride_mr", "stride_mi"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, counter_ptr,
     query_start_loc_ptr, seq_lens_ptr, page_table_ptr, mask_ptr, block_table_ptr,

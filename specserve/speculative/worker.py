@@ -52,6 +52,7 @@ from specserve.speculative.features import FeatureView
 from specserve.speculative.mixed import ChunksInVerify, takes_trees
 from specserve.speculative.plain_rows import target_rows
 from specserve.speculative.proposer import DraftShape, Proposer, draft_shapes
+from specserve.worker.eager_warm import warm_drafters, warms
 from specserve.worker.step_input import StepInput, StepOutput
 
 log = logging.getLogger(__name__)
@@ -142,6 +143,8 @@ class SpecWorker:
             log.info("speculative graphs: %d for modes %s in %.1f s, %.0f MiB of device memory",
                      self.num_graphs, ", ".join(self.modes), time.perf_counter() - t0,
                      (_device_memory(runner.device) - mem0) / 2**20)
+        if warms(runner):  # catch-ups' eager extends compile now, not inside a step
+            warm_drafters(runner, {d.method: d.proposer for d in self.stateful})
         default = next(iter(self.modes.values()))  # the configured shape
         self.default_mode = default.shape.name
         self.shape, self.cycle, self.cycles = default.shape, default.cycle, default.cycles
@@ -174,10 +177,6 @@ class SpecWorker:
     @property
     def covered(self) -> dict[str, int]:
         return self.primary.covered
-
-    @property
-    def pending(self) -> dict[str, list[int]]:
-        return self.primary.pending
 
     def has_request_state(self) -> bool:
         """Any drafter holds state of some request."""

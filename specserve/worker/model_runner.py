@@ -29,16 +29,12 @@ from specserve.layers.attention_metadata import (
     set_forward_context,
 )
 from specserve.layers.rotary import ensure_rope_capacity
-from specserve.layers.sampler import (
-    Sampler,
-    SamplingTensors,
-    graph_sampling_inputs,
-    host_fields,
-)
+from specserve.layers.sampler import Sampler, SamplingTensors, graph_sampling_inputs, host_fields
 from specserve.models.loader import build_model, load_model
 from specserve.models.presets import random_init
 from specserve.worker.cuda_graph import BatchGraphs, comm_message_rows
 from specserve.worker.device import resolve_device, resolve_dtype, select_backend
+from specserve.worker.eager_warm import warm_target, warms
 from specserve.worker.forward_batch import (
     BatchInputs,
     build_attention_metadata,
@@ -98,6 +94,8 @@ class ModelRunner:
         ensure_rope_capacity(self.model, self.max_positions)
         self.decode_graphs = self._capture_decode_graphs()
         self.token_graphs = build_token_graphs(self)  # steps with prefill chunks
+        if warms(self):  # eager forwards' kernels compiled now, not inside a step
+            warm_target(self)
         overlap = config.decode_overlap
         self.overlap = overlap == "on" or (overlap == "auto" and self.decode_graphs is not None)
         self._launched: LaunchedStep | None = None
