@@ -12,8 +12,9 @@ draft extend over a prompt's tail, a target forward past the captured token grap
 from one row to the limits) and the start-up runs them before the first request. Triton keeps
 what it compiled on disk, so a later start on the same machine pays only the forwards.
 
-The forwards write no KV the engine reads: the target's write nothing (slots -1); a drafter's
-extend writes its draft layer's K/V into the pool's spare page (the padding rows' page)."""
+Every row's pages are the pool's spare page (the CUDA-graph padding rows' page): the forwards
+write their K/V there (a row longer than a page overwrites its own earlier positions) and read
+only what they wrote, never a page the allocator hands out."""
 
 from __future__ import annotations
 
@@ -57,15 +58,12 @@ def warm_extends(run: Callable[[list[int], AttentionMetadata], object], page: in
                  page_size: int, device: torch.device, max_tokens: int, max_rows: int,
                  label: str) -> int:
     """Call run(q_lens, md) over each of extend_shapes(max_tokens, max_rows): every row starts
-    at position 0, its pages all `page`; md's slots are -1 (write nothing); a run that must
-    write passes its own. Returns the forwards run."""
+    at position 0, its pages all `page`. Returns the forwards run."""
     t0 = time.perf_counter()
     shapes = extend_shapes(max_tokens, max_rows)
     for q_lens in shapes:
         pages = [[page] * -(-q // page_size) for q in q_lens]
-        md = build_attention_metadata(q_lens, q_lens, pages, page_size, device)
-        md.slot_mapping.fill_(-1)
-        run(q_lens, md)
+        run(q_lens, build_attention_metadata(q_lens, q_lens, pages, page_size, device))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     log.info("%s: %d eager extend shapes warmed in %.2f s", label, len(shapes),
