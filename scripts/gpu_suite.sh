@@ -417,7 +417,8 @@ if has policy; then
   done
   if tests_too && ppart tests; then
     timeout 300 python -m pytest -q -m gpu -rfE --tb=short -p no:cacheprovider \
-      tests/test_spec_proposers.py tests/test_spec_fold.py > "$out/policy_tests.log" 2>&1
+      tests/test_spec_proposers.py tests/test_spec_fold.py tests/test_eager_warm.py \
+      > "$out/policy_tests.log" 2>&1
     echo "policy tests rc=$?"; tail -4 "$out/policy_tests.log"
   fi
   # one invocation per rate (4 requests a slot and every configuration warmed up at each

@@ -199,3 +199,38 @@ def test_no_kernel_compiles_while_serving_after_start_up() -> None:
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
     assert llm.engine.drafter.counters.num_catch_ups > 0
     assert not compiles, f"compiled while serving: {dict(compiles)} {compiles.details[:3]}"
+
+
+def test_engine_start_up_warms_and_serves_as_before(pair, monkeypatch) -> None:
+    """With the warm-up's GPU gate forced open on the CPU, an engine starts by warming the
+    target and its drafter (through the runner's and the speculative worker's own hooks), then
+    generates greedily what an engine without the warm-up does, token for token."""
+    from specserve.config import CacheConfig, SchedulerConfig
+    from specserve.llm import LLM
+    from specserve.sampling_params import SamplingParams
+    from specserve.speculative import worker as spec_worker
+    from specserve.worker import eager_warm, model_runner
+
+    def make() -> LLM:
+        return LLM(pair[0], speculative_config=dict(algorithm="eagle3", draft_model=pair[1],
+                                                    num_steps=3),
+                   device="cpu", dtype="float32",
+                   cache=CacheConfig(page_size=4, num_pages=128),
+                   scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))
+
+    prompts = [list(range(3, 3 + n)) for n in (5, 11, 23)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = [o.token_ids for o in make().generate(prompts, params)]
+    labels = []
+    real = eager_warm.warm_extends
+
+    def counted(run, page, page_size, device, max_tokens, max_rows, label):
+        labels.append(label)
+        return real(run, page, page_size, device, max_tokens, max_rows, label)
+
+    monkeypatch.setattr(eager_warm, "warm_extends", counted)
+    for mod in (model_runner, spec_worker):
+        monkeypatch.setattr(mod, "warms", lambda runner: True)
+    warmed = [o.token_ids for o in make().generate(prompts, params)]
+    assert labels == ["target", "drafter eagle3"]
+    assert warmed == plain
