@@ -69,7 +69,7 @@ def _mha(heads: int, kv_heads: int, dim: int):
     k_cache = torch.empty(4, PAGE, kv_heads, dim, dtype=torch.bfloat16)
     v_cache = torch.empty_like(k_cache)
 
-    def run(q_lens: list[int], md) -> None:
+    def run(q_lens: list[int], pages, md) -> None:
         t = sum(q_lens)
         q = torch.empty(t, heads, dim, dtype=torch.bfloat16)
         kv = torch.empty(t, kv_heads, dim, dtype=torch.bfloat16)
@@ -81,7 +81,7 @@ def _mla(heads: int, rank: int = 512, rope: int = 64):
     backend = TritonBackend()
     cache = torch.empty(4, PAGE, rank + rope, dtype=torch.bfloat16)
 
-    def run(q_lens: list[int], md) -> None:
+    def run(q_lens: list[int], pages, md) -> None:
         t = sum(q_lens)
         backend.mla.absorbed(torch.empty(t, heads, rank, dtype=torch.bfloat16),
                              torch.empty(t, heads, rope, dtype=torch.bfloat16), cache, md, 0.1)
@@ -98,7 +98,7 @@ def _random_extends(run, rng: random.Random, n: int) -> None:
         while sum(q_lens) > MAX_TOKENS:
             q_lens.pop()
         pages = [[0] * -(-q // PAGE) for q in q_lens]
-        run(q_lens, build_attention_metadata(q_lens, q_lens, pages, PAGE, "cpu"))
+        run(q_lens, pages, build_attention_metadata(q_lens, q_lens, pages, PAGE, "cpu"))
 
 
 @pytest.mark.parametrize("make", [

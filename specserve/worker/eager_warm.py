@@ -54,16 +54,17 @@ def extend_shapes(max_tokens: int, max_rows: int) -> list[list[int]]:
     return out
 
 
-def warm_extends(run: Callable[[list[int], AttentionMetadata], object], page: int,
+def warm_extends(run: Callable[[list[int], list[list[int]], AttentionMetadata], object],
+                 page: int,
                  page_size: int, device: torch.device, max_tokens: int, max_rows: int,
                  label: str) -> int:
-    """Call run(q_lens, md) over each of extend_shapes(max_tokens, max_rows): every row starts
-    at position 0, its pages all `page`. Returns the forwards run."""
+    """Call run(q_lens, pages, md) over each of extend_shapes(max_tokens, max_rows): every row
+    starts at position 0, its pages all `page`. Returns the forwards run."""
     t0 = time.perf_counter()
     shapes = extend_shapes(max_tokens, max_rows)
     for q_lens in shapes:
         pages = [[page] * -(-q // page_size) for q in q_lens]
-        run(q_lens, build_attention_metadata(q_lens, q_lens, pages, page_size, device))
+        run(q_lens, pages, build_attention_metadata(q_lens, q_lens, pages, page_size, device))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     log.info("%s: %d eager extend shapes warmed in %.2f s", label, len(shapes),
@@ -76,7 +77,7 @@ def warm_target(runner) -> int:
     row limit); returns the forwards run."""
     sched = runner.config.scheduler
 
-    def run(q_lens: list[int], md: AttentionMetadata) -> None:
+    def run(q_lens: list[int], pages: list[list[int]], md: AttentionMetadata) -> None:
         n = sum(q_lens)
         positions = torch.cat([torch.arange(q, device=runner.device) for q in q_lens])
         runner.forward(torch.zeros(n, dtype=torch.long, device=runner.device), positions, md)
@@ -95,13 +96,12 @@ def warm_drafters(runner, proposers: dict) -> int:
     for method, proposer in proposers.items():
         width = len(proposer.aux_layer_ids) * hidden if proposer.needs_target_features else 0
 
-        def run(q_lens: list[int], md: AttentionMetadata, proposer=proposer,
-                width=width) -> None:
+        def run(q_lens: list[int], pages: list[list[int]], md: AttentionMetadata,
+                proposer=proposer, width=width) -> None:
             feats = None
             if width:
                 feats = torch.zeros(sum(q_lens), width, dtype=runner.dtype,
                                     device=runner.device)
-            pages = [[page] * -(-q // runner.page_size) for q in q_lens]
             proposer.extend([0] * len(q_lens), pages, [[0] * q for q in q_lens], feats)
 
         total += warm_extends(run, page, runner.page_size, runner.device,
