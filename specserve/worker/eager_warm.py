@@ -62,9 +62,11 @@ def warm_extends(run: Callable[[list[int], list[list[int]], AttentionMetadata], 
     starts at position 0, its pages all `page`. Returns the forwards run."""
     t0 = time.perf_counter()
     shapes = extend_shapes(max_tokens, max_rows)
-    for q_lens in shapes:
-        pages = [[page] * -(-q // page_size) for q in q_lens]
-        run(q_lens, pages, build_attention_metadata(q_lens, q_lens, pages, page_size, device))
+    with torch.inference_mode():  # as the engine's steps run (no autograd state, ever)
+        for q_lens in shapes:
+            pages = [[page] * -(-q // page_size) for q in q_lens]
+            md = build_attention_metadata(q_lens, q_lens, pages, page_size, device)
+            run(q_lens, pages, md)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     log.info("%s: %d eager extend shapes warmed in %.2f s", label, len(shapes),
