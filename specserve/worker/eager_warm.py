@@ -55,9 +55,8 @@ def extend_shapes(max_tokens: int, max_rows: int) -> list[list[int]]:
 
 
 def warm_extends(run: Callable[[list[int], list[list[int]], AttentionMetadata], object],
-                 page: int,
-                 page_size: int, device: torch.device, max_tokens: int, max_rows: int,
-                 label: str) -> int:
+                 page: int, page_size: int, device: torch.device, max_tokens: int,
+                 max_rows: int, label: str) -> int:
     """Call run(q_lens, pages, md) over each of extend_shapes(max_tokens, max_rows): every row
     starts at position 0, its pages all `page`. Returns the forwards run."""
     t0 = time.perf_counter()
@@ -80,9 +79,8 @@ def warm_target(runner) -> int:
     sched = runner.config.scheduler
 
     def run(q_lens: list[int], pages: list[list[int]], md: AttentionMetadata) -> None:
-        n = sum(q_lens)
-        positions = torch.cat([torch.arange(q, device=runner.device) for q in q_lens])
-        runner.forward(torch.zeros(n, dtype=torch.long, device=runner.device), positions, md)
+        positions = runner.tensor([i for q in q_lens for i in range(q)])  # one copy
+        runner.forward(torch.zeros_like(positions), positions, md)
 
     return warm_extends(run, runner.spare_page, runner.page_size, runner.device,
                         sched.max_num_batched_tokens, sched.max_num_seqs, "target")
