@@ -51,7 +51,7 @@ from specserve.kernels.exact_gemm import rowwise_linear
 from specserve.kernels.fp8_gemm import expand_scale, quant_fp8, quant_fp8_torch
 from specserve.kernels.gemm_split import fit_shared
 from specserve.kernels.moe_align import MoEAlignment, align_pairs
-from specserve.kernels.w4_gemv import w4_columns, w4_gemv_step
+from specserve.kernels.w4_gemv import NIBBLE, w4_columns, w4_gemv_step
 from specserve.kernels.w4a16_gemm import PER_STEP_C, dequantize_w4, scale_mode, w4_tile
 
 # weight formats of the grouped GEMMs
@@ -196,7 +196,7 @@ MOE_GEMV = os.environ.get("SPECSERVE_MOE_GEMV", "0") == "1"
 def _moe_gemm_kernel(
     a_ptr, as_ptr, b_ptr, bs_ptr, gs_ptr, c_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr,
     num_padded_ptr, n, k, num_pairs, num_rows, stride_am, stride_asm, stride_be, stride_bn,
-    stride_bse, stride_bsn, stride_gse, stride_cm, up_offset, up_scale_row,
+    stride_bse, stride_bsn, stride_gse, stride_cm, up_offset, up_scale_row, nibble,
     A_ROW_DIV: tl.constexpr, SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     WEIGHTS: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, SCALES: tl.constexpr,
     SOFT_E4M3: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -246,11 +246,12 @@ def _moe_gemm_kernel(
         u = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
         for k0 in range(0, k, BLOCK_K):
             xs = w4_columns(x_row, k0 // 8 + words, k, row_ok, 1, BLOCK_K)
-            g += w4_gemv_step(w_rows, s_rows, col_ok, k0, k, xs, GROUP_K, SCALES == PER_STEP_C,
-                              WEIGHTS == NVFP4_C, SOFT_E4M3, 1, BLOCK_K, EVEN)
+            g += w4_gemv_step(w_rows, s_rows, col_ok, k0, k, xs, nibble, GROUP_K,
+                              SCALES == PER_STEP_C, WEIGHTS == NVFP4_C, SOFT_E4M3, 1, BLOCK_K,
+                              EVEN)
             if SILU_MUL:
                 u += w4_gemv_step(w_rows + up_offset * stride_bn,
-                                  s_rows + up_scale_row * stride_bsn, col_ok, k0, k, xs,
+                                  s_rows + up_scale_row * stride_bsn, col_ok, k0, k, xs, nibble,
                                   GROUP_K, SCALES == PER_STEP_C, WEIGHTS == NVFP4_C,
                                   SOFT_E4M3, 1, BLOCK_K, EVEN)  # fmt: skip
         acc = tl.sum(g, axis=1)[None, :]
@@ -330,7 +331,7 @@ def _grouped_gemm(
         a, a_scale, w, scale, glob, out, topk_weights if topk_weights is not None else a,
         align.sorted_ids, align.block_expert, align.num_padded, n, k, out.shape[0], num_rows,
         a.stride(0), a_scale.stride(0), w.stride(0), w.stride(1), scale.stride(0),
-        scale.stride(1), glob.stride(0), out.stride(0), n, b.rows_per_part,
+        scale.stride(1), glob.stride(0), out.stride(0), n, b.rows_per_part, NIBBLE,
         A_ROW_DIV=a_row_div, SILU_MUL=silu_mul, MUL_WEIGHT=topk_weights is not None,
         WEIGHTS=b.format, GROUP_N=b.group_n, GROUP_K=b.group_k,
         SCALES=scale_mode(b.group_k, launch.block_k), SOFT_E4M3=soft,

@@ -33,38 +33,53 @@ def w4_columns(x_rows, word, k_end, m_ok, BLOCK_M: tl.constexpr, BLOCK_K: tl.con
     return x0, x1, x2, x3, x4, x5, x6, x7
 
 
+NIBBLE = 15  # the `nibble` argument of the kernels whose INT4 decode is int4_code
+
+
 @jit
-def w4_gemv_words(packed, xs, sc, FP4: tl.constexpr, BLOCK_M: tl.constexpr):
+def int4_code(low, high, nibble, J: tl.constexpr):
+    """INT4 nibble J of the packed words (low: the words, uint32; high: low >> 12) as its value
+    n - 8 in fp32, exactly, in one LOP3 and one FADD: the nibble stays at its place p (bits
+    4J.., or 4J - 12 of high for J >= 5, so that it sits below bit 23) and is OR-ed under the
+    fp32 exponent 150 - p, which gives bit p the weight 1: the float reads 2^(23 - p) + n;
+    minus 2^(23 - p) + 8 it is n - 8 (all small integers: exact). nibble: 15, a kernel
+    argument (see _w4_gemv_kernel)."""
+    if J < 5:
+        src = low
+        P: tl.constexpr = 4 * J
+    else:
+        src = high
+        P: tl.constexpr = 4 * J - 12
+    bits = (src & (nibble << P)) | ((150 - P) << 23)
+    return bits.to(tl.float32, bitcast=True) - ((1 << (23 - P)) + 8)
+
+
+@jit
+def w4_gemv_words(packed, xs, sc, nibble, FP4: tl.constexpr, BLOCK_M: tl.constexpr):
     """One K step of the GEMV: per packed word (packed [BN, W] uint32) and row, the sum over
     its 8 nibbles of the decoded code times the row's activation (xs: w4_columns), in fp32,
-    rescaled and scaled by sc ([BN, 1] or [BN, W]): [BN, W], or [BM, BN, W]. Nibble j read as
-    fp16 bits converts exactly to fp32 (no I2F): INT4's code n is the subnormal n 2^-24 (the
-    word's sum then times 2^24, minus 8 times the word's activation sum: the offset);
-    NVFP4's e2m1 s.e1e0.m placed as fp16 s.000e1e0.m reads as its value times 2^-14 (e = 0 is
-    fp16's subnormal: no select; the 2^14 rides on the scale)."""
+    scaled by sc ([BN, 1] or [BN, W]): [BN, W], or [BM, BN, W]. No I2F: INT4's nibble j is
+    decoded where it lies (int4_code: one LOP3 and one FADD, exact); NVFP4's e2m1 s.e1e0.m
+    placed as fp16 s.000e1e0.m reads as its value times 2^-14 (e = 0 is fp16's subnormal: no
+    select; the 2^14 rides on the scale), converted exactly to fp32."""
     if BLOCK_M == 1:
         part = tl.zeros(packed.shape, dtype=tl.float32)
     else:
         part = tl.zeros((BLOCK_M, packed.shape[0], packed.shape[1]), dtype=tl.float32)
+    high = packed >> 12  # nibbles 5..7 at bits 8..19 (int4_code)
     for j in tl.static_range(8):
-        nib = (packed >> (4 * j)) & 0xF
         if FP4:
+            nib = (packed >> (4 * j)) & 0xF
             bits = ((nib & 7) << 9) | ((nib & 8) << 12)
             val = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         else:
-            val = nib.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            val = int4_code(packed, high, nibble, j)
         if BLOCK_M == 1:
             part += val * xs[j][None, :]
         else:
             part += val[None, :, :] * xs[j][:, None, :]
     if FP4:
         sc = sc * 16384.0  # the decoded values' 2^-14 (exact)
-    else:  # sum_j (n_j - 8) x_j = 2^24 sum_j (n_j 2^-24) x_j - 8 sum_j x_j, per word
-        xsum = ((xs[0] + xs[1]) + (xs[2] + xs[3])) + ((xs[4] + xs[5]) + (xs[6] + xs[7]))
-        if BLOCK_M == 1:
-            part = part * 16777216.0 - 8.0 * xsum[None, :]
-        else:
-            part = part * 16777216.0 - 8.0 * xsum[:, None, :]
     if BLOCK_M == 1:
         out = part * sc
     else:
@@ -73,7 +88,8 @@ def w4_gemv_words(packed, xs, sc, FP4: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @jit
-def w4_gemv_step(w_rows, s_rows, n_ok, k0, K, xs, GROUP: tl.constexpr, PER_ROW_SCALE: tl.constexpr,
+def w4_gemv_step(w_rows, s_rows, n_ok, k0, K, xs, nibble, GROUP: tl.constexpr,
+                 PER_ROW_SCALE: tl.constexpr,
                  FP4: tl.constexpr, SOFT_E4M3: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
     """One K step of the GEMV over the packed words of columns k0 .. k0 + BLOCK_K - 1 of the
@@ -90,13 +106,13 @@ def w4_gemv_step(w_rows, s_rows, n_ok, k0, K, xs, GROUP: tl.constexpr, PER_ROW_S
         sc = _scales(s_rows + k0 // GROUP, n_ok[:, None], SOFT_E4M3)  # [BN, 1]
     else:
         sc = _scales(s_rows + (word * 8 // GROUP)[None, :], w_ok, SOFT_E4M3)  # [BN, W]
-    return w4_gemv_words(packed, xs, sc, FP4, BLOCK_M)
+    return w4_gemv_words(packed, xs, sc, nibble, FP4, BLOCK_M)
 
 
 @jit
 def _w4_gemv_kernel(
     x_ptr, w_ptr, s_ptr, rs_ptr, c_ptr, p_ptr, counter_ptr, M, N, K, k_per_split, splits,
-    stride_xm, stride_wn, stride_sn, stride_cm,
+    stride_xm, stride_wn, stride_sn, stride_cm, nibble,
     GROUP: tl.constexpr, PER_ROW_SCALE: tl.constexpr, FP4: tl.constexpr,
     HAS_ROW_SCALE: tl.constexpr, SPLIT: tl.constexpr, SOFT_E4M3: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
@@ -107,9 +123,11 @@ def _w4_gemv_kernel(
     # (w4_gemv_words; GROUP a multiple of 8: a word lies in one group; PER_ROW_SCALE: the step
     # lies in one group); the words are summed once after the loop. No tensor cores and no
     # reshape of the weights: a few registers a thread, many loads in flight. One row keeps
-    # 2-D tiles (sm_90: 316 instructions a 64x128 step; the 3-D form with a unit row axis
-    # needs 375). EVEN: N, K and the split's K range are multiples of the tiles: the weights
-    # load without masks.
+    # 2-D tiles (sm_90: 261 instructions a 64x128 step; the 3-D form with a unit row axis
+    # needs more). EVEN: N, K and the split's K range are multiples of the tiles: the weights
+    # load without masks. nibble: 15, passed at run time: as a constant, ptxas rematerializes
+    # the INT4 decode's masks (int4_code) before every use (sm_90: 320 instructions a 1x64x128
+    # step; held in registers: 261).
     pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -127,7 +145,7 @@ def _w4_gemv_kernel(
     k_end = tl.minimum(k_start + k_per_split, K)
     for k0 in range(k_start, k_end, BLOCK_K):
         xs = w4_columns(x_rows, k0 // 8 + words, k_end, m_ok, BLOCK_M, BLOCK_K)
-        acc += w4_gemv_step(w_rows, s_rows, n_ok, k0, K, xs, GROUP, PER_ROW_SCALE, FP4,
+        acc += w4_gemv_step(w_rows, s_rows, n_ok, k0, K, xs, nibble, GROUP, PER_ROW_SCALE, FP4,
                             SOFT_E4M3, BLOCK_M, BLOCK_K, EVEN)
     if BLOCK_M == 1:
         out = tl.sum(acc, axis=1)[None, :]

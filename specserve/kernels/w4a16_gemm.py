@@ -42,7 +42,7 @@ from specserve.kernels.w4_decode import (
     _scales,
     w4_codes16,
 )
-from specserve.kernels.w4_gemv import _w4_gemv_kernel
+from specserve.kernels.w4_gemv import NIBBLE, _w4_gemv_kernel
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
@@ -270,7 +270,7 @@ def w4a16_mm(
         _w4_gemv_kernel[grid](
             x, packed, scales, row_scale if row_scale is not None else scales, out, partials,
             counters, m, n, k, k_per_split, splits, x.stride(0), packed.stride(0),
-            scales.stride(0), out.stride(0), GROUP=group, PER_ROW_SCALE=group % bk == 0,
+            scales.stride(0), out.stride(0), NIBBLE, GROUP=group, PER_ROW_SCALE=group % bk == 0,
             FP4=fp4, HAS_ROW_SCALE=row_scale is not None, SPLIT=splits > 1, SOFT_E4M3=soft,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
             EVEN=n % bn == 0 and k_per_split % bk == 0 and k % k_per_split == 0,
