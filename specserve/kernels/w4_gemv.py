@@ -55,29 +55,58 @@ def int4_code(low, high, nibble, J: tl.constexpr):
 
 
 @jit
+def e2m1_pair(packed, J: tl.constexpr):
+    """NVFP4 nibbles J and J + 4 (J < 4) of the packed words as fp32, each its e2m1 value times
+    2^-14, exactly: both are placed at once as the two fp16 halves s.000e1e0.m of one word (the
+    magnitude bits e1e0m at 9..11 and 25..27, one shift and one AND; the signs at 15 and 31,
+    one shift and one LOP3), each half then read as fp16 (e = 0 is fp16's subnormal: no
+    select) and converted to fp32."""
+    MAG: tl.constexpr = 9 - 4 * J  # the magnitude's shift: nibble J's bit 0 to bit 9
+    if MAG >= 0:
+        mag = packed << MAG
+    else:
+        mag = packed >> -MAG
+    SIGN: tl.constexpr = 12 - 4 * J  # the sign's shift: bit 4J + 3 to bit 15
+    if SIGN > 0:
+        sign = packed << SIGN
+    else:
+        sign = packed
+    bits = (mag & 0x0E000E00) | (sign & 0x80008000)
+    low = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    high = (bits >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return low, high
+
+
+@jit
+def _gemv_add(part, val, x, BLOCK_M: tl.constexpr):
+    """part + the decoded values [BN, W] times one column's activations x ([W], or [BM, W])."""
+    if BLOCK_M == 1:
+        out = part + val * x[None, :]
+    else:
+        out = part + val[None, :, :] * x[:, None, :]
+    return out
+
+
+@jit
 def w4_gemv_words(packed, xs, sc, nibble, FP4: tl.constexpr, BLOCK_M: tl.constexpr):
     """One K step of the GEMV: per packed word (packed [BN, W] uint32) and row, the sum over
     its 8 nibbles of the decoded code times the row's activation (xs: w4_columns), in fp32,
     scaled by sc ([BN, 1] or [BN, W]): [BN, W], or [BM, BN, W]. No I2F: INT4's nibble j is
-    decoded where it lies (int4_code: one LOP3 and one FADD, exact); NVFP4's e2m1 s.e1e0.m
-    placed as fp16 s.000e1e0.m reads as its value times 2^-14 (e = 0 is fp16's subnormal: no
-    select; the 2^14 rides on the scale), converted exactly to fp32."""
+    decoded where it lies (int4_code: one LOP3 and one FADD, exact); NVFP4's nibbles two at a
+    time as fp16 halves (e2m1_pair: each value times 2^-14, which rides on the scale)."""
     if BLOCK_M == 1:
         part = tl.zeros(packed.shape, dtype=tl.float32)
     else:
         part = tl.zeros((BLOCK_M, packed.shape[0], packed.shape[1]), dtype=tl.float32)
-    high = packed >> 12  # nibbles 5..7 at bits 8..19 (int4_code)
-    for j in tl.static_range(8):
-        if FP4:
-            nib = (packed >> (4 * j)) & 0xF
-            bits = ((nib & 7) << 9) | ((nib & 8) << 12)
-            val = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        else:
-            val = int4_code(packed, high, nibble, j)
-        if BLOCK_M == 1:
-            part += val * xs[j][None, :]
-        else:
-            part += val[None, :, :] * xs[j][:, None, :]
+    if FP4:
+        for j in tl.static_range(4):
+            low, high = e2m1_pair(packed, j)
+            part = _gemv_add(part, low, xs[j], BLOCK_M)
+            part = _gemv_add(part, high, xs[j + 4], BLOCK_M)
+    else:
+        high = packed >> 12  # nibbles 5..7 at bits 8..19 (int4_code)
+        for j in tl.static_range(8):
+            part = _gemv_add(part, int4_code(packed, high, nibble, j), xs[j], BLOCK_M)
     if FP4:
         sc = sc * 16384.0  # the decoded values' 2^-14 (exact)
     if BLOCK_M == 1:
