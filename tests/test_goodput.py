@@ -79,3 +79,39 @@ def test_profiled_mixed_steps_are_the_first_points_of_each_kinds_line() -> None:
         n = 200 + 10 * (i % 16)
         pol.observe(None, {}, t + 0.0007 + 20e-6 * n, 64, mixed=True, chunk_tokens=n)
     assert pol.mixed_line("off")[0] < 0.0022  # nearer 0.7 ms than the profile's 5 ms
+
+
+def test_a_fold_not_measured_yet_costs_what_a_plain_mixed_step_does() -> None:
+    """A folded step runs the chunks in the plain step's forward, so until one is measured
+    it is priced as a plain step with chunks, never as free. The case: the PCIe-table sweep
+    at concurrency 2 (H100, 8B shape, 128-token prompts): a chunk adds ~28 ms to a plain
+    step and ~31 ms to a chain-1 step of 15.3 ms (plain 8.6 ms); chain 1 emits 1.72 tokens a
+    row. Counting its mixed steps as free folds, chain 1 scored 228 tok/s against plain's
+    210 and ran at 0.94x plain; priced at the plain mixed step's cost, plain wins. Both the
+    fitted-line path (chunk tokens known, the engine's) and the decayed-mean one are checked."""
+    costs = {"off": {1: 0.0061, 2: 0.0086}, "chain1": {1: 0.0097, 2: 0.0153}}
+    priors = {"off": {128: 0.028, 512: 0.028}, "chain1": {128: 0.0307, 512: 0.0307}}
+    pol = AdaptivePolicy({"chain1": (1, 1)}, costs, mixed_priors=priors)
+    for i in range(40):  # a plain load: 2 rows a step, a 128-token prompt every 29 steps
+        mixed = i % 29 == 0
+        pol.observe(None, {}, 0.0086 + (0.028 if mixed else 0.0), 2, mixed=mixed,
+                    chunk_tokens=128 if mixed else 0)
+    assert pol.chunk_cost.line("fold") is None
+    assert pol.mixed_line("fold") == pytest.approx(pol.mixed_line("off"))
+    share = pol.mixed_share
+    off = pol.goodput("off", 2.0, 2, share)[0]
+    chain1 = pol.goodput("chain1", 2 * 1.72, 2, share)[0]
+    assert chain1 < off
+    # measured folds then price themselves (here: cheaper than the plain mixed step)
+    for _ in range(30):
+        pol.observe("chain1", {}, 0.0086 + 0.010, 2, mixed=True, folded=True, chunk_tokens=128)
+    fixed, slope = pol.mixed_line("fold")
+    assert fixed + 128 * slope == pytest.approx(0.010, rel=0.05)
+
+    blind = AdaptivePolicy({"chain1": (1, 1)}, costs)  # chunk tokens unknown: decayed means
+    for i in range(60):
+        mixed = i % 3 == 0
+        blind.observe(None, {}, 0.0086 + (0.028 if mixed else 0.0), 2, mixed=mixed)
+    # a fold (its chunks in a plain step: 8.6 + 28 ms) no longer beats running the chunks in
+    # chain 1's verify (15.3 ms + its unmeasured prior); priced free, it did
+    assert not blind.goodput("chain1", 2.0, 2, blind.mixed_share)[1]

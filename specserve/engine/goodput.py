@@ -43,6 +43,11 @@ class GoodputModel:
         self.mixed_extra = {m: 0.0 if m == "off" else off_1 / 4 for m in costs}
         self.mixed_extra["fold"] = 0.0  # a folded step over the plain one (the drafter's feed)
         self.mixed_prior = dict(self.mixed_extra)
+        # a fold runs the chunks in the plain step's forward (plus the drafter's feed): until
+        # one is measured, it costs what a plain mixed step does, never less (mixed_line).
+        # Priced free before, a chain beside arrivals looked cheap: on the PCIe table at
+        # concurrency 2 the policy ran chain 1 at 0.94x plain
+        self.fold_seen = False
         # with steps' chunk tokens known: each kind's extra as fixed + per token, and the
         # chunk tokens per emitted token (decayed sums over steps)
         self.chunk_cost = ChunkCost(group=_group)
@@ -67,6 +72,8 @@ class GoodputModel:
         line = self.chunk_cost.line(kind)
         if line is not None:
             return line
+        if kind == "fold":  # runs the chunks in the plain step's forward: at least its cost
+            return self.mixed_line("off")
         slope = self.chunk_cost.pooled_slope() or 0.0
         if _group(kind) == SPEC:  # a speculative kind: as the ones seen (one eager cycle)
             seen = [ln[0] for k in self.chunk_cost.kinds() if _group(k) == SPEC
@@ -100,8 +107,8 @@ class GoodputModel:
                 rates.append(x / ((1.0 - s) * t + s * (t_off + a_f) + c_f * rho * x))
         else:
             spec = tokens, t + self.mixed_extra[name]
-            kinds = [spec] if name == "off" else [
-                spec, (float(b), t_off + self.mixed_extra["fold"])]
+            fold = self.mixed_extra["fold" if self.fold_seen else "off"]
+            kinds = [spec] if name == "off" else [spec, (float(b), t_off + fold)]
             rates = [((1.0 - share) * tokens + share * x) / ((1.0 - share) * t + share * y)
                      for x, y in kinds]
         return max(rates), len(rates) > 1 and rates[1] > rates[0]
@@ -134,6 +141,7 @@ class GoodputModel:
         known, every kind's extra is re-read from its fitted line at the recent mean chunk
         size (engine/chunk_cost.py); else a decayed mean of the kind's extras. A step whose
         chunks filled what its budget left beside the rows carried a backlog, not arrivals."""
+        self.fold_seen = self.fold_seen or key == "fold"
         if chunk_tokens is None:
             self.mixed_extra[key] += 0.1 * (extra - self.mixed_extra[key])
             return
