@@ -1,11 +1,53 @@
 """Per-request acceptance estimates of the adaptive speculation policy (engine/spec_policy.py):
-decayed counts per request and drafter family, shrunk toward global estimates (torch-free)."""
+decayed counts per request and drafter family, shrunk toward global estimates (torch-free).
+Each family's per-request counts are rows of numpy tables, updated and read for a whole batch
+at once: at 256 decoding requests the per-request Python loops cost ~0.7 ms of host time a
+step (a 20 ms 8B step at that batch: ~3%)."""
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
+
+import numpy as np
 
 GLOBAL_STEP_DECAY = 0.9  # the global counts remember at least ~10 steps, whatever the batch
+
+
+class _Table:
+    """One family's per-request counts: a row of hits and one of trials per depth a request,
+    rows reused after a request is forgotten."""
+
+    def __init__(self, depth: int) -> None:
+        self.index: dict[str, int] = {}
+        self.hits = np.zeros((16, depth))
+        self.trials = np.zeros((16, depth))
+        self.free: list[int] = []
+
+    def rows(self, ids: Sequence[str], new: list[str]) -> np.ndarray:
+        """The rows of `ids`, zero rows made for the ones not seen yet (appended to `new`)."""
+        index = self.index
+        out = np.empty(len(ids), dtype=np.int64)
+        for i, rid in enumerate(ids):
+            row = index.get(rid)
+            if row is None:
+                new.append(rid)
+                if not self.free:
+                    n = len(self.hits)
+                    self.hits = np.concatenate([self.hits, np.zeros_like(self.hits)])
+                    self.trials = np.concatenate([self.trials, np.zeros_like(self.trials)])
+                    self.free = list(range(2 * n - 1, n - 1, -1))
+                row = index[rid] = self.free.pop()
+                self.hits[row] = 0.0
+                self.trials[row] = 0.0
+            out[i] = row
+        return out
+
+    def pop(self, rid: str) -> tuple[np.ndarray, np.ndarray] | None:
+        row = self.index.pop(rid, None)
+        if row is None:
+            return None
+        self.free.append(row)
+        return self.hits[row].copy(), self.trials[row].copy()
 
 
 class AcceptanceEstimates:
@@ -18,20 +60,20 @@ class AcceptanceEstimates:
                  prior_weight: float = 4.0) -> None:
         self.max_depth = max_depth
         self.decay, self.prior, self.prior_weight = decay, prior, prior_weight
-        # (request id | None for global, topk | (method, topk)) -> ([hits per depth],
-        # [trials per depth]); the primary drafter's family is its bare topk
-        self._counts: dict[tuple[str | None, object], tuple[list[float], list[float]]] = {}
+        # family (topk | (method, topk); the primary drafter's is its bare topk) -> the
+        # requests' counts; and the global counts ([hits per depth], [trials per depth])
+        self._tables: dict[object, _Table] = {}
+        self._global_counts: dict[object, tuple[list[float], list[float]]] = {}
+        self._families_of: dict[str, set] = {}  # request id -> the families it has counts in
         # family -> ([sum of finished requests' own rates], [their weight]) per depth, each
         # request once (decayed per request): the prior of a new request. The cycle counts
         # weight requests by their cycles, so they lean toward the slow, low-acceptance
         # requests that a batch keeps longest (all of them, in a run's tail).
         self._finished: dict[object, tuple[list[float], list[float]]] = {}
 
-    def _row(self, key: tuple[str | None, object]) -> tuple[list[float], list[float]]:
-        row = self._counts.get(key)
-        if row is None:
-            row = self._counts[key] = ([0.0] * self.max_depth, [0.0] * self.max_depth)
-        return row
+    def tracks(self, request_id: str) -> bool:
+        """Whether the request has counts of its own (forget() drops them)."""
+        return request_id in self._families_of
 
     @staticmethod
     def family(topk: int, method: str = "") -> object:
@@ -59,28 +101,39 @@ class AcceptanceEstimates:
 
     def _observe(self, accepted: dict[str, int], fam: object, depth: int,
                  untested: Collection[str]) -> None:
-        """observe_step for one family; a request in `untested` had its next depth untried."""
-        tried, hit = [0.0] * depth, [0.0] * depth
-        for request_id, m in accepted.items():
-            hits, trials = self._row((request_id, fam))
-            for d in range(self.max_depth):  # depths this mode did not try fade too
-                hits[d] *= self.decay
-                trials[d] *= self.decay
-            for d in range(min(m + (request_id not in untested), depth)):  # d + 1 was tried
-                trials[d] += 1.0
-                tried[d] += 1.0
-                if d < m:
-                    hits[d] += 1.0
-                    hit[d] += 1.0
-        if accepted:
-            hits, trials = self._row((None, fam))
-            decay = max(0.99 ** len(accepted), GLOBAL_STEP_DECAY)
-            for d in range(self.max_depth):
-                hits[d] *= decay
-                trials[d] *= decay
-            for d in range(depth):
-                hits[d] += hit[d]
-                trials[d] += tried[d]
+        """observe_step for one family; a request in `untested` had its next depth untried:
+        each request's counts fade (every depth, tried or not) and gain a trial at each depth
+        tried (the first min(m + 1, depth) for m accepted, m without the next depth tried)
+        and a hit at each accepted one."""
+        if not accepted:
+            return
+        ids = list(accepted)
+        m = np.fromiter(accepted.values(), dtype=np.int64, count=len(ids))
+        if untested:
+            m_next = m + 1 - np.fromiter((rid in untested for rid in ids), dtype=np.int64,
+                                         count=len(ids))
+        else:
+            m_next = m + 1
+        n = np.minimum(m_next, depth)
+        at = np.arange(self.max_depth)
+        tried = at[None, :] < n[:, None]  # [rows, depth]
+        hit = at[None, :] < np.minimum(m, n)[:, None]
+        table = self._tables.get(fam)
+        if table is None:
+            table = self._tables[fam] = _Table(self.max_depth)
+        new: list[str] = []
+        rows = table.rows(ids, new)
+        table.hits[rows] = table.hits[rows] * self.decay + hit
+        table.trials[rows] = table.trials[rows] * self.decay + tried
+        for rid in new:
+            self._families_of.setdefault(rid, set()).add(fam)
+        hits, trials = self._global_counts.setdefault(
+            fam, ([0.0] * self.max_depth, [0.0] * self.max_depth))
+        decay = max(0.99 ** len(ids), GLOBAL_STEP_DECAY)
+        new_hits, new_trials = hit.sum(axis=0).tolist(), tried.sum(axis=0).tolist()
+        for d in range(self.max_depth):
+            hits[d] = hits[d] * decay + new_hits[d]
+            trials[d] = trials[d] * decay + new_trials[d]
 
     def rates(self, request_id: str, topk: int, method: str = "",
               base: list[float] | None = None) -> list[float]:
@@ -88,17 +141,37 @@ class AcceptanceEstimates:
         global rates, when the caller computed them already)."""
         if base is None:
             base = self._global(topk, method)
-        own = self._counts.get((request_id, self.family(topk, method)))
-        if own is None:
+        table = self._tables.get(self.family(topk, method))
+        row = None if table is None else table.index.get(request_id)
+        if row is None:
             return base
         w = self.prior_weight
-        return [(h + w * g) / (t + w) for h, t, g in zip(*own, base)]
+        return [(h + w * g) / (t + w)
+                for h, t, g in zip(table.hits[row].tolist(), table.trials[row].tolist(), base)]
+
+    def totals(self, request_ids: Sequence[str], topk: int, method: str = "") -> list[float]:
+        """Expected tokens of one cycle summed over the requests, at every depth 0 .. max
+        (depth i: 1 + sum over j <= i of prod_{l <= j} a_l, per request; rates())."""
+        base = np.asarray(self._global(topk, method))
+        rates = np.broadcast_to(base, (len(request_ids), self.max_depth)).copy()
+        table = self._tables.get(self.family(topk, method))
+        if table is not None and table.index:
+            index = table.index
+            rows = np.fromiter((index.get(rid, -1) for rid in request_ids), dtype=np.int64,
+                               count=len(request_ids))
+            known = rows >= 0
+            if known.any():
+                w, r = self.prior_weight, rows[known]
+                rates[known] = (table.hits[r] + w * base) / (table.trials[r] + w)
+        run = np.cumprod(rates, axis=1)
+        return [float(len(request_ids)), *(len(request_ids) + np.cumsum(run, axis=1).sum(axis=0))
+                .tolist()]
 
     def _global(self, topk: int, method: str = "") -> list[float]:
         """The family's global rates, shrunk toward the same drafter's chains (topk 1) while
         it has few counts of its own (a tree family probed once must not jump to the prior),
         and those toward `prior`."""
-        chain = self._counts.get((None, self.family(1, method)))
+        chain = self._global_counts.get(self.family(1, method))
         w = self.prior_weight
         base = [self.prior] * self.max_depth
         if chain is not None:  # each depth shrunk toward the one above it (the first: prior)
@@ -106,7 +179,7 @@ class AcceptanceEstimates:
             for d, (h, t) in enumerate(zip(*chain)):
                 base[d] = above = (h + w * above) / (t + w)
         base = self._per_request(self.family(1, method), base)
-        row = self._counts.get((None, self.family(topk, method)))
+        row = self._global_counts.get(self.family(topk, method))
         if topk == 1:
             return base
         # optimistic toward a tree: each of its topk candidates as likely as the chain's one
@@ -139,10 +212,13 @@ class AcceptanceEstimates:
     def forget(self, request_id: str) -> None:
         """A request finished (or was aborted): its own rates join the per-request means of
         their families (at the depths it tried at least once), its counts go."""
-        for key in [k for k in self._counts if k[0] == request_id]:
-            hits, trials = self._counts.pop(key)
+        for fam in self._families_of.pop(request_id, ()):
+            counts = self._tables[fam].pop(request_id)
+            if counts is None:
+                continue
+            hits, trials = counts[0].tolist(), counts[1].tolist()
             sums, weights = self._finished.setdefault(
-                key[1], ([0.0] * self.max_depth, [0.0] * self.max_depth))
+                fam, ([0.0] * self.max_depth, [0.0] * self.max_depth))
             for d in range(self.max_depth):  # every depth fades; the tried ones add
                 sums[d] *= 0.97
                 weights[d] *= 0.97

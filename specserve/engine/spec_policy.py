@@ -192,18 +192,8 @@ class AdaptivePolicy(GoodputModel):
 
     def _totals(self, decoding: list[str], family: tuple[str, int]) -> list[float]:
         """Expected tokens of one cycle summed over the rows, at every depth 0 .. max."""
-        est = self.acceptance
         method, topk = family
-        totals = [0.0] * (est.max_depth + 1)
-        base = est._global(topk, method)
-        for rid in decoding:
-            run = total = 1.0
-            totals[0] += 1.0
-            for d, a in enumerate(est.rates(rid, topk, method, base), 1):
-                run *= a
-                total += run
-                totals[d] += total
-        return totals
+        return self.acceptance.totals(decoding, topk, method)
 
     def fold(self, mode: str, decoding: list[str]) -> bool:
         tokens = self._totals(decoding, self._family(mode))[self.modes[mode][2]]
