@@ -458,7 +458,7 @@ if has policy; then
     timeout 300 python scripts/bench_spec_policy.py --model "$pair" --load-format auto \
       --draft-model "$head" --concurrency 1,16,64 --modes chain3,chain1,chain2,tree4x3x8 \
       --accept-rate 0 --prompts code --prompt-len 128 --output-len 96 --min-requests 8 \
-      --output-len-spread 0.5 --repeats 1 \
+      --output-len-spread 0.5 --repeats 1 --trace \
       --out "$out/policy-pair" --log --exp-dir experiments \
       --label "tiny-code eagle3 policy sweep (real acceptance)" > "$out/policy-pair.log" 2>&1
     echo "policy bundled pair rc=$?"; grep -v "^ " "$out/policy-pair.log" | grep -v INFO | tail -8
