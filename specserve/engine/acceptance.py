@@ -60,6 +60,7 @@ class AcceptanceEstimates:
                  prior_weight: float = 4.0) -> None:
         self.max_depth = max_depth
         self.decay, self.prior, self.prior_weight = decay, prior, prior_weight
+        self._depths = np.arange(max_depth)
         # family (topk | (method, topk); the primary drafter's is its bare topk) -> the
         # requests' counts; and the global counts ([hits per depth], [trials per depth])
         self._tables: dict[object, _Table] = {}
@@ -115,7 +116,7 @@ class AcceptanceEstimates:
         else:
             m_next = m + 1
         n = np.minimum(m_next, depth)
-        at = np.arange(self.max_depth)
+        at = self._depths
         tried = at[None, :] < n[:, None]  # [rows, depth]
         hit = at[None, :] < np.minimum(m, n)[:, None]
         table = self._tables.get(fam)
@@ -152,20 +153,27 @@ class AcceptanceEstimates:
     def totals(self, request_ids: Sequence[str], topk: int, method: str = "") -> list[float]:
         """Expected tokens of one cycle summed over the requests, at every depth 0 .. max
         (depth i: 1 + sum over j <= i of prod_{l <= j} a_l, per request; rates())."""
-        base = np.asarray(self._global(topk, method))
-        rates = np.broadcast_to(base, (len(request_ids), self.max_depth)).copy()
+        n = len(request_ids)
+        base = self._global(topk, method)
+        run = 1.0
+        at_base = [1.0]  # a request at the global rates: its expected tokens at each depth
+        for a in base:
+            run *= a
+            at_base.append(at_base[-1] + run)
         table = self._tables.get(self.family(topk, method))
-        if table is not None and table.index:
-            index = table.index
-            rows = np.fromiter((index.get(rid, -1) for rid in request_ids), dtype=np.int64,
-                               count=len(request_ids))
-            known = rows >= 0
-            if known.any():
-                w, r = self.prior_weight, rows[known]
-                rates[known] = (table.hits[r] + w * base) / (table.trials[r] + w)
-        run = np.cumprod(rates, axis=1)
-        return [float(len(request_ids)), *(len(request_ids) + np.cumsum(run, axis=1).sum(axis=0))
-                .tolist()]
+        if table is None or not table.index or not n:
+            return [n * t for t in at_base]
+        index = table.index
+        rows = np.fromiter((index.get(rid, -1) for rid in request_ids), dtype=np.int64, count=n)
+        rows = rows[rows >= 0]
+        if not len(rows):
+            return [n * t for t in at_base]
+        w = self.prior_weight
+        g = np.asarray(base)
+        own = np.cumprod((table.hits[rows] + w * g) / (table.trials[rows] + w), axis=1)
+        others = n - len(rows)
+        return [n, *(others * np.asarray(at_base[1:]) + len(rows)
+                     + np.cumsum(own, axis=1).sum(axis=0)).tolist()]
 
     def _global(self, topk: int, method: str = "") -> list[float]:
         """The family's global rates, shrunk toward the same drafter's chains (topk 1) while
