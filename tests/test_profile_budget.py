@@ -220,3 +220,32 @@ def test_tp2_ranks_follow_rank0s_budgeted_profile(tmp_path) -> None:
         assert digests and all(d == llm.engine.executor.digest for d in digests.values())
     finally:
         llm.close()
+
+
+def test_mixed_steps_are_timed_within_the_engines_row_limit(pair, monkeypatch) -> None:
+    """A mixed step holds its decode rows and its chunk's row; the scheduler never runs more
+    than max_num_seqs rows, and no token graph holds more. The profile times mixed steps at
+    the largest measured batch that leaves the chunk its row (max_num_seqs 4: 2 rows, not
+    4, whose 5-row step ran an eager forward on an H100 and priced plain steps out), and
+    none at max_num_seqs 1 (a step of one request has no room for both); at max_num_seqs 8
+    with no budget limit, 4 rows."""
+    from specserve.speculative import profile
+
+    seen: list[int] = []
+    real = profile.profile_mixed
+
+    def spy(worker, bs, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        seen.append(bs)
+        return real(worker, bs, *a, **kw)
+
+    monkeypatch.setattr(profile, "profile_mixed", spy)
+    spec = dict(algorithm="eagle3", draft_model=pair[1], num_steps=3, policy="adaptive",
+                profile_budget=0.0)
+    for top, rows in ((4, [2]), (1, []), (8, [4])):
+        seen.clear()
+        llm = LLM(pair[0], speculative_config=spec, device="cpu", dtype="float32",
+                  cache=CacheConfig(page_size=4, num_pages=128),
+                  scheduler=SchedulerConfig(max_num_seqs=top))
+        assert sorted(set(seen)) == rows, (top, seen)
+        assert bool(llm.engine.spec_mixed_table) == bool(rows)
+        llm.close()

@@ -135,8 +135,8 @@ class Engine:
 
         top, control = self.config.scheduler.max_num_seqs, self.executor.control
         sizes = sorted({min(1 << i, top) for i in range(top.bit_length() + 1)})
-        prof = profile_within(  # each call on every rank; what to time decided here (rank 0)
-            self.config.spec.profile_budget, sizes, min(64, top),
+        prof = profile_within(  # each call on every rank, decided here; rows: profile_within
+            self.config.spec.profile_budget, sizes, min(64, top - 1),
             lambda b: control("profile_costs", batch_sizes=b),
             lambda b, c: control("profile_mixed", batch_size=b, chunks=c))
         table = self.spec_cost_table = prof.table
