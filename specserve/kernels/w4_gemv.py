@@ -118,9 +118,8 @@ def w4_gemv_words(packed, xs, sc, nibble, FP4: tl.constexpr, BLOCK_M: tl.constex
 
 @jit
 def w4_gemv_step(w_rows, s_rows, n_ok, k0, K, xs, nibble, GROUP: tl.constexpr,
-                 PER_ROW_SCALE: tl.constexpr,
-                 FP4: tl.constexpr, SOFT_E4M3: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+                 PER_ROW_SCALE: tl.constexpr, FP4: tl.constexpr, SOFT_E4M3: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
     """One K step of the GEMV over the packed words of columns k0 .. k0 + BLOCK_K - 1 of the
     rows w_rows / s_rows ([BN, 1] pointers; rows past n_ok and columns past K read as zero
     codes and scales): w4_gemv_words of them with the activations' columns xs."""
@@ -152,11 +151,11 @@ def _w4_gemv_kernel(
     # (w4_gemv_words; GROUP a multiple of 8: a word lies in one group; PER_ROW_SCALE: the step
     # lies in one group); the words are summed once after the loop. No tensor cores and no
     # reshape of the weights: a few registers a thread, many loads in flight. One row keeps
-    # 2-D tiles (sm_90: 261 instructions a 64x128 step; the 3-D form with a unit row axis
+    # 2-D tiles (sm_90: 260 instructions a 64x128 step; the 3-D form with a unit row axis
     # needs more). EVEN: N, K and the split's K range are multiples of the tiles: the weights
     # load without masks. nibble: 15, passed at run time: as a constant, ptxas rematerializes
     # the INT4 decode's masks (int4_code) before every use (sm_90: 320 instructions a 1x64x128
-    # step; held in registers: 261).
+    # step; held in a register: 260).
     pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
