@@ -14,13 +14,12 @@ GLOBAL_STEP_DECAY = 0.9  # the global counts remember at least ~10 steps, whatev
 
 
 class _Table:
-    """One family's per-request counts: a row of hits and one of trials per depth a request,
-    rows reused after a request is forgotten."""
+    """One family's per-request counts: [hits per depth, trials per depth] a request (counts
+    [rows, 2, depth]), rows reused after a request is forgotten."""
 
     def __init__(self, depth: int) -> None:
         self.index: dict[str, int] = {}
-        self.hits = np.zeros((16, depth))
-        self.trials = np.zeros((16, depth))
+        self.counts = np.zeros((16, 2, depth))
         self.free: list[int] = []
 
     def rows(self, ids: Sequence[str], new: list[str]) -> np.ndarray:
@@ -32,13 +31,11 @@ class _Table:
             if row is None:
                 new.append(rid)
                 if not self.free:
-                    n = len(self.hits)
-                    self.hits = np.concatenate([self.hits, np.zeros_like(self.hits)])
-                    self.trials = np.concatenate([self.trials, np.zeros_like(self.trials)])
+                    n = len(self.counts)
+                    self.counts = np.concatenate([self.counts, np.zeros_like(self.counts)])
                     self.free = list(range(2 * n - 1, n - 1, -1))
                 row = index[rid] = self.free.pop()
-                self.hits[row] = 0.0
-                self.trials[row] = 0.0
+                self.counts[row] = 0.0
             out[i] = row
         return out
 
@@ -47,7 +44,7 @@ class _Table:
         if row is None:
             return None
         self.free.append(row)
-        return self.hits[row].copy(), self.trials[row].copy()
+        return self.counts[row, 0].copy(), self.counts[row, 1].copy()
 
 
 class AcceptanceEstimates:
@@ -60,7 +57,10 @@ class AcceptanceEstimates:
                  prior_weight: float = 4.0) -> None:
         self.max_depth = max_depth
         self.decay, self.prior, self.prior_weight = decay, prior, prior_weight
-        self._depths = np.arange(max_depth)
+        # a cycle's counts by (depths hit, depths tried): 1 at each depth below each
+        at = np.arange(max_depth)
+        below = (at[None, :] < np.arange(max_depth + 1)[:, None]).astype(np.float64)
+        self._step_counts = np.stack(np.broadcast_arrays(below[:, None], below[None, :]), 2)
         # family (topk | (method, topk); the primary drafter's is its bare topk) -> the
         # requests' counts; and the global counts ([hits per depth], [trials per depth])
         self._tables: dict[object, _Table] = {}
@@ -116,22 +116,19 @@ class AcceptanceEstimates:
         else:
             m_next = m + 1
         n = np.minimum(m_next, depth)
-        at = self._depths
-        tried = at[None, :] < n[:, None]  # [rows, depth]
-        hit = at[None, :] < np.minimum(m, n)[:, None]
+        step = self._step_counts[np.minimum(m, n), n]  # [rows, 2, depth]: hits, trials
         table = self._tables.get(fam)
         if table is None:
             table = self._tables[fam] = _Table(self.max_depth)
         new: list[str] = []
         rows = table.rows(ids, new)
-        table.hits[rows] = table.hits[rows] * self.decay + hit
-        table.trials[rows] = table.trials[rows] * self.decay + tried
+        table.counts[rows] = table.counts[rows] * self.decay + step
         for rid in new:
             self._families_of.setdefault(rid, set()).add(fam)
         hits, trials = self._global_counts.setdefault(
             fam, ([0.0] * self.max_depth, [0.0] * self.max_depth))
         decay = max(0.99 ** len(ids), GLOBAL_STEP_DECAY)
-        new_hits, new_trials = hit.sum(axis=0).tolist(), tried.sum(axis=0).tolist()
+        new_hits, new_trials = step.sum(axis=0).tolist()
         for d in range(self.max_depth):
             hits[d] = hits[d] * decay + new_hits[d]
             trials[d] = trials[d] * decay + new_trials[d]
@@ -148,7 +145,7 @@ class AcceptanceEstimates:
             return base
         w = self.prior_weight
         return [(h + w * g) / (t + w)
-                for h, t, g in zip(table.hits[row].tolist(), table.trials[row].tolist(), base)]
+                for h, t, g in zip(*table.counts[row].tolist(), base)]
 
     def totals(self, request_ids: Sequence[str], topk: int, method: str = "") -> list[float]:
         """Expected tokens of one cycle summed over the requests, at every depth 0 .. max
@@ -170,7 +167,7 @@ class AcceptanceEstimates:
             return [n * t for t in at_base]
         w = self.prior_weight
         g = np.asarray(base)
-        own = np.cumprod((table.hits[rows] + w * g) / (table.trials[rows] + w), axis=1)
+        own = np.cumprod((table.counts[rows, 0] + w * g) / (table.counts[rows, 1] + w), axis=1)
         others = n - len(rows)
         return [n, *(others * np.asarray(at_base[1:]) + len(rows)
                      + np.cumsum(own, axis=1).sum(axis=0)).tolist()]
