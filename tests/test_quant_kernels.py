@@ -210,8 +210,9 @@ def check_e2m1_decode() -> None:
 
 def check_codes16_decode() -> None:
     """w4_codes16 over words holding every nibble at every position, in bf16 and fp16: INT4
-    magic + nibble, NVFP4 the e2m1 value (signs and -0 included), in word order (the GEMMs are
-    checked in fp16 above: the interpreter's bf16 tl.dot is unusable)."""
+    magic + nibble, NVFP4 the e2m1 value / FP4_UNBIAS_* (signs and -0 included, 0.5 a
+    subnormal), in word order (the GEMMs are checked in fp16 above: the interpreter's bf16
+    tl.dot is unusable)."""
     import triton
     import triton.language as tl
 
@@ -220,19 +221,19 @@ def check_codes16_decode() -> None:
         rows = tl.arange(0, 16)
         codes = w4_decode.w4_codes16(src + rows[:, None] * 2, rows < 16, 0, 16, FP4, BF16, 16,
                                       16)  # fmt: skip
-        val = codes.to(tl.bfloat16 if BF16 else tl.float16, bitcast=True).to(tl.float32)
-        tl.store(dst + rows[:, None] * 16 + tl.arange(0, 16)[None, :], val)
+        tl.store(dst + rows[:, None] * 16 + tl.arange(0, 16)[None, :], codes)
 
+    # the bits are compared: the interpreter's bf16 -> fp32 conversion loses subnormals
     nib = (torch.arange(16)[:, None] + torch.arange(16)[None, :] * 7) % 16  # [16 rows, 16]
     words = (nib.view(16, 2, 8) << (torch.arange(8) * 4)).sum(-1)  # [16, 2] (int64)
     words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
     for fp4 in (False, True):
-        for bf16, base in ((True, 128), (False, 1024)):
-            out = torch.empty(16, 16)
-            decode[(1,)](words, out, fp4, bf16)
-            want = w4a16_gemm.decode_nibbles(nib, fp4=True) if fp4 else (nib + base).float()
-            assert torch.equal(out, want) and torch.equal(out.signbit(), want.signbit()), (
-                fp4, bf16, out, want)
+        for dtype, base, unbias in ((torch.bfloat16, 128, 2.0**126), (torch.float16, 1024, 2.0**14)):
+            out = torch.empty(16, 16, dtype=torch.int16)
+            decode[(1,)](words, out, fp4, dtype == torch.bfloat16)
+            want = (w4a16_gemm.decode_nibbles(nib, fp4=True) / unbias if fp4
+                    else (nib + base).float())  # fmt: skip
+            assert torch.equal(out, want.to(dtype).view(torch.int16)), (fp4, dtype, out, want)
 
 
 CPU, F32, TOL32 = "cpu", torch.float32, 1e-5

@@ -14,12 +14,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from test_quant_kernels import (  # noqa: E402
     BF16,
+    FP8,
     HAS_CUDA,
     TOL16,
     check_fp8_linear,
     check_fp8_mm,
     check_quant,
     check_w4,
+    ref_w4,
 )
 
 # -- CUDA: bf16 at Llama-3.1-8B shapes (hidden 4096, qkv 6144, gate_up 28672, inter 14336) --------
@@ -71,6 +73,32 @@ def test_cuda_w4_gemv_plans(m: int, plan: tuple, n: int, k: int, group: int,
     """The GEMV kernel at one and a few rows (the plans bench_quant_gemm's sweep may
     store), masked and unmasked (EVEN) tiles."""
     check_w4(m, n, k, group, fp4, plan, BF16, "cuda", TOL16)
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 16, 64])
+@pytest.mark.parametrize("group, fp4", [(32, False), (128, False), (16, True)])
+def test_cuda_w4_decodes_every_code_exactly(m: int, group: int, fp4: bool) -> None:
+    """One-hot activation rows read single weights, so each output is one decoded code times
+    its scale: bitwise the reference weight rounded to bf16 once, for every code of 512 rows at
+    m column positions (GEMV at one row, tensor-core tiles at 16 and 64; NVFP4's 0.5 is a bf16
+    subnormal until the kernel unbiases it, a flush would zero it)."""
+    from specserve.kernels import w4a16_gemm
+
+    n, k = 512, 1024
+    gen = torch.Generator().manual_seed(m + group)
+    packed = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), generator=gen, dtype=torch.int32)
+    scales = torch.rand(n, k // group, generator=gen) * 0.1 + 0.01
+    scales = (scales * torch.logspace(-9, 8, k // group, base=2.0)).to(FP8) if fp4 else scales.to(BF16)
+    row = torch.ones(n) if fp4 else None
+    cols = torch.randperm(k, generator=gen)[:m]
+    x = torch.zeros(m, k, dtype=BF16)
+    x[torch.arange(m), cols] = 1.0
+    got = w4a16_gemm.w4a16_mm(x.cuda(), packed.cuda(), scales.cuda(), group, fp4,
+                              row.cuda() if fp4 else None)  # fmt: skip
+    want = ref_w4(packed, scales, group, k, fp4, row)[:, cols].t().to(BF16)
+    assert (want == 0).float().mean() < 0.2 and torch.equal(got.cpu(), want), (
+        (got.cpu() != want).sum().item())
 
 
 @gpu

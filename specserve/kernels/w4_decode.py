@@ -37,6 +37,9 @@ def _decode_e4m3(bits):
 # (@jit code reads only those)
 MAGIC_BF16, MAGIC_FP16, OFFSET_BF16, OFFSET_FP16 = (
     (tl.constexpr(v) if tl is not None else v) for v in (0x4300, 0x6400, 136.0, 1032.0))
+# NVFP4 codes set at the 16-bit exponent's foot are e2m1 * 2^-126 (bf16) / 2^-14 (fp16)
+FP4_UNBIAS_BF16, FP4_UNBIAS_FP16 = (
+    (tl.constexpr(v) if tl is not None else v) for v in (2.0**126, 2.0**14))
 
 
 @jit
@@ -53,20 +56,32 @@ def _packed_words(w_rows, n_ok, k0, K, BLOCK_K: tl.constexpr, EVEN: tl.constexpr
 
 
 @jit
-def _code_bits16(packed, SHIFT: tl.constexpr, FP4: tl.constexpr, BF16: tl.constexpr):
-    """The nibbles at SHIFT of packed words as 16-bit float bits (int16): INT4 magic + nibble;
-    NVFP4 the e2m1 value itself: magnitude c = e1e0m, c >= 2 is 2^(e - 1) (1 + m / 2), i.e.
-    the bits (c << mantissa bits - 1) + those of 0.5 (the exponent's bias moved by 126 (bf16) /
-    14 (fp16)); c = 1 is 0.5 and c = 0 is 0: c times 0.5's bits; the sign to bit 15."""
-    nib = (packed >> SHIFT) & 0xF
-    if FP4:
-        c = nib & 7
-        half: tl.constexpr = 0x3F00 if BF16 else 0x3800  # 0.5
-        step: tl.constexpr = 64 if BF16 else 512  # c's position: e1e0 at the exponent's foot
-        bits = tl.where(c >= 2, c * step + half, c * half) | ((nib & 8) << 12)
+def _shift(x, s: tl.constexpr):
+    # x << s for s >= 0, x >> -s otherwise (bits the callers mask away may be sign copies)
+    if s >= 0:
+        return x << s
     else:
-        bits = nib | (MAGIC_BF16 if BF16 else MAGIC_FP16)
-    return bits.to(tl.int16)
+        return x >> (-s)
+
+
+@jit
+def _code_pair_bits(packed, SHIFT: tl.constexpr, FP4: tl.constexpr, BF16: tl.constexpr):
+    """The nibbles at SHIFT and SHIFT + 16 of packed words as two 16-bit float bit patterns in
+    one int32 (low half, high half): two codes a shift and a mask or two. INT4: magic + nibble
+    (MAGIC_*). NVFP4: the code's bits e1e0m set at the exponent's foot (its mantissa's top bit
+    at m), the sign at bit 15: the 16-bit float e2m1 * 2^-126 (bf16) or * 2^-14 (fp16) for
+    every code, 0.5 (e = 0) a subnormal, so FP4_UNBIAS_* times it is the value, exactly."""
+    if FP4:
+        foot: tl.constexpr = 6 if BF16 else 9  # the mantissa's top bit
+        mag = _shift(packed, foot - SHIFT) & (0x01C001C0 if BF16 else 0x0E000E00)
+        return mag | (_shift(packed, 12 - SHIFT) & -0x7FFF8000)  # & 0x80008000: the signs
+    else:
+        return ((packed >> SHIFT) & 0x000F000F) | (0x43004300 if BF16 else 0x64006400)
+
+
+@jit
+def _pair_halves(pair):
+    return tl.join(pair.to(tl.int16), (pair >> 16).to(tl.int16))
 
 
 @jit
@@ -75,18 +90,19 @@ def w4_codes16(
     BLOCK_K: tl.constexpr, EVEN: tl.constexpr = False,
 ):  # fmt: skip
     """The codes of columns k0 .. k0 + BLOCK_K - 1 as the bits [BLOCK_N, BLOCK_K] int16 of 16-bit
-    floats (bf16 or fp16; _code_bits16): NVFP4 their values, INT4 code + offset (MAGIC_* /
-    OFFSET_*: bitcast and subtract the offset in that type, one packed HADD2 per two values on
-    sm_90, exactly). No int-to-float conversion, and each word's eight values stay in one
-    thread (joined, not broadcast and reshaped through shared memory). Rows past n_ok and
+    floats (bf16 or fp16; _code_pair_bits): INT4 code + offset (MAGIC_* / OFFSET_*: bitcast and
+    subtract the offset in that type), NVFP4 the value / FP4_UNBIAS_* (bitcast and multiply):
+    one packed HADD2 / HMUL2 per two values on sm_90, exactly. No int-to-float conversion;
+    word-wide bit operations decode two codes at once, and each word's eight values stay in
+    one thread (joined, not broadcast and reshaped through shared memory). Rows past n_ok and
     columns past K decode as nibble 0 (zero scales or activations meet them)."""
     packed = _packed_words(w_rows, n_ok, k0, K, BLOCK_K, EVEN)  # [BN, BK/8]
     # join adds its axis last, so three joins index nibble 4i + 2j + k at [.., i, j, k]: the
-    # innermost pairs are nibbles (0, 4), (2, 6), (1, 5), (3, 7)
-    a = tl.join(tl.join(_code_bits16(packed, 0, FP4, BF16), _code_bits16(packed, 16, FP4, BF16)),
-                tl.join(_code_bits16(packed, 8, FP4, BF16), _code_bits16(packed, 24, FP4, BF16)))
-    b = tl.join(tl.join(_code_bits16(packed, 4, FP4, BF16), _code_bits16(packed, 20, FP4, BF16)),
-                tl.join(_code_bits16(packed, 12, FP4, BF16), _code_bits16(packed, 28, FP4, BF16)))
+    # innermost pairs are nibbles (0, 4), (2, 6), (1, 5), (3, 7), each one word's halves
+    a = tl.join(_pair_halves(_code_pair_bits(packed, 0, FP4, BF16)),
+                _pair_halves(_code_pair_bits(packed, 8, FP4, BF16)))
+    b = tl.join(_pair_halves(_code_pair_bits(packed, 4, FP4, BF16)),
+                _pair_halves(_code_pair_bits(packed, 12, FP4, BF16)))
     return tl.reshape(tl.join(a, b), (BLOCK_N, BLOCK_K))  # word-major, nibble 0 first
 
 

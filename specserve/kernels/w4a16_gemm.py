@@ -35,6 +35,8 @@ from specserve.kernels.gemm_split import (
     store_tile,
 )
 from specserve.kernels.w4_decode import (
+    FP4_UNBIAS_BF16,
+    FP4_UNBIAS_FP16,
     OFFSET_BF16,
     OFFSET_FP16,
     _decode_e2m1,
@@ -134,7 +136,10 @@ def w4_tile(
         bf16: tl.constexpr = DTYPE == tl.bfloat16
         val = w4_codes16(w_rows, n_ok, k0, K, FP4, bf16, BLOCK_N, BLOCK_K, EVEN)
         val = val.to(DTYPE, bitcast=True)
-        if not FP4:
+        if FP4:
+            unbias: tl.constexpr = FP4_UNBIAS_BF16 if bf16 else FP4_UNBIAS_FP16
+            val = val * tl.full((1, 1), unbias, DTYPE)  # exact (0.5 from a subnormal)
+        else:
             offset: tl.constexpr = OFFSET_BF16 if bf16 else OFFSET_FP16
             val = val - tl.full((1, 1), offset, DTYPE)  # exact
     else:
