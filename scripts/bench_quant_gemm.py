@@ -151,15 +151,18 @@ def plans(fmt: str, m: int, quick: bool) -> list[GemmPlan]:
         # the 4-bit GEMV holds 72 registers a thread (sm_90): wider row tiles fit too
         gemv_bns = ((32, 64) if quick else (16, 32, 64)) + (() if fmt == "fp8" else (128,))
         gemv_splits = (2, 4, 8) if quick else (1, 2, 4, 8, 16)
-        grid += [GemmPlan(1, bn, bk, s, w, 3) for bn, bk, s, w in
-                 itertools.product(gemv_bns, gemv_bks, gemv_splits, (2, 4))]  # fmt: skip
+        # the 4-bit GEMV's weight tiles pipelined (3 stages: two steps' tiles in flight through
+        # cp.async) or loaded and waited for at each step (1)
+        gemv_stages = (3,) if fmt == "fp8" else (1, 3)
+        grid += [GemmPlan(1, bn, bk, s, w, st) for bn, bk, s, w, st in
+                 itertools.product(gemv_bns, gemv_bks, gemv_splits, (2, 4), gemv_stages)]  # fmt: skip
     elif m <= 8 and fmt != "fp8":  # the 4-bit GEMV over a few rows (a verify's, small batches):
         # each weight decoded once for all of them (sm_90, 4 rows: 667 instructions a 64x128
         # step against the tensor-core tile's 329, at 168 registers)
         bm = 1 << (m - 1).bit_length()
-        grid += [GemmPlan(bm, bn, bk, s, 4, 3) for bn, bk, s in
+        grid += [GemmPlan(bm, bn, bk, s, 4, st) for bn, bk, s, st in
                  itertools.product((32, 64), (128,) if quick else (64, 128, 256),
-                                   (2, 4, 8))]  # fmt: skip
+                                   (2, 4, 8), (1, 3))]  # fmt: skip
     return grid
 
 

@@ -65,13 +65,14 @@ def test_cuda_w4(m: int, n: int, k: int, group: int, fp4: bool) -> None:
 
 @gpu
 @pytest.mark.parametrize("m, plan", [(1, (1, 32, 128, 4, 2, 3)), (1, (1, 64, 256, 8, 4, 3)),
-                                     (3, (4, 64, 128, 4, 4, 3)), (8, (8, 32, 128, 2, 4, 3))])
+                                     (1, (1, 64, 128, 4, 4, 1)), (3, (4, 64, 128, 4, 4, 3)),
+                                     (8, (8, 32, 128, 2, 4, 1))])
 @pytest.mark.parametrize("n, k", [(1000, 1008), (6144, 4096)])
 @pytest.mark.parametrize("group, fp4", [(32, False), (128, False), (16, True)])
 def test_cuda_w4_gemv_plans(m: int, plan: tuple, n: int, k: int, group: int,
                             fp4: bool) -> None:
     """The GEMV kernel at one and a few rows (the plans bench_quant_gemm's sweep may
-    store), masked and unmasked (EVEN) tiles."""
+    store), masked and unmasked (EVEN) tiles, weight tiles pipelined (3 stages) or not (1)."""
     check_w4(m, n, k, group, fp4, plan, BF16, "cuda", TOL16)
 
 

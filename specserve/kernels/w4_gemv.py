@@ -144,6 +144,7 @@ def _w4_gemv_kernel(
     GROUP: tl.constexpr, PER_ROW_SCALE: tl.constexpr, FP4: tl.constexpr,
     HAS_ROW_SCALE: tl.constexpr, SPLIT: tl.constexpr, SOFT_E4M3: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+    STAGES: tl.constexpr = 3,
 ):  # fmt: skip
     # a few activation rows (decode at small batch, a verify's rows), program (m tile, n tile,
     # K split). The weight tile stays [BN, BK / 8] packed words as memory holds them (K
@@ -155,7 +156,9 @@ def _w4_gemv_kernel(
     # needs more). EVEN: N, K and the split's K range are multiples of the tiles: the weights
     # load without masks. nibble: 15, passed at run time: as a constant, ptxas rematerializes
     # the INT4 decode's masks (int4_code) before every use (sm_90: 320 instructions a 1x64x128
-    # step; held in a register: 260).
+    # step; held in a register: 260). STAGES: the weight tiles feed no dot, so the compiler
+    # pipelines them only when asked: 3 keeps two steps' tiles in flight through cp.async
+    # (sm_90: 287 instructions a step), 1 loads one and waits for it at each step.
     pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -171,7 +174,7 @@ def _w4_gemv_kernel(
     words = tl.arange(0, BLOCK_K // 8)
     k_start = pid_s * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    for k0 in range(k_start, k_end, BLOCK_K):
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
         xs = w4_columns(x_rows, k0 // 8 + words, k_end, m_ok, BLOCK_M, BLOCK_K)
         acc += w4_gemv_step(w_rows, s_rows, n_ok, k0, K, xs, nibble, GROUP, PER_ROW_SCALE, FP4,
                             SOFT_E4M3, BLOCK_M, BLOCK_K, EVEN)

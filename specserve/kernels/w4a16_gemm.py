@@ -279,7 +279,7 @@ def w4a16_mm(
             FP4=fp4, HAS_ROW_SCALE=row_scale is not None, SPLIT=splits > 1, SOFT_E4M3=soft,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
             EVEN=n % bn == 0 and k_per_split % bk == 0 and k % k_per_split == 0,
-            num_warps=plan.num_warps, num_stages=plan.num_stages,
+            STAGES=plan.num_stages, num_warps=plan.num_warps, num_stages=plan.num_stages,
         )  # fmt: skip
     elif m:
         _w4a16_kernel[grid](
