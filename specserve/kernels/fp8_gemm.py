@@ -307,6 +307,7 @@ def fp8_linear(
     act_group: int,
     static_scale: torch.Tensor | None = None,
     plan: GemmPlan | tuple | None = None,
+    rows: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """y = x W^T in x's dtype with x quantized as quant_fp8(x, act_group, static_scale): inside
     the GEMM's K loop for a GEMV plan (one row; 128-groups or a static scale), else by quant_fp8
@@ -315,7 +316,8 @@ def fp8_linear(
     on pre-quantized rows (2171 and 265 at 64 rows, where the dot also runs on FP8 wgmma), while
     the one-row GEMV step differs little (473 and 417). The same numerics either way. Without
     a plan, 128x128-block weights take this GPU's measured plan (kernels/plan_table.py) if
-    there is one."""
+    there is one. rows: quant_fp8(x, act_group) already made (by the kernel that wrote x:
+    kernels/fused_ops.py), read instead of the quantization launch."""
     m, k = x.shape
     plan = as_plan(plan)
     if plan is None and static_scale is None and act_group == block_n == block_k == 128:
@@ -327,6 +329,9 @@ def fp8_linear(
         return _launch(x, scale, STATIC, k, w, ws, block_n, block_k, x.dtype, plan)
     if gemv and act_group <= 128:
         return _launch(x, x, DYNAMIC, act_group, w, ws, block_n, block_k, x.dtype, plan)
-    xq, xs = quant_fp8(x, act_group, static_scale)
+    if rows is not None and static_scale is None:
+        xq, xs = rows
+    else:
+        xq, xs = quant_fp8(x, act_group, static_scale)
     group = k if static_scale is not None else act_group
     return _launch(xq, xs, GIVEN, group, w, ws, block_n, block_k, x.dtype, plan)

@@ -23,6 +23,7 @@ from torch import nn
 from specserve.distributed.comm import all_reduce
 from specserve.distributed.parallel_state import get_tp_rank, get_tp_size
 from specserve.layers.quantization.base import (
+    FusedInput,
     ParamSpec,
     QuantConfig,
     add_param,
@@ -125,6 +126,7 @@ class LinearBase(nn.Module):
         self.prefix = prefix
         method = UNQUANTIZED if quant_config is None else quant_config.linear_method(prefix)
         self.quant_method = method
+        self.fused_input = FusedInput()  # rows a producer kernel quantized for it (FP8)
         method.create_weights(self, torch.get_default_dtype())
         if bias:
             add_param(self, "bias", torch.empty(self.output_size), ParamSpec(in_dim=None))

@@ -32,6 +32,12 @@ class GatedMLP(nn.Module):
             reduce_output=reduce_output,
         )  # fmt: skip
         self.act_fn = SiluAndMul()
+        self.act_fn.feeds(self.down_proj)
+
+    @property
+    def input_proj(self) -> MergedColumnParallelLinear:
+        """The linear that reads the MLP's whole input (DecoderLayer.feeds)."""
+        return self.gate_up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # [T, H] -> [T, 2 * I / tp] -> [T, I / tp] -> [T, H]

@@ -65,6 +65,11 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary  # shared by all layers
         self.attn = Attention(self.num_heads, self.num_kv_heads, hd, hd**-0.5, layer_idx)
 
+    @property
+    def input_proj(self) -> QKVParallelLinear:
+        """The linear that reads the attention's whole input (DecoderLayer.feeds)."""
+        return self.qkv_proj
+
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         # hidden [T, H] -> qkv [T, (heads + 2 * kv_heads) * head_dim] (local heads)
         # -> o_proj's partial sum [T, H] (the decoder layer reduces it)

@@ -206,6 +206,12 @@ class LinearMethod:
         """The [out, in] fp32 weight this layer computes with (after post-processing)."""
         raise NotImplementedError
 
+    def fused_input_group(self, layer: LinearBase) -> int | None:
+        """The group of columns a producer kernel (RMSNorm, SiLU-and-mul: InputFeeder) may
+        quantize this layer's input rows in, to FP8 with one scale a row and group, for apply to
+        take (FusedInput); None: the layer reads its input as is."""
+        return None
+
     def stream_tensors(self, layer: LinearBase) -> list[torch.Tensor]:
         """The weight tensors one forward reads (packed codes first, then scales; no bias)."""
         return [p for name, p in layer.named_parameters(recurse=False) if name != "bias"]
@@ -264,3 +270,43 @@ def all_or_none(prefix: str, excluded: list[bool]) -> bool:
             "engine fuses into one matrix: such a checkpoint is not supported"
         )
     return bool(excluded) and all(excluded)
+
+
+class FusedInput:
+    """A linear layer's input rows as a producer kernel already quantized them: offered with
+    the very tensor they quantize and taken by the layer's apply for that same tensor only (any
+    other input, or none offered: None), so a consumer never reads rows of another tensor."""
+
+    __slots__ = ("x", "rows")
+
+    def __init__(self) -> None:
+        self.x = self.rows = None
+
+    def offer(self, x: torch.Tensor, rows: tuple | None) -> None:
+        self.x, self.rows = (x, rows) if rows is not None else (None, None)
+
+    def take(self, x: torch.Tensor) -> tuple | None:
+        rows = self.rows if self.x is x else None
+        self.x = self.rows = None
+        return rows
+
+
+class InputFeeder:
+    """For a module whose output is one linear layer's whole input (the RMSNorm before qkv or
+    gate_up, the SiLU-and-mul before down): `feeds(linear)`, then `fp8_group()` says whether
+    its kernel should also write that output's FP8 rows and `offer(out, rows)` hands them over.
+    The linear is held outside the module tree (no second registration of its parameters)."""
+
+    _consumer: tuple = ()
+
+    def feeds(self, linear) -> None:  # noqa: ANN001  (a LinearBase or None)
+        object.__setattr__(self, "_consumer", (linear,) if linear is not None else ())
+
+    def fp8_group(self) -> int | None:
+        if not self._consumer:
+            return None
+        linear = self._consumer[0]
+        return linear.quant_method.fused_input_group(linear)
+
+    def offer(self, out: torch.Tensor, rows: tuple | None) -> None:
+        self._consumer[0].fused_input.offer(out, rows)

@@ -100,13 +100,19 @@ class Fp8LinearMethod(LinearMethod):
             return self.block[1], self.block[0], self.block[1]
         return k, 1, k
 
+    def fused_input_group(self, layer) -> int | None:
+        # dynamic activation scales (per 128-group or per row) can come from the producer
+        return None if self.activation == "static" else self._geometry(layer)[0]
+
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         group, bn, bk = self._geometry(layer)
         static = layer.input_scale if self.activation == "static" else None
+        rows = layer.fused_input.take(x)  # x's FP8 rows, if its producer wrote them
         if use_triton(x2):
-            y = fp8_linear(x2.contiguous(), layer.weight, layer.weight_scale, bn, bk, group, static)
+            y = fp8_linear(x2.contiguous(), layer.weight, layer.weight_scale, bn, bk, group, static,
+                           rows=rows)  # fmt: skip
         else:
             xq, xs = quant_fp8_torch(x2, group, static)
             y = fp8_mm_torch(xq, xs, group, layer.weight, layer.weight_scale, bn, bk, x.dtype)
