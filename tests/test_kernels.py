@@ -272,7 +272,7 @@ def check_fused_ops(dtype: torch.dtype, device: str, tol: float, hidden: int) ->
 
 
 def check_fused_fp8_rows(dtype: torch.dtype, device: str, hidden: int, inter: int,
-                         group: int) -> None:
+                         group: int, norm_fits: bool = True, silu_fits: bool = True) -> None:
     """RMSNorm (with and without the residual) and SiLU-and-mul writing their outputs' FP8 rows
     too: the same outputs as without, and codes and scales bitwise quant_fp8_torch of them;
     None where the group does not tile the row (or the kernel's column blocks)."""
@@ -283,13 +283,12 @@ def check_fused_fp8_rows(dtype: torch.dtype, device: str, hidden: int, inter: in
     x[0, :group] = 0  # an all-zero group: the tiny scale, codes 0
     w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(device, dtype)
     gate_up = torch.randn(5, 2 * inter, generator=gen).to(device, dtype)
-    fits = hidden % group == 0 and fo.next_power_of_2(hidden) % group == 0
-    for out, fp8, rows, cols in (
-        (*fo.rms_norm(x, w, 1e-6, fp8_group=group), 3, hidden),
-        (*fo.fused_add_rms_norm(x, res, w, 1e-6, fp8_group=group)[::2], 3, hidden),
-        (*fo.silu_and_mul(gate_up, fp8_group=group), 5, inter),
+    for out, fp8, rows, cols, fits in (
+        (*fo.rms_norm(x, w, 1e-6, fp8_group=group), 3, hidden, norm_fits),
+        (*fo.fused_add_rms_norm(x, res, w, 1e-6, fp8_group=group)[::2], 3, hidden, norm_fits),
+        (*fo.silu_and_mul(gate_up, fp8_group=group), 5, inter, silu_fits),
     ):
-        assert fp8 is None if not fits and cols == hidden else fp8 is not None
+        assert (fp8 is not None) == fits
         if fp8 is None:
             continue
         q_want, s_want = quant_fp8_torch(out.reshape(rows, cols), group)
@@ -308,7 +307,9 @@ INTERPRETER_CHECKS = {
     "store_kv": lambda: check_store_kv(F32, CPU, 13, 4),
     "fused_fp8_rows_g128": lambda: check_fused_fp8_rows(F32, CPU, 256, 2048, 128),
     "fused_fp8_rows_per_row": lambda: check_fused_fp8_rows(F32, CPU, 256, 256, 256),
-    "fused_fp8_rows_untiled": lambda: check_fused_fp8_rows(F32, CPU, 200, 384, 128),
+    "fused_fp8_rows_untiled": lambda: check_fused_fp8_rows(F32, CPU, 200, 384, 128, False),
+    "fused_fp8_rows_per_row_blocks": lambda: check_fused_fp8_rows(F32, CPU, 2048, 2048, 2048,
+                                                                  silu_fits=False),
     "decode_gqa4_splits3": lambda: check_attention(
         [1, 7, 33, 70], None, 4, 2, 16, 4, F32, CPU, TOL32, num_splits=3
     ),

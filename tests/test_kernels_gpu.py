@@ -12,6 +12,7 @@ from test_kernels import (
     check_attention,
     check_backend,
     check_counters_zeroed,
+    check_fused_fp8_rows,
     check_fused_ops,
     check_store_kv,
     gpu_test,
@@ -125,6 +126,15 @@ def test_backend_gpu(tree: bool, cached: bool) -> None:
 @pytest.mark.parametrize("hidden", [1000, 4096])
 def test_fused_ops_gpu(hidden: int) -> None:
     check_fused_ops(BF16, CUDA, TOL16, hidden)
+
+
+@gpu_test
+@pytest.mark.parametrize("group, silu_fits", [(128, True), (4096, False)])
+def test_fused_fp8_rows_gpu(group: int, silu_fits: bool) -> None:
+    """Llama-3.1-8B's norm and SiLU-and-mul widths (4096, 14336: blocks of 1024) writing their
+    FP8 rows in bf16: bitwise quant_fp8_torch of their outputs (per 128-group, or per row
+    where a program holds the row)."""
+    check_fused_fp8_rows(BF16, CUDA, 4096, 14336, group, silu_fits=silu_fits)
 
 
 @gpu_test
