@@ -269,7 +269,7 @@ def check_fp8_input_fed_by_kernels(fmt: str) -> None:
     with (mock.patch.object(norm, "use_triton", on), mock.patch.object(activation, "use_triton", on),
           mock.patch.object(fp8_method, "use_triton", on),
           mock.patch.object(fp8_gemm, "quant_fp8", counted)):  # fmt: skip
-        ln.feeds(mlp.input_proj)
+        ln.feeds(*mlp.input_projs)
         fed = mlp(ln(x, res)[0])
         assert not calls, calls
         normed = ln(x, res)[0]

@@ -219,6 +219,8 @@ class MLAAttention(CachedAttention):
             h, m.kv_lora_rank + m.qk_rope_head_dim, bias, qc, name("kv_a_proj_with_mqa")
         )
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS)
+        if m.q_lora_rank is not None:
+            self.q_a_layernorm.feeds(self.q_b_proj)
         # read as W_UK / W_UV: a quantized checkpoint's kv_b_proj is dequantized once loaded
         self.kv_b_proj = ColumnParallelLinear(
             m.kv_lora_rank, config.num_heads * (m.qk_nope_head_dim + m.v_head_dim), False, qc,
@@ -230,6 +232,12 @@ class MLAAttention(CachedAttention):
         assert self.rotary.head_dim == m.qk_rope_head_dim
         self.scale = mla_softmax_scale(m, config.rope_scaling)
         self.latent_cache = torch.empty(0)
+
+    @property
+    def input_projs(self) -> tuple:
+        """The linears that read the attention's whole input (the norm before it feeds them)."""
+        q = self.q_proj if self.mla.q_lora_rank is None else self.q_a_proj
+        return (q, self.kv_a_proj_with_mqa)
 
     @property
     def kv_spec(self) -> KVCacheSpec:

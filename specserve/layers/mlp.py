@@ -35,9 +35,9 @@ class GatedMLP(nn.Module):
         self.act_fn.feeds(self.down_proj)
 
     @property
-    def input_proj(self) -> MergedColumnParallelLinear:
-        """The linear that reads the MLP's whole input (DecoderLayer.feeds)."""
-        return self.gate_up_proj
+    def input_projs(self) -> tuple[MergedColumnParallelLinear]:
+        """The linears that read the MLP's whole input (the norm before it feeds them)."""
+        return (self.gate_up_proj,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # [T, H] -> [T, 2 * I / tp] -> [T, I / tp] -> [T, H]

@@ -40,10 +40,10 @@ class DecoderLayer(nn.Module):
         self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
-        # each norm's output is one linear's whole input where the sub-layer names it
-        # (input_proj): an FP8 linear then takes its rows quantized by the norm's kernel
-        self.input_layernorm.feeds(getattr(self_attn, "input_proj", None))
-        self.post_attention_layernorm.feeds(getattr(mlp, "input_proj", None))
+        # each norm's output is the whole input of the linears the sub-layer names
+        # (input_projs): FP8 ones then take their rows quantized by the norm's kernel
+        self.input_layernorm.feeds(*getattr(self_attn, "input_projs", ()))
+        self.post_attention_layernorm.feeds(*getattr(mlp, "input_projs", ()))
         # called with the residual stream entering the layer [T, H] (aux-state capture)
         self.observe_stream: Callable[[torch.Tensor], None] | None = None
 

@@ -66,9 +66,9 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, hd, hd**-0.5, layer_idx)
 
     @property
-    def input_proj(self) -> QKVParallelLinear:
-        """The linear that reads the attention's whole input (DecoderLayer.feeds)."""
-        return self.qkv_proj
+    def input_projs(self) -> tuple[QKVParallelLinear]:
+        """The linears that read the attention's whole input (the norm before it feeds them)."""
+        return (self.qkv_proj,)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         # hidden [T, H] -> qkv [T, (heads + 2 * kv_heads) * head_dim] (local heads)

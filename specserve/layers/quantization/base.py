@@ -292,21 +292,22 @@ class FusedInput:
 
 
 class InputFeeder:
-    """For a module whose output is one linear layer's whole input (the RMSNorm before qkv or
-    gate_up, the SiLU-and-mul before down): `feeds(linear)`, then `fp8_group()` says whether
-    its kernel should also write that output's FP8 rows and `offer(out, rows)` hands them over.
-    The linear is held outside the module tree (no second registration of its parameters)."""
+    """For a module whose output is the whole input of some linear layers (the RMSNorm before
+    qkv or gate_up, or before MLA's q_a and kv_a; the SiLU-and-mul before down):
+    `feeds(*linears)`, then `fp8_group()` says whether its kernel should also write that
+    output's FP8 rows (every consumer FP8 with one activation group) and `offer(out, rows)`
+    hands them to each. The linears are held outside the module tree (no second registration
+    of their parameters)."""
 
-    _consumer: tuple = ()
+    _consumers: tuple = ()
 
-    def feeds(self, linear) -> None:  # noqa: ANN001  (a LinearBase or None)
-        object.__setattr__(self, "_consumer", (linear,) if linear is not None else ())
+    def feeds(self, *linears) -> None:  # noqa: ANN002  (LinearBase; None entries dropped)
+        object.__setattr__(self, "_consumers", tuple(lin for lin in linears if lin is not None))
 
     def fp8_group(self) -> int | None:
-        if not self._consumer:
-            return None
-        linear = self._consumer[0]
-        return linear.quant_method.fused_input_group(linear)
+        groups = {lin.quant_method.fused_input_group(lin) for lin in self._consumers}
+        return groups.pop() if len(groups) == 1 else None
 
     def offer(self, out: torch.Tensor, rows: tuple | None) -> None:
-        self._consumer[0].fused_input.offer(out, rows)
+        for lin in self._consumers:
+            lin.fused_input.offer(out, rows)
