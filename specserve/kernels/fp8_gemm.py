@@ -317,7 +317,7 @@ def fp8_linear(
     the one-row GEMV step differs little (473 and 417). The same numerics either way. Without
     a plan, 128x128-block weights take this GPU's measured plan (kernels/plan_table.py) if
     there is one. rows: quant_fp8(x, act_group) already made (by the kernel that wrote x:
-    kernels/fused_ops.py), read instead of the quantization launch."""
+    kernels/fused_ops.py), read instead of quantizing x (its launch, or a GEMV's loop)."""
     m, k = x.shape
     plan = as_plan(plan)
     if plan is None and static_scale is None and act_group == block_n == block_k == 128:
@@ -327,10 +327,10 @@ def fp8_linear(
     if gemv and static_scale is not None:
         scale = static_scale.float().reshape(1, 1).expand(m, 1)
         return _launch(x, scale, STATIC, k, w, ws, block_n, block_k, x.dtype, plan)
-    if gemv and act_group <= 128:
-        return _launch(x, x, DYNAMIC, act_group, w, ws, block_n, block_k, x.dtype, plan)
-    if rows is not None and static_scale is None:
+    if rows is not None and static_scale is None:  # any plan reads them (GEMV: 1-byte rows)
         xq, xs = rows
+    elif gemv and act_group <= 128:
+        return _launch(x, x, DYNAMIC, act_group, w, ws, block_n, block_k, x.dtype, plan)
     else:
         xq, xs = quant_fp8(x, act_group, static_scale)
     group = k if static_scale is not None else act_group
