@@ -48,7 +48,7 @@ def rms_norm_row(h, w, hidden, eps):
 @jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr,
-    stride_x, stride_r, stride_o, stride_ro, stride_q, stride_s, hidden, eps,
+    stride_x, stride_r, stride_o, stride_ro, stride_q, stride_s, hidden, eps, fp8_max, fp8_eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, FP8_GROUP: tl.constexpr = 0,
 ):  # fmt: skip
     # one program per row: h = x (+ residual); out = w * round(h / sqrt(mean(h^2) + eps))
@@ -66,7 +66,7 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_o + cols, y, mask=ok)
     if FP8_GROUP:  # the stored (rounded) row quantized
         store_fp8_groups(y.to(tl.float32), q_ptr + row * stride_q, s_ptr + row * stride_s, 0,
-                         hidden, FP8_MAX, AMAX_EPS, FP8_GROUP, BLOCK)  # fmt: skip
+                         hidden, fp8_max, fp8_eps, FP8_GROUP, BLOCK)  # fmt: skip
 
 
 def fp8_group_fits(cols: int, group: int | None, block: int) -> bool:
@@ -92,7 +92,8 @@ def _launch_rms_norm(
         _rms_norm_kernel[(x2.shape[0],)](
             x2, res2, weight, out, res_out, q, s,
             x2.stride(0), res2.stride(0), out.stride(0), res_out.stride(0), q.stride(0),
-            s.stride(0), hidden, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
+            s.stride(0), hidden, eps, FP8_MAX, AMAX_EPS, HAS_RESIDUAL=residual is not None,
+            BLOCK=block,
             FP8_GROUP=fp8_group if fp8 is not None else 0,
         )  # fmt: skip
     return out.view(x.shape), (res_out.view(x.shape) if residual is not None else None), fp8
@@ -132,8 +133,8 @@ def fused_add_rms_norm_ref(
 
 @jit
 def _silu_and_mul_kernel(
-    x_ptr, out_ptr, q_ptr, s_ptr, stride_x, stride_o, stride_q, stride_s, inter,
-    BLOCK: tl.constexpr, FP8_GROUP: tl.constexpr = 0,
+    x_ptr, out_ptr, q_ptr, s_ptr, stride_x, stride_o, stride_q, stride_s, inter, fp8_max,
+    fp8_eps, BLOCK: tl.constexpr, FP8_GROUP: tl.constexpr = 0,
 ):  # fmt: skip
     # x row = [gate | up], each `inter` wide; out = round(silu(gate)) * up
     row = tl.program_id(0).to(tl.int64)
@@ -147,7 +148,7 @@ def _silu_and_mul_kernel(
     tl.store(out_ptr + row * stride_o + cols, y, mask=ok)
     if FP8_GROUP:  # the stored (rounded) block quantized
         store_fp8_groups(y.to(tl.float32), q_ptr + row * stride_q, s_ptr + row * stride_s,
-                         tl.program_id(1) * BLOCK, inter, FP8_MAX, AMAX_EPS, FP8_GROUP, BLOCK)
+                         tl.program_id(1) * BLOCK, inter, fp8_max, fp8_eps, FP8_GROUP, BLOCK)
 
 
 def silu_and_mul(x: torch.Tensor, fp8_group: int | None = None) -> torch.Tensor | tuple:
@@ -163,8 +164,8 @@ def silu_and_mul(x: torch.Tensor, fp8_group: int | None = None) -> torch.Tensor 
     q, s = fp8 if fp8 is not None else (out, out)
     if x2.shape[0]:
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
-            x2, out, q, s, x2.stride(0), out.stride(0), q.stride(0), s.stride(0), inter,
-            BLOCK=block, FP8_GROUP=fp8_group if fp8 is not None else 0,
+            x2, out, q, s, x2.stride(0), out.stride(0), q.stride(0), s.stride(0), inter, FP8_MAX,
+            AMAX_EPS, BLOCK=block, FP8_GROUP=fp8_group if fp8 is not None else 0,
         )  # fmt: skip
     out = out.view(*x.shape[:-1], inter)
     return (out, fp8) if fp8_group else out
