@@ -58,7 +58,7 @@ def test_fp8_inputs_fed_by_the_kernels_that_write_them(family: str, fed_per_laye
     for feeder in feeders:
         feeder.feeds()
     unfed, unfed_launches = prefill_logits()
-    layers = config.num_hidden_layers
+    layers = config.num_layers
     assert unfed_launches - fed_launches >= fed_per_layer * layers, (fed_launches, unfed_launches)
     if family == "llama":
         assert fed_launches == layers  # o_proj's input (the attention output) alone
