@@ -100,7 +100,7 @@ def _dense(m: int, plan: tuple):  # noqa: ANN202
 
 CASES = {
     "w4a16-g128-m16": _w4(16, 128, False), "w4a16-g128-m64": _w4(64, 128, False),
-    "w4a16-g32-m16": _w4(16, 32, False), "nvfp4-m16": _w4(16, 16, True),
+    "w4a16-g32-m16": _w4(16, 32, False), "nvfp4-m16": _w4(16, 16, True), "nvfp4-m64": _w4(64, 16, True),
     "w4a16-g128-m1": _w4(1, 128, False, (16, 64, 128, 4, 4, 3)),
     "w4a16-g128-gemv-m1": _w4(1, 128, False, (1, 64, 128, 4, 4, 3)),
     "nvfp4-gemv-m1": _w4(1, 16, True, (1, 64, 128, 4, 4, 3)),
