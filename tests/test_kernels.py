@@ -271,35 +271,6 @@ def check_fused_ops(dtype: torch.dtype, device: str, tol: float, hidden: int) ->
     assert row_rel_error(fo.silu_and_mul(gate_up), fo.silu_and_mul_ref(gate_up)) < tol
 
 
-def check_fused_fp8_rows(dtype: torch.dtype, device: str, hidden: int, inter: int,
-                         group: int, norm_fits: bool = True, silu_fits: bool = True) -> None:
-    """RMSNorm (with and without the residual) and SiLU-and-mul writing their outputs' FP8 rows
-    too: the same outputs as without, and codes and scales bitwise quant_fp8_torch of them;
-    None where the group does not tile the row (or the kernel's column blocks)."""
-    from specserve.kernels.fp8_gemm import quant_fp8_torch
-
-    gen = torch.Generator().manual_seed(hidden + group)
-    x, res = (torch.randn(2, 3, hidden, generator=gen) * 3).to(device, dtype)
-    x[0, :group] = 0  # an all-zero group: the tiny scale, codes 0
-    w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(device, dtype)
-    gate_up = torch.randn(5, 2 * inter, generator=gen).to(device, dtype)
-    for out, fp8, rows, cols, fits in (
-        (*fo.rms_norm(x, w, 1e-6, fp8_group=group), 3, hidden, norm_fits),
-        (*fo.fused_add_rms_norm(x, res, w, 1e-6, fp8_group=group)[::2], 3, hidden, norm_fits),
-        (*fo.silu_and_mul(gate_up, fp8_group=group), 5, inter, silu_fits),
-    ):
-        assert (fp8 is not None) == fits
-        if fp8 is None:
-            continue
-        # the reference on the CPU: CUDA torch divides by a scalar as a multiply by its
-        # reciprocal, not the IEEE division quant_fp8 (and these kernels) do
-        q_want, s_want = quant_fp8_torch(out.reshape(rows, cols).cpu(), group)
-        assert torch.equal(fp8[1].cpu(), s_want), (fp8[1].cpu() - s_want).abs().max()
-        assert torch.equal(fp8[0].cpu().view(torch.uint8), q_want.view(torch.uint8))
-    assert torch.equal(fo.rms_norm(x, w, 1e-6, fp8_group=group)[0], fo.rms_norm(x, w, 1e-6))
-    assert torch.equal(fo.silu_and_mul(gate_up, fp8_group=group)[0], fo.silu_and_mul(gate_up))
-
-
 # --------------------------------------------------------------------------------------------
 # CPU: tiny fp32 shapes under the Triton interpreter
 
@@ -307,11 +278,6 @@ F32, CPU, TOL32 = torch.float32, "cpu", 1e-4
 UNFUSED_SPLITS3 = {"num_splits": 3, "fused_combine": False}  # splits combined by a 2nd launch
 INTERPRETER_CHECKS = {
     "store_kv": lambda: check_store_kv(F32, CPU, 13, 4),
-    "fused_fp8_rows_g128": lambda: check_fused_fp8_rows(F32, CPU, 256, 2048, 128),
-    "fused_fp8_rows_per_row": lambda: check_fused_fp8_rows(F32, CPU, 256, 256, 256),
-    "fused_fp8_rows_untiled": lambda: check_fused_fp8_rows(F32, CPU, 200, 384, 128, False),
-    "fused_fp8_rows_per_row_blocks": lambda: check_fused_fp8_rows(F32, CPU, 2048, 2048, 2048,
-                                                                  silu_fits=False),
     "decode_gqa4_splits3": lambda: check_attention(
         [1, 7, 33, 70], None, 4, 2, 16, 4, F32, CPU, TOL32, num_splits=3
     ),

@@ -8,11 +8,11 @@ import math
 
 import pytest
 import torch
+from test_fused_fp8_rows import check_fused_fp8_rows
 from test_kernels import (
     check_attention,
     check_backend,
     check_counters_zeroed,
-    check_fused_fp8_rows,
     check_fused_ops,
     check_store_kv,
     gpu_test,

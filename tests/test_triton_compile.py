@@ -31,7 +31,7 @@ from triton_compile import run_compiled  # noqa: E402
 from specserve.kernels import allreduce, busy_wait, fused_ops, kv_compact, rotary, topk  # noqa: E402
 
 KERNEL_FILES = ["test_kernels.py", "test_mla_kernels.py", "test_dsa.py", "test_dsa_select.py",
-                "test_fused_moe.py",
+                "test_fused_moe.py", "test_fused_fp8_rows.py",
                 "test_fused_moe_nvfp4.py", "test_quant_kernels.py", "test_exact_kernels.py",
                 "test_ngram_kernel.py", "test_triton_compile.py"]
 NO_LAUNCH = {"moe_no_tokens"}  # checks that rightly launch nothing (zero tokens)
