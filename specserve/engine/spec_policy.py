@@ -140,6 +140,7 @@ class AdaptivePolicy(GoodputModel):
                  hysteresis: float = 0.05, dwell: int = 8, explore_every: int = 128,
                  rescale: float = 0.1, horizon: int = 64, probe_margin: float = 0.25,
                  probe_budget: float = 0.005, leap: float = 0.25, score_every: int = 4,
+                 off_score_every: int | None = None,
                  widths: dict[str, int] | None = None, token_budget: int | None = None,
                  max_rows: int | None = None,
                  mixed_priors: dict[str, dict[int, float]] | None = None) -> None:
@@ -158,6 +159,7 @@ class AdaptivePolicy(GoodputModel):
         self.hysteresis, self.dwell, self.explore_every = hysteresis, dwell, explore_every
         self.horizon, self.probe_margin = horizon, probe_margin
         self.probe_budget, self.leap, self.score_every = probe_budget, leap, score_every
+        self.off_score_every = 4 * score_every if off_score_every is None else off_score_every
         self.acceptance = AcceptanceEstimates(max(m[2] for m in self.modes.values()))
         # extra time of a step that switched, in step times of its mode (priors: the
         # discarded launch ahead; a catch-up forward on the way back on)
@@ -299,25 +301,46 @@ class AdaptivePolicy(GoodputModel):
             self.trace.append(rec)
         return mode
 
+    def _due(self, decoding: list[str]) -> bool:
+        """Whether this step rescores the modes. Scoring costs 60-160 us on the host (more
+        with a trace), which a small model's step shows in full (the bundled pair on an H100:
+        plain steps 0.67 ms of GPU; scored on 42% of its off steps, they took 1.12 ms where the
+        engine forced off took 0.8). So: every `score_every` steps while a mode speculates
+        (each cycle moves the acceptance estimates), every `off_score_every` (default 4x that)
+        while off (nothing but the step times and the prefill load moves them); sooner where the batch changed (up to 8 rows:
+        any other request, past that by more than an eighth) outside the dwell of a steady
+        load; for a probe that may be due, no more often than every `score_every` steps (a family
+        never run: at once)."""
+        since = self.steps - self.scored_at
+        every = self.off_score_every if self.current is None else self.score_every
+        if since >= every:
+            return True
+        sw = self.switch_steps
+        soonest = max(self.explore_every, min(2 * sw["mode"], sw["on"] + sw["off"])
+                      / self.probe_budget)  # the shortest interval _probe allows
+        run = self.family_run.values()
+        if any(t < 0 for t in run) and self.steps >= self.dwell:
+            return True  # a family never run: its one look is due (it sets the family's step)
+        if since >= self.score_every and any(self.steps - t >= soonest for t in run):
+            return True
+        b, b0 = len(decoding), self.switch_batch
+        if self.since_switch < self.dwell and b0 <= 2 * b <= 4 * b0:
+            return False  # the dwell of a steady load: only a leap could switch
+        n = len(self.scored_ids)
+        if b <= 8 or n <= 8:
+            return decoding != self.scored_ids
+        return abs(b - n) > n // 8
+
     def _choose(self, decoding: list[str], others: int = 0, behind: int = 0) -> str | None:
         self.behind = behind
         self.steps += 1
         self.since_switch += 1
         if not decoding:
             return self.current
-        # scoring costs ~30 us a step and ~3 a request on the host: while no probe can happen
-        # (no family stale for explore_every), done every score_every-th step only during the
-        # dwell (where only a leap may switch), past 64 rows and for the requests last scored
-        sw = self.switch_steps
-        soonest = max(self.explore_every, min(2 * sw["mode"], sw["on"] + sw["off"])
-                      / self.probe_budget)  # the shortest interval _probe allows
-        stale = any(self.steps - t >= soonest or (t < 0 and self.steps >= self.dwell)
-                    for t in self.family_run.values())
+        if not self._due(decoding):
+            return self.current
         b, b0 = len(decoding), self.switch_batch
         steady = b0 <= 2 * b <= 4 * b0  # the load neither halved nor doubled since the switch
-        if not stale and self.steps % self.score_every and (
-                self.since_switch < self.dwell and steady or b > 64 or decoding == self.scored_ids):
-            return self.current
         scores = self.last_scores = self.scores(decoding, others)
         self.scored_at, self.scored_ids = self.steps, list(decoding)
         key = "off" if self.current is None else self.current
