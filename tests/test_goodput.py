@@ -3,6 +3,8 @@ table's interpolation and the share of a kind's steps that carry prefill chunks.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from specserve.engine.goodput import _interpolate
@@ -42,6 +44,30 @@ def test_a_kinds_share_of_mixed_steps_is_its_own_even_when_another_kind_ran_sinc
     s = m.share_of("off", 32, rho)
     ybar = 0.005 + 20e-6 * nbar
     assert s * a + c * rho * 32 == pytest.approx(rho * 32 * ybar / nbar, rel=1e-6)
+
+
+def test_a_speculative_mode_with_no_mixed_steps_of_its_own_takes_the_poisson_share() -> None:
+    """Plain steps ran with one 128-token prompt a chunk; a tree never carried a chunk. At
+    rho x tokens / prompt = lam prompts a step the tree's steps are 1 - e^-lam mixed (its
+    finishes arrive apart), not min(1, rho x tokens / 128) as the running mode's chunks
+    would say; plain steps (whose finishes arrive together) and a mode with chunks of its own
+    keep the measured ratio (the Poisson share is only ever the lower one)."""
+    costs = {"off": {1: 0.01, 64: 0.02}, "tree": {1: 0.012, 64: 0.03},
+             "chain2": {1: 0.011, 64: 0.024}}
+    m = AdaptivePolicy({"tree": (4, 3), "chain2": (1, 2)}, costs)
+    rho, tokens = 2.0, 90.0
+    for i in range(20):
+        m.observe(None, {}, 0.02, 32, mixed=i % 2 == 0, chunk_tokens=128 if i % 2 == 0 else 0)
+    assert m.share_of("tree", tokens, rho) == 1.0  # no request finished yet: the ratio
+    for i in range(20):
+        m.forget(f"r{i}", prompt_tokens=128, output_tokens=64)
+    lam = rho * tokens / 128
+    assert m.share_of("tree", tokens, rho) == pytest.approx(1.0 - math.exp(-lam))  # 0.75
+    assert m.share_of("tree", 16.0, rho) == pytest.approx(1.0 - math.exp(-rho * 16 / 128))
+    assert m.share_of("off", 90.0, rho) == 1.0
+    for _ in range(4):  # chain2's own steps: one prompt a chunk, its measured ratio
+        m.observe("chain2", {"x": 1}, 0.05, 32, mixed=True, chunk_tokens=128)
+    assert m.share_of("chain2", tokens, rho) == 1.0
 
 
 def test_profiled_mixed_steps_are_the_first_points_of_each_kinds_line() -> None:

@@ -9,6 +9,8 @@ switch.
 
 from __future__ import annotations
 
+import math
+
 from specserve.engine.chunk_cost import ChunkCost
 
 SPEC = "spec"  # the group of the speculative modes' mixed steps (_group)
@@ -57,7 +59,7 @@ class GoodputModel:
         self.chunk_ema = self.emitted_ema = 0.0
         # prompt tokens prefilled and output tokens of finished requests (decayed per
         # request): the load's prompt tokens per output token, which no mode changes
-        self.done_prompt = self.done_output = 0.0
+        self.done_prompt = self.done_output = self.done_n = 0.0
 
     def step_time(self, mode: str | None, batch: int) -> float:
         row = self.costs["off" if mode is None else mode]
@@ -133,7 +135,19 @@ class GoodputModel:
         policy went off and stayed (the catch-up back grew with every step): 0.84-0.88 of
         the best; at C = 64 a like excursion cost the tree 8 steps and 1.5k positions of
         catch-up (experiments/2026-12-06-policy-trace.md)."""
-        return min(1.0, rho * tokens / self.chunk_cost.mean_chunk(name))
+        share = min(1.0, rho * tokens / self.chunk_cost.mean_chunk(name))
+        own = self.chunk_cost.chunks.get(name)
+        if _group(name) != SPEC or (own is not None and own[0] >= 1.0) or not self.done_n:
+            return share
+        # a speculative mode with no mixed steps of its own lately: its chunks were measured
+        # at another mode's rate of arrivals (the running one's, fewer tokens a step: one
+        # prompt a chunk). Its own rate lam = rho x tokens / prompt prompts a step, apart
+        # (finishes trickle in: a speculative step's rows finish apart), leaves 1 - e^-lam
+        # of its steps mixed, each carrying lam / (1 - e^-lam) prompts: on an H100 (8B,
+        # rate 0.65, C = 32, started cold) the tree read 1.0 here and scored 5% under
+        # off where, run, it made 1.09x off's tokens a second
+        lam = rho * tokens * self.done_n / self.done_prompt
+        return min(share, -math.expm1(-lam))
 
     def learn_mixed(self, key: str, extra: float, chunk_tokens: int | None,
                     batch: int = 0) -> None:
@@ -155,6 +169,7 @@ class GoodputModel:
         """A request ended having prefilled `prompt_tokens` and made `output_tokens`."""
         if output_tokens > 0:
             self.done_prompt = 0.95 * self.done_prompt + prompt_tokens
+            self.done_n = 0.95 * self.done_n + 1.0
             self.done_output = 0.95 * self.done_output + output_tokens
 
     def prompt_per_output(self) -> float:
