@@ -37,7 +37,8 @@ QUERY_CLASSES = (1, 2, 4, 8, 16, 32, 64)
 def extend_shapes(max_tokens: int, max_rows: int) -> list[list[int]]:
     """Query lengths per row of each warm-up forward: per class L (up to max_tokens), one row
     of L followed by 0, 1, 3, 7, ... one-token rows (1, 2, 4, 8, ... rows), up to as many as
-    max_rows and max_tokens allow. The grid grows 2x a forward, so each KV split count a
+    max_rows and max_tokens allow; then the longest class's row doubled on (2L, 4L, ... up to
+    max_tokens) beside as many one-token rows as allowed. The grid grows 2x a forward, so each KV split count a
     launch of that class can take (a power of two from the grid: kernels/split_kv.py), and
     the combine kernel compiled per count, comes up once."""
     out = []
@@ -51,6 +52,15 @@ def extend_shapes(max_tokens: int, max_rows: int) -> list[list[int]]:
             if rows >= cap:
                 break
             rows = min(2 * rows, cap)
+    # past the longest class a query adds query blocks, not a new block size: with few rows
+    # allowed only such queries make the grids that split the KV fewer ways (none at all: a
+    # kernel of its own). So the longest class's first row doubles on, beside as many
+    # one-token rows as fit, up to the token budget (at 16 rows, a catch-up over hundreds of
+    # positions a row compiled one inside a timed step: H100, the bundled pair at C = 16)
+    q = out[-1][0] if out else max_tokens + 1
+    while 2 * q <= max_tokens:
+        q *= 2
+        out.append([q] + [1] * (min(max_rows, max_tokens - q + 1) - 1))
     return out
 
 
