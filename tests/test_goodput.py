@@ -51,7 +51,8 @@ def test_a_speculative_mode_with_no_mixed_steps_of_its_own_takes_the_poisson_sha
     rho x tokens / prompt = lam prompts a step the tree's steps are 1 - e^-lam mixed (its
     finishes arrive apart), not min(1, rho x tokens / 128) as the running mode's chunks
     would say; plain steps (whose finishes arrive together) and a mode with chunks of its own
-    keep the measured ratio (the Poisson share is only ever the lower one)."""
+    keep the measured ratio (the Poisson share is only ever the lower one) while they ran
+    lately."""
     costs = {"off": {1: 0.01, 64: 0.02}, "tree": {1: 0.012, 64: 0.03},
              "chain2": {1: 0.011, 64: 0.024}}
     m = AdaptivePolicy({"tree": (4, 3), "chain2": (1, 2)}, costs)
@@ -68,6 +69,10 @@ def test_a_speculative_mode_with_no_mixed_steps_of_its_own_takes_the_poisson_sha
     for _ in range(4):  # chain2's own steps: one prompt a chunk, its measured ratio
         m.observe("chain2", {"x": 1}, 0.05, 32, mixed=True, chunk_tokens=128)
     assert m.share_of("chain2", tokens, rho) == 1.0
+    # a stretch of plain steps longer than the horizon: chain2's own chunks are stale (they
+    # age only with its group's mixed steps), the Poisson share again
+    m.steps += m.horizon + 1
+    assert m.share_of("chain2", tokens, rho) == pytest.approx(1.0 - math.exp(-lam))
 
 
 def test_profiled_mixed_steps_are_the_first_points_of_each_kinds_line() -> None:

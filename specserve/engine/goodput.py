@@ -137,7 +137,8 @@ class GoodputModel:
         catch-up (experiments/2026-12-06-policy-trace.md)."""
         share = min(1.0, rho * tokens / self.chunk_cost.mean_chunk(name))
         own = self.chunk_cost.chunks.get(name)
-        if _group(name) != SPEC or (own is not None and own[0] >= 1.0) or not self.done_n:
+        if _group(name) != SPEC or not self.done_n or (
+                own is not None and own[0] >= 1.0 and self.ran_lately(name)):
             return share
         # a speculative mode with no mixed steps of its own lately: its chunks were measured
         # at another mode's rate of arrivals (the running one's, fewer tokens a step: one
@@ -148,6 +149,15 @@ class GoodputModel:
         # off where, run, it made 1.09x off's tokens a second
         lam = rho * tokens * self.done_n / self.done_prompt
         return min(share, -math.expm1(-lam))
+
+    def ran_lately(self, name: str) -> bool:
+        """Whether the mode's own mixed steps are recent enough to stand for its share
+        (the policy: it ran within its horizon). Its own chunks age only with the mixed steps
+        of its group, so through a stretch off a mode keeps what it measured long ago, at
+        another load: on the bundled pair (H100, C = 16) a tree's one-prompt chunks from an
+        earlier stretch read a share of 0.5 where it ran 0.25, and it scored 0.86x off while
+        delivering 1.1x."""
+        return True
 
     def learn_mixed(self, key: str, extra: float, chunk_tokens: int | None,
                     batch: int = 0) -> None:

@@ -181,6 +181,7 @@ class AdaptivePolicy(GoodputModel):
         # probe interval later (rate 0.3, C = 64 on an H100: off for the whole run, while
         # chain1 ran 1.10x plain)
         self.family_run = dict.fromkeys(self.families, -1)
+        self.mode_run: dict[str, int] = {}  # step each mode last ran (observed)
         self.last_scores: dict[str, float] = {}
         self.scored_at, self.scored_ids = -1, []  # the step (and requests) last scored
         self._prev: str | None = None  # the last observed step's mode ("off" for off)
@@ -227,6 +228,10 @@ class AdaptivePolicy(GoodputModel):
                 "scale": {m: round(v, 3) for m, v in self.scale.items()}}
         return {name: self.goodput(name, per_row[name] * rows[name], rows[name],
                                    self.mixed_share)[0] for name in per_row}
+
+    def ran_lately(self, name: str) -> bool:
+        """A mode ran within the last `horizon` steps (GoodputModel.ran_lately)."""
+        return self.steps - self.mode_run.get(name, -10**9) <= self.horizon
 
     def _kind(self, old: str, new: str) -> str:
         """A switch's kind: "on" (off -> a mode), "off" (a mode -> off) or "mode"."""
@@ -376,6 +381,7 @@ class AdaptivePolicy(GoodputModel):
         key = "off" if mode is None else mode
         prev, self._prev = self._prev, key
         if mode is not None:
+            self.mode_run[mode] = self.steps
             method, topk, steps = self.modes[mode]
             # a tree's chain runs keep its chains' acceptance fresh: no probe needed for it
             for fam in {(method, topk), (method, 1 if chain_runs else topk)} & self.families:
