@@ -101,6 +101,39 @@ def check_fp8_input_fed_by_kernels(fmt: str) -> None:
     assert torch.equal(fed, unfed) and torch.equal(fed_row, unfed_row)
 
 
+def test_the_fp8_group_is_read_once_until_feeds_or_loading() -> None:
+    """fp8_group() asks the consumers' methods once (an eager forward asked every one of them
+    before), again after feeds() and after process_weights_after_loading (static scales are
+    known from then)."""
+    from torch import nn
+
+    from specserve.layers.norm import RMSNorm
+    from specserve.layers.quantization import process_weights_after_loading
+
+    asked = []
+
+    class Method:
+        group = 128
+
+        def fused_input_group(self, layer) -> int | None:  # noqa: ANN001
+            asked.append(layer)
+            return self.group
+
+    lin = nn.Module()
+    lin.quant_method = Method()
+    model = nn.Module()
+    model.norm = RMSNorm(8)
+    model.norm.feeds(lin, lin)
+    assert [model.norm.fp8_group() for _ in range(5)] == [128] * 5 and len(asked) == 2
+    lin.quant_method.group = None  # e.g. static scales read from the checkpoint
+    assert model.norm.fp8_group() == 128  # still the first answer
+    process_weights_after_loading(model)
+    assert model.norm.fp8_group() is None and len(asked) == 4
+    lin.quant_method.group = 64
+    model.norm.feeds(lin)
+    assert model.norm.fp8_group() == 64 and len(asked) == 5
+
+
 INTERPRETER_CHECKS = {
     "fused_fp8_rows_g128": lambda: check_fused_fp8_rows(F32, CPU, 256, 2048, 128),
     "fused_fp8_rows_per_row": lambda: check_fused_fp8_rows(F32, CPU, 256, 256, 256),

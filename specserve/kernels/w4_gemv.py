@@ -144,7 +144,7 @@ def _w4_gemv_kernel(
     GROUP: tl.constexpr, PER_ROW_SCALE: tl.constexpr, FP4: tl.constexpr,
     HAS_ROW_SCALE: tl.constexpr, SPLIT: tl.constexpr, SOFT_E4M3: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-    STAGES: tl.constexpr = 3,
+    STAGES: tl.constexpr,
 ):  # fmt: skip
     # a few activation rows (decode at small batch, a verify's rows), program (m tile, n tile,
     # K split). The weight tile stays [BN, BK / 8] packed words as memory holds them (K
@@ -156,7 +156,7 @@ def _w4_gemv_kernel(
     # needs more). EVEN: N, K and the split's K range are multiples of the tiles: the weights
     # load without masks. nibble: 15, passed at run time: as a constant, ptxas rematerializes
     # the INT4 decode's masks (int4_code) before every use (sm_90: 320 instructions a 1x64x128
-    # step; held in a register: 260). STAGES: the weight tiles feed no dot, so the compiler
+    # step; held in a register: 260). STAGES (the plan's num_stages): the weight tiles feed no dot, so the compiler
     # pipelines them only when asked: 3 keeps two steps' tiles in flight through cp.async
     # (sm_90: 287 instructions a step), 1 loads one and waits for it at each step.
     pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from specserve.layers.quantization.base import LinearMethod, QuantConfig
+from specserve.layers.quantization.base import InputFeeder, LinearMethod, QuantConfig
 from specserve.layers.quantization.compressed_tensors import CompressedTensorsConfig
 from specserve.layers.quantization.fp8 import Fp8Config
 from specserve.layers.quantization.modelopt import ModelOptConfig
@@ -144,6 +144,9 @@ def quant_modules(model: nn.Module) -> list[nn.Module]:
 def process_weights_after_loading(model: nn.Module) -> None:
     for module in quant_modules(model):
         module.process_weights_after_loading()
+    for module in model.modules():  # the FP8 rows its kernel writes, per the loaded methods
+        if isinstance(module, InputFeeder):
+            module.forget_fp8_group()
     counts = describe(model)
     if set(counts) - {"unquantized"}:
         log.info("linear layers and experts by method: %s", counts)

@@ -300,13 +300,23 @@ class InputFeeder:
     of their parameters)."""
 
     _consumers: tuple = ()
+    _fp8_read: tuple = ()  # (the group,) once read: what the consumers say is fixed after loading
 
     def feeds(self, *linears) -> None:  # noqa: ANN002  (LinearBase; None entries dropped)
         object.__setattr__(self, "_consumers", tuple(lin for lin in linears if lin is not None))
+        self.forget_fp8_group()
 
     def fp8_group(self) -> int | None:
-        groups = {lin.quant_method.fused_input_group(lin) for lin in self._consumers}
-        return groups.pop() if len(groups) == 1 else None
+        """The consumers' one FP8 activation group, or None: read once (every eager forward
+        asked each consumer's method before), again after feeds() or forget_fp8_group()
+        (process_weights_after_loading calls it: static scales are known from then)."""
+        if not self._fp8_read:
+            groups = {lin.quant_method.fused_input_group(lin) for lin in self._consumers}
+            object.__setattr__(self, "_fp8_read", (groups.pop() if len(groups) == 1 else None,))
+        return self._fp8_read[0]
+
+    def forget_fp8_group(self) -> None:
+        object.__setattr__(self, "_fp8_read", ())
 
     def offer(self, out: torch.Tensor, rows: tuple | None) -> None:
         for lin in self._consumers:
