@@ -7,7 +7,9 @@ What it prints, to judge the policy's choices against what its steps delivered:
 - the decisions: steps per chosen mode, switches (the chosen mode changed) and one-step runs
   of a mode between two others (probes), positions caught up when coming back on;
 - per mode, its mean score where the policy scored it against the tokens per second its own
-  pure steps delivered at a similar batch (rows within 2x of the scored step's).
+  pure steps delivered at a similar batch (rows within 2x of the scored step's), and the
+  share of its steps the policy expected to carry prefill chunks (its mean over the scored
+  steps) against the share of its steps that did.
 
     python scripts/policy_trace.py TRACE.jsonl [TRACE.jsonl ...]
 """
@@ -79,8 +81,12 @@ def scores_vs_delivered(decisions: list[dict], observed: list[dict]) -> dict[str
             near = [(m, t) for rows, m, t in pure.get(mode, ()) if b / 2 <= rows <= 2 * b]
             ms += sum(m for m, _ in near)
             tok += sum(t for _, t in near)
+        shares = [d["share"][mode] for d in decisions if mode in d.get("share", {})]
+        ran = [r.get("mixed", False) for r in observed if r["observed"] == mode and r["b"]]
         out[mode] = {"scored": len(scored), "score": sum(s for _, s in scored) / len(scored),
-                     "delivered": tok / ms * 1e3 if ms else None}
+                     "delivered": tok / ms * 1e3 if ms else None,
+                     "share": sum(shares) / len(shares) if shares else None,
+                     "ran_share": sum(ran) / len(ran) if ran else None}
     return out
 
 
@@ -95,10 +101,14 @@ def report(path: Path) -> str:
     lines.append(f"chosen: {s['steps']}; switches {s['switches']}, probes {s['probes']}, "
                  f"on from off {s['switches_on']} ({s['behind_at_switch_on']} positions "
                  "behind)")
-    lines.append("mode               scored    score  delivered (pure steps, rows within 2x)")
+    lines.append("mode               scored    score  delivered (pure steps, rows within 2x)"
+                 "  mixed share: expected  ran")
     for mode, v in scores_vs_delivered(decisions, observed).items():
         got = "-" if v["delivered"] is None else f"{v['delivered']:.0f}"
-        lines.append(f"{mode:18s} {v['scored']:6d} {v['score']:8.0f}  {got}")
+        share = "-" if v["share"] is None else f"{v['share']:.3f}"
+        ran = "-" if v["ran_share"] is None else f"{v['ran_share']:.3f}"
+        lines.append(f"{mode:18s} {v['scored']:6d} {v['score']:8.0f}  {got:>9s}"
+                     f"{'':30s}{share:>8s} {ran:>6s}")
     return "\n".join(lines)
 
 

@@ -27,6 +27,7 @@ def _trace(tmp_path: Path) -> Path:
         rec = {"step": i, "b": b, "others": 0, "behind": behind, "mode": mode}
         if i % 2 == 0:
             rec["scores"] = {"off": 400.0 + i, "chain3": 500.0 + i}
+            rec["share"] = {"off": 0.1 * i, "chain3": 0.5}
         lines.append(rec)
         lines.append({"observed": mode, "b": b, "ms": ms, "mixed": mixed, "chunk": 64 * mixed,
                       "accepted": acc})
@@ -50,10 +51,13 @@ def test_summary_equals_hand_worked_values(tmp_path: Path) -> None:
     v = policy_trace.scores_vs_delivered(decisions, observed)
     # scored at steps 0, 2, 4 (rows 4, 4, 2); chain3's pure steps within 2x of rows 4: all
     # three each time (rows 4, 2, 2), of rows 2: all three (2 <= ... <= 4)
+    # expected mixed shares: the scored steps' mean; ran: chain3 0 of 3, off 1 of 3 steps
     assert v["chain3"] == pytest.approx({"scored": 3, "score": 502.0,
-                                         "delivered": 20 / 52 * 1e3})
+                                         "delivered": 20 / 52 * 1e3, "share": 0.5,
+                                         "ran_share": 0.0})
     # off's pure steps (rows 4) near rows 4 (twice) and rows 2 (once): 3 x (8 tokens / 20 ms)
-    assert v["off"] == pytest.approx({"scored": 3, "score": 402.0, "delivered": 400.0})
+    assert v["off"] == pytest.approx({"scored": 3, "score": 402.0, "delivered": 400.0,
+                                      "share": 0.2, "ran_share": 1 / 3})
 
 
 def test_cli_prints_and_refuses_bad_input(tmp_path: Path) -> None:
