@@ -137,7 +137,7 @@ class GoodputModel:
         catch-up (experiments/2026-12-06-policy-trace.md)."""
         share = min(1.0, rho * tokens / self.chunk_cost.mean_chunk(name))
         own = self.chunk_cost.chunks.get(name)
-        if _group(name) != SPEC or not self.done_n or (
+        if _group(name) != SPEC or self.done_prompt <= 0.0 or (
                 own is not None and own[0] >= 1.0 and self.ran_lately(name)):
             return share
         # a speculative mode with no mixed steps of its own lately: its chunks were measured

@@ -309,13 +309,13 @@ class AdaptivePolicy(GoodputModel):
     def _due(self, decoding: list[str]) -> bool:
         """Whether this step rescores the modes. Scoring costs 60-160 us on the host (more
         with a trace), which a small model's step shows in full (the bundled pair on an H100:
-        plain steps 0.67 ms of GPU; scored on 42% of its off steps, they took 1.12 ms where the
-        engine forced off took 0.8). So: every `score_every` steps while a mode speculates
-        (each cycle moves the acceptance estimates), every `off_score_every` (default 4x that)
-        while off (nothing but the step times and the prefill load moves them); sooner where the batch changed (up to 8 rows:
-        any other request, past that by more than an eighth) outside the dwell of a steady
-        load; for a probe that may be due, no more often than every `score_every` steps (a family
-        never run: at once)."""
+        plain steps 0.67 ms of GPU; scored on 42% of its off steps, they took 1.12 ms where
+        the engine forced off took 0.8). So: every `score_every` steps while a mode
+        speculates (each cycle moves the acceptance estimates), every `off_score_every`
+        (default 4x that) while off (nothing but the step times and the prefill load move
+        them); sooner where the batch changed (up to 8 rows: any other request, past that by
+        more than an eighth) outside the dwell of a steady load; for a probe that may be due,
+        no more often than every `score_every` steps (a family never run: at once)."""
         since = self.steps - self.scored_at
         every = self.off_score_every if self.current is None else self.score_every
         if since >= every:

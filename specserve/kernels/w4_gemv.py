@@ -156,9 +156,10 @@ def _w4_gemv_kernel(
     # needs more). EVEN: N, K and the split's K range are multiples of the tiles: the weights
     # load without masks. nibble: 15, passed at run time: as a constant, ptxas rematerializes
     # the INT4 decode's masks (int4_code) before every use (sm_90: 320 instructions a 1x64x128
-    # step; held in a register: 260). STAGES (the plan's num_stages): the weight tiles feed no dot, so the compiler
-    # pipelines them only when asked: 3 keeps two steps' tiles in flight through cp.async
-    # (sm_90: 287 instructions a step), 1 loads one and waits for it at each step.
+    # step; held in a register: 260). STAGES (the plan's num_stages): the weight tiles feed
+    # no dot, so the compiler pipelines them only when asked: 3 keeps two steps' tiles in
+    # flight through cp.async (sm_90: 287 instructions a step), 1 loads one and waits for it
+    # at each step.
     pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -37,10 +37,10 @@ QUERY_CLASSES = (1, 2, 4, 8, 16, 32, 64)
 def extend_shapes(max_tokens: int, max_rows: int) -> list[list[int]]:
     """Query lengths per row of each warm-up forward: per class L (up to max_tokens), one row
     of L followed by 0, 1, 3, 7, ... one-token rows (1, 2, 4, 8, ... rows), up to as many as
-    max_rows and max_tokens allow; then the longest class's row doubled on (2L, 4L, ... up to
-    max_tokens) beside as many one-token rows as allowed. The grid grows 2x a forward, so each KV split count a
-    launch of that class can take (a power of two from the grid: kernels/split_kv.py), and
-    the combine kernel compiled per count, comes up once."""
+    max_rows and max_tokens allow; then the longest class's row doubled on (2L, 4L, ... up
+    to max_tokens) beside as many one-token rows as allowed. The grid grows 2x a forward, so
+    each KV split count a launch of that class can take (a power of two from the grid:
+    kernels/split_kv.py), and the combine kernel compiled per count, comes up once."""
     out = []
     for q in QUERY_CLASSES:
         if q > max_tokens:

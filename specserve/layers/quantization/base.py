@@ -300,7 +300,7 @@ class InputFeeder:
     of their parameters)."""
 
     _consumers: tuple = ()
-    _fp8_read: tuple = ()  # (the group,) once read: what the consumers say is fixed after loading
+    _fp8_read: tuple = ()  # (the group,) once read: fixed once the weights are loaded
 
     def feeds(self, *linears) -> None:  # noqa: ANN002  (LinearBase; None entries dropped)
         object.__setattr__(self, "_consumers", tuple(lin for lin in linears if lin is not None))
