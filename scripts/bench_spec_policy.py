@@ -234,6 +234,9 @@ def sweep(engine, args, levels: list[int], modes: list[str], rate: float, comm: 
             per += f"; {caught} catch-up tokens" if caught else ""
             jit = sum(sum(r["triton_compiles"].values()) for r in rs)
             per += f"; {jit} Triton compiles" if jit else ""
+            for key in sorted({k for r in rs for k in r.get("triton_compile_keys", ())}):
+                # a compile inside a timed run: which specialization the warm-up missed
+                print(f"C={c} {name}: compiled inside the run: {key}", flush=True)
             print(f"C={c} {name}: {point[name]['tok_s']:.1f} tok/s{spread} (whole run "
                   f"{point[name]['tok_s_all']:.1f}) {steps}" + (f" [{per}]" if per else ""),
                   flush=True)
