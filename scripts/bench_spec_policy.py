@@ -59,6 +59,27 @@ from specserve.speculative.profile import format_table  # noqa: E402
 PLAIN, OFF, ADAPTIVE = "plain", "forced-off", "adaptive"
 
 
+def _engine_marks(engine, trace: list | None) -> tuple | None:
+    """Before a step of a traced run: the trace's length and the drafter's counters that the
+    step's engine record reports as differences (None: not traced)."""
+    if trace is None:
+        return None
+    d = engine.drafter
+    return len(trace), d.counters.num_catch_up_tokens, d.cycles_launched_ahead
+
+
+def _trace_engine(engine, trace: list, marks: tuple, compiled: int) -> None:
+    """After a traced step that the policy observed: what the engine did beside the policy's
+    view, as one record after the step's (positions caught up, whether the step's cycle was
+    the one launched ahead, Triton compiles so far in the run)."""
+    n, caught, ahead = marks
+    if len(trace) == n or "observed" not in trace[-1]:
+        return  # nothing scheduled: no step to describe
+    d = engine.drafter
+    trace.append({"engine": {"caught_up": d.counters.num_catch_up_tokens - caught,
+                             "ahead": d.cycles_launched_ahead - ahead, "compiled": compiled}})
+
+
 def run(engine, prompts: list[list[int]], output_lens: list[int], concurrency: int) -> dict:
     """Feed the prompts with at most `concurrency` in flight; output tok/s and mode steps.
     Prompt i is seeded i: its synthetic acceptance rate and per-cycle draws are the same in
@@ -81,6 +102,7 @@ def run(engine, prompts: list[list[int]], output_lens: list[int], concurrency: i
     in_verify = stats.get("num_chunks_in_verify", 0)
     caught_up = stats.get("num_catch_up_tokens", 0)
     seconds_before = dict(stats.get("step_seconds", {}))
+    trace = getattr(engine.spec_policy, "trace", None)  # a traced adaptive run
     t0 = time.perf_counter()
     with triton_compiles() as compiles:  # each a slow step of this run
         while pending or in_flight:
@@ -89,11 +111,14 @@ def run(engine, prompts: list[list[int]], output_lens: list[int], concurrency: i
                 in_flight += 1
                 if not pending:
                     last = time.perf_counter() - t0, done_tokens
+            marks = _engine_marks(engine, trace)
             for out in engine.step():
                 done_tokens += len(out.new_token_ids)
                 in_flight -= out.finished
                 if out.finished and first is None:
                     first = time.perf_counter() - t0, done_tokens
+            if marks is not None:
+                _trace_engine(engine, trace, marks, len(compiles.details))
     seconds = time.perf_counter() - t0
     stats = engine.stats()
     after = stats.get("mode_steps", {})

@@ -3,7 +3,9 @@ trace-c<C>-<run>.jsonl per adaptive run: each step's decision, then what the ste
 
 What it prints, to judge the policy's choices against what its steps delivered:
 - per kind of step (a mode, "off" or "fold"; "+mixed" when prefill chunks rode along): steps,
-  mean decode rows, ms a step, tokens a row-step and tokens per second;
+  mean decode rows, ms a step, tokens a row-step and tokens per second, and where the trace
+  holds the engine's records (bench_spec_policy.py writes one after each step), positions
+  caught up a step and the share of steps whose cycle was the one launched ahead;
 - the decisions: steps per chosen mode, switches (the chosen mode changed) and one-step runs
   of a mode between two others (probes), positions caught up when coming back on;
 - per mode, its mean score where the policy scored it against the tokens per second its own
@@ -30,13 +32,18 @@ def load(path: Path) -> tuple[list[dict], list[dict]]:
         if not line.strip():
             continue
         rec = json.loads(line)
+        if "engine" in rec:  # what the engine did in the step observed last
+            observed[-1].update(rec["engine"])
+            continue
         (observed if "observed" in rec else decisions).append(rec)
     return decisions, observed
 
 
 def kinds(observed: list[dict]) -> dict[str, dict[str, float]]:
-    """Per kind of step: steps, rows, ms, tokens (rows + accepted drafts) and their rates."""
-    acc: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0, 0])
+    """Per kind of step: steps, rows, ms, tokens (rows + accepted drafts) and their rates;
+    where the engine's records are in the trace, positions caught up a step and the share of
+    steps whose cycle was launched ahead."""
+    acc: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0, 0, 0, 0, 0])
     for r in observed:
         if r.get("ms") is None:
             continue
@@ -45,10 +52,16 @@ def kinds(observed: list[dict]) -> dict[str, dict[str, float]]:
         a[1] += r["b"]
         a[2] += r["ms"]
         a[3] += r["b"] + r.get("accepted", 0)
+        if "caught_up" in r:
+            a[4] += 1
+            a[5] += r["caught_up"]
+            a[6] += r["ahead"] > 0
     return {k: {"steps": n, "rows": rows / n, "ms": ms / n,
                 "tokens_per_row": tok / rows if rows else 0.0,
-                "tok_s": tok / ms * 1e3 if ms else 0.0}
-            for k, (n, rows, ms, tok) in sorted(acc.items())}
+                "tok_s": tok / ms * 1e3 if ms else 0.0,
+                "caught_up": caught / seen if seen else None,
+                "ahead": ahead / seen if seen else None}
+            for k, (n, rows, ms, tok, seen, caught, ahead) in sorted(acc.items())}
 
 
 def decisions_summary(decisions: list[dict]) -> dict:
@@ -93,10 +106,13 @@ def scores_vs_delivered(decisions: list[dict], observed: list[dict]) -> dict[str
 def report(path: Path) -> str:
     decisions, observed = load(path)
     lines = [f"{path}: {len(decisions)} decisions, {len(observed)} steps measured",
-             "kind               steps   rows   ms/step  tok/row    tok/s"]
+             "kind               steps   rows   ms/step  tok/row    tok/s  caught-up/step"
+             "  launched ahead"]
     for k, v in kinds(observed).items():
+        extra = "" if v["caught_up"] is None else \
+            f" {v['caught_up']:15.1f} {v['ahead']:15.2f}"
         lines.append(f"{k:18s} {v['steps']:5d} {v['rows']:6.1f} {v['ms']:9.2f} "
-                     f"{v['tokens_per_row']:8.2f} {v['tok_s']:8.0f}")
+                     f"{v['tokens_per_row']:8.2f} {v['tok_s']:8.0f}{extra}")
     s = decisions_summary(decisions)
     lines.append(f"chosen: {s['steps']}; switches {s['switches']}, probes {s['probes']}, "
                  f"on from off {s['switches_on']} ({s['behind_at_switch_on']} positions "

@@ -108,6 +108,12 @@ def test_policy_sweep_script_runs(tmp_path: Path, pair: tuple[str, str]) -> None
     assert {"off", "chain2", "chain1"} >= {m for r in chosen for m in r.get("scores", {})}
     last = report["points"][-1]["adaptive"]["runs"][-1]
     assert len(observed) == sum(last["mode_steps"].values())
+    # after each observed step, the engine's record of it: positions caught up (all of the
+    # run's, summed), whether its cycle was launched ahead
+    engine = [r["engine"] for r in trace if "engine" in r]
+    assert len(engine) == len(observed)
+    assert sum(e["caught_up"] for e in engine) == last["catch_up_tokens"]
+    assert all(e["ahead"] in (0, 1) for e in engine)
 
 
 @pytest.mark.slow

@@ -31,6 +31,7 @@ def _trace(tmp_path: Path) -> Path:
         lines.append(rec)
         lines.append({"observed": mode, "b": b, "ms": ms, "mixed": mixed, "chunk": 64 * mixed,
                       "accepted": acc})
+        lines.append({"engine": {"caught_up": behind, "ahead": int(i == 5), "compiled": 0}})
     path = tmp_path / "trace-c4-1.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
     return path
@@ -40,11 +41,13 @@ def test_summary_equals_hand_worked_values(tmp_path: Path) -> None:
     decisions, observed = policy_trace.load(_trace(tmp_path))
     k = policy_trace.kinds(observed)
     assert k["off"] == {"steps": 2, "rows": 4.0, "ms": 10.0, "tokens_per_row": 1.0,
-                        "tok_s": 400.0}
+                        "tok_s": 400.0, "caught_up": 0.0, "ahead": 0.0}
     assert k["off+mixed"]["tok_s"] == pytest.approx(4 / 30.0 * 1e3)
     # chain3: 3 steps, 8 rows, 52 ms, 8 rows + 12 accepted = 20 tokens
+    # the engine's records: 40 + 12 positions caught up over 3 steps, the last launched ahead
     assert k["chain3"] == pytest.approx({"steps": 3, "rows": 8 / 3, "ms": 52 / 3,
-                                         "tokens_per_row": 20 / 8, "tok_s": 20 / 52 * 1e3})
+                                         "tokens_per_row": 20 / 8, "tok_s": 20 / 52 * 1e3,
+                                         "caught_up": 52 / 3, "ahead": 1 / 3})
     s = policy_trace.decisions_summary(decisions)
     assert s == {"steps": {"off": 3, "chain3": 3}, "switches": 3, "probes": 2,
                  "switches_on": 2, "behind_at_switch_on": 52}
