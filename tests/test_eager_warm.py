@@ -134,6 +134,9 @@ def test_shapes_stay_within_the_limits() -> None:
         assert shapes and all(sum(s) <= max_tokens and len(s) <= max_rows for s in shapes)
         # every row count from one to the limit's, doubling, for each query class
         assert [len(s) for s in shapes if s[0] == 1][-1] == min(max_rows, max_tokens)
+    for max_len in (300, 64, 40):  # rows within max_len: the longest a power of two below it
+        shapes = extend_shapes(2048, 16, max_len)
+        assert max(s[0] for s in shapes) == 1 << (max_len.bit_length() - 1)
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +150,9 @@ def test_warm_forwards_write_nothing_the_engine_reads(pair) -> None:
     """The target's and the drafter's warm-up forwards (the engine runs them on a GPU with
     Triton; here on the CPU's torch backend) leave every page the allocator hands out as it
     was and read only K/V they wrote: both write the spare page only, and with every page
-    NaN beforehand their outputs are finite."""
+    NaN beforehand their outputs are finite. With a token budget past max_model_len + 256
+    no row goes past the RoPE tables the CUDA graphs captured (a longer one replaced them,
+    and on a GPU the replays read freed memory: wrong tokens from a speculative engine)."""
     from specserve.config import CacheConfig, SchedulerConfig
     from specserve.llm import LLM
     from specserve.worker.eager_warm import warm_drafters, warm_target
@@ -155,9 +160,14 @@ def test_warm_forwards_write_nothing_the_engine_reads(pair) -> None:
     llm = LLM(pair[0], speculative_config=dict(algorithm="eagle3", draft_model=pair[1],
                                                num_steps=3),
               device="cpu", dtype="float32", cache=CacheConfig(page_size=4, num_pages=64),
-              scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=96))
+              scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=1024,
+                                        max_model_len=24))
     runner, drafter = llm.engine.runner, llm.engine.drafter
     proposers = {d.method: d.proposer for d in drafter.stateful}
+    assert runner.max_positions == 24 + 256 < 512 < 1024  # 512: the model's own table
+    tables = [m.cos_sin_cache for d in [runner.model] + [p.head for p in proposers.values()]
+              for m in d.modules() if hasattr(m, "cos_sin_cache")]
+    assert len(tables) == 2
     outs = []
 
     def recorded(fn):
@@ -170,7 +180,8 @@ def test_warm_forwards_write_nothing_the_engine_reads(pair) -> None:
     for t in pool:
         t.fill_(float("nan"))
     spare = runner.spare_page
-    n = len(extend_shapes(96, 4))
+    n = len(extend_shapes(1024, 4, runner.max_positions))
+    assert n < len(extend_shapes(1024, 4))  # the cap binds: no row of 512 or 1024
     assert warm_target(runner) == n
     assert all(t[:, spare].isfinite().any() for t in pool)  # the target wrote its layers
     assert warm_drafters(runner, proposers) == n
@@ -178,6 +189,9 @@ def test_warm_forwards_write_nothing_the_engine_reads(pair) -> None:
     for t in pool:
         assert t[:, :spare].isnan().all()
         assert t[:, spare].isfinite().any()
+    after = [m.cos_sin_cache for d in [runner.model] + [p.head for p in proposers.values()]
+             for m in d.modules() if hasattr(m, "cos_sin_cache")]
+    assert all(a is b for a, b in zip(after, tables, strict=True))  # the same tensors
 
 
 @pytest.mark.gpu
@@ -231,9 +245,9 @@ def test_engine_start_up_warms_and_serves_as_before(pair, monkeypatch) -> None:
     labels = []
     real = eager_warm.warm_extends
 
-    def counted(run, page, page_size, device, max_tokens, max_rows, label):
+    def counted(run, page, page_size, device, max_tokens, max_rows, label, max_len):
         labels.append(label)
-        return real(run, page, page_size, device, max_tokens, max_rows, label)
+        return real(run, page, page_size, device, max_tokens, max_rows, label, max_len)
 
     monkeypatch.setattr(eager_warm, "warm_extends", counted)
     for mod in (model_runner, spec_worker):

@@ -149,10 +149,19 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(positions, self.inv_freq.float())  # [num_positions, head_dim / 2]
         return torch.cat((freqs.cos(), freqs.sin()), dim=-1) * self.attention_factor
 
+    fixed = False  # set by ensure_rope_capacity: the table CUDA graphs read stays as it is
+
     def ensure_capacity(self, num_positions: int) -> None:
-        """Make positions [0, num_positions) valid (grows by doubling; host-only check)."""
+        """Make positions [0, num_positions) valid (grows by doubling; host-only check). Once
+        fixed, a forward past the table is an error, not a new table that captured graphs
+        would never see (they would replay over the freed old one)."""
         size = self.cos_sin_cache.shape[0]
         if num_positions > size:
+            if self.fixed:
+                raise RuntimeError(
+                    f"a forward reaches position {num_positions - 1}, past the RoPE table's "
+                    f"{size} positions (fixed before CUDA graph capture at max_model_len + "
+                    "256): rows must stay within the runner's max_positions")
             self.cos_sin_cache = self._build(max(num_positions, 2 * size))
 
     def table(self) -> torch.Tensor:
@@ -180,7 +189,10 @@ class RotaryEmbedding(nn.Module):
 
 
 def ensure_rope_capacity(model: nn.Module, num_positions: int) -> None:
-    """Grow every RoPE cache in `model` to cover positions [0, num_positions)."""
+    """Grow every RoPE cache in `model` to cover positions [0, num_positions), then fix it
+    there (graphs captured after this read that table: it must never be replaced)."""
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
+            module.fixed = False
             module.ensure_capacity(num_positions)
+            module.fixed = True

@@ -34,16 +34,21 @@ log = logging.getLogger(__name__)
 QUERY_CLASSES = (1, 2, 4, 8, 16, 32, 64)
 
 
-def extend_shapes(max_tokens: int, max_rows: int) -> list[list[int]]:
+def extend_shapes(max_tokens: int, max_rows: int, max_len: int | None = None) -> list[list[int]]:
     """Query lengths per row of each warm-up forward: per class L (up to max_tokens), one row
     of L followed by 0, 1, 3, 7, ... one-token rows (1, 2, 4, 8, ... rows), up to as many as
     max_rows and max_tokens allow; then the longest class's row doubled on (2L, 4L, ... up
     to max_tokens) beside as many one-token rows as allowed. The grid grows 2x a forward, so
     each KV split count a launch of that class can take (a power of two from the grid:
-    kernels/split_kv.py), and the combine kernel compiled per count, comes up once."""
+    kernels/split_kv.py), and the combine kernel compiled per count, comes up once.
+
+    max_len (default max_tokens): the longest row, the positions a row may reach (the
+    runner's RoPE tables end there: a longer row would grow them after the CUDA graphs
+    captured the old ones, and the replays would read freed memory)."""
+    max_len = max_tokens if max_len is None else max_len
     out = []
     for q in QUERY_CLASSES:
-        if q > max_tokens:
+        if q > min(max_tokens, max_len):
             break
         cap = min(max_rows, max_tokens - q + 1)
         rows = 1
@@ -58,7 +63,7 @@ def extend_shapes(max_tokens: int, max_rows: int) -> list[list[int]]:
     # one-token rows as fit, up to the token budget (at 16 rows, a catch-up over hundreds of
     # positions a row compiled one inside a timed step: H100, the bundled pair at C = 16)
     q = out[-1][0] if out else max_tokens + 1
-    while 2 * q <= max_tokens:
+    while 2 * q <= min(max_tokens, max_len):
         q *= 2
         out.append([q] + [1] * (min(max_rows, max_tokens - q + 1) - 1))
     return out
@@ -66,11 +71,11 @@ def extend_shapes(max_tokens: int, max_rows: int) -> list[list[int]]:
 
 def warm_extends(run: Callable[[list[int], list[list[int]], AttentionMetadata], object],
                  page: int, page_size: int, device: torch.device, max_tokens: int,
-                 max_rows: int, label: str) -> int:
-    """Call run(q_lens, pages, md) over each of extend_shapes(max_tokens, max_rows): every row
-    starts at position 0, its pages all `page`. Returns the forwards run."""
+                 max_rows: int, label: str, max_len: int | None = None) -> int:
+    """Call run(q_lens, pages, md) over each of extend_shapes(max_tokens, max_rows, max_len):
+    every row starts at position 0, its pages all `page`. Returns the forwards run."""
     t0 = time.perf_counter()
-    shapes = extend_shapes(max_tokens, max_rows)
+    shapes = extend_shapes(max_tokens, max_rows, max_len)
     with torch.inference_mode():  # as the engine's steps run (no autograd state, ever)
         for q_lens in shapes:
             pages = [[page] * -(-q // page_size) for q in q_lens]
@@ -93,7 +98,8 @@ def warm_target(runner) -> int:
         runner.forward(torch.zeros_like(positions), positions, md)
 
     return warm_extends(run, runner.spare_page, runner.page_size, runner.device,
-                        sched.max_num_batched_tokens, sched.max_num_seqs, "target")
+                        sched.max_num_batched_tokens, sched.max_num_seqs, "target",
+                        runner.max_positions)
 
 
 def warm_drafters(runner, proposers: dict) -> int:
@@ -116,7 +122,7 @@ def warm_drafters(runner, proposers: dict) -> int:
 
         total += warm_extends(run, page, runner.page_size, runner.device,
                               sched.max_num_batched_tokens, sched.max_num_seqs,
-                              f"drafter {method}")
+                              f"drafter {method}", runner.max_positions)
     return total
 
 
