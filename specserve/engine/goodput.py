@@ -36,6 +36,7 @@ class GoodputModel:
         self.widths = dict(widths or {})
         self.token_budget, self.max_rows = token_budget, max_rows
         self.scale = dict.fromkeys(costs, 1.0)  # measured / tabled step time, per mode
+        self.scaled: set[str] = set()  # the modes whose pure decode steps were measured
         # steps with prefill chunks: their share (decayed) and, per mode, their extra seconds
         # over the decode step (prior: a speculative step runs the chunks in its verify
         # forward, eagerly: a quarter of a small step; a plain step folds them into its
@@ -62,8 +63,27 @@ class GoodputModel:
         self.done_prompt = self.done_output = self.done_n = 0.0
 
     def step_time(self, mode: str | None, batch: int) -> float:
-        row = self.costs["off" if mode is None else mode]
-        return self.scale["off" if mode is None else mode] * _interpolate(row, batch)
+        key = "off" if mode is None else mode
+        return self.scale_of(key) * _interpolate(self.costs[key], batch)
+
+    def scale_of(self, key: str) -> float:
+        """A mode's measured / tabled ratio; for one not measured yet the mean of the measured
+        speculative modes' (a speculative one) or of all measured (off), else 1: on a
+        host-bound model every step runs 2-3x the table, and an unmeasured mode left at 1
+        looks 2-3x cheaper than it is."""
+        if key in self.scaled or not self.scaled:
+            return self.scale[key]
+        kin = [m for m in self.scaled if m != "off"] if key != "off" else []
+        pool = kin or sorted(self.scaled)
+        return sum(self.scale[m] for m in pool) / len(pool)
+
+    def learn_scale(self, key: str, ratio: float) -> None:
+        """One pure decode step's measured / tabled ratio into the mode's decayed scale (the
+        first from scale_of's borrowed value, not from 1)."""
+        if key not in self.scaled:
+            self.scale[key] = self.scale_of(key)
+            self.scaled.add(key)
+        self.scale[key] += self.rescale * (ratio - self.scale[key])
 
     def mixed_line(self, kind: str) -> tuple[float, float]:
         """(fixed seconds, seconds per chunk token) of a mixed step of `kind` over its decode
