@@ -5,6 +5,8 @@ all the rows and multiplied in fp32 without tensor cores."""
 
 from __future__ import annotations
 
+import os
+
 from specserve.kernels.dispatch import jit, tl
 from specserve.kernels.gemm_split import store_tile
 from specserve.kernels.w4_decode import _scales
@@ -54,6 +56,27 @@ def int4_code(low, high, nibble, J: tl.constexpr):
     return bits.to(tl.float32, bitcast=True) - ((1 << (23 - P)) + 8)
 
 
+# Under the interpreter (CPU tests) no PTX: the halves are moved out in Triton ops instead.
+# Compiled (a GPU, or the sm_90 compile-only check), one cvt.f32.f16 per half, reading it
+# where it lies (sm_90: HADD2.F32 on .H0 / .H1; Triton's int16 casts emitted PRMT and IMAD
+# moves first: 430 instructions a 64x128 one-row step, against INT4's 287).
+HALVES_PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1") if tl else None
+
+
+@jit
+def f16_halves(bits):
+    """The two fp16 halves of 32-bit words as fp32 (low, high), exactly (fp16 subnormals
+    are fp32 normals)."""
+    if HALVES_PTX:
+        low, high = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }",
+            "=r,=r,r", [bits], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+    else:
+        low = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        high = (bits >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return low, high
+
+
 @jit
 def e2m1_pair(packed, J: tl.constexpr):
     """NVFP4 nibbles J and J + 4 (J < 4) of the packed words as fp32, each its e2m1 value times
@@ -72,9 +95,7 @@ def e2m1_pair(packed, J: tl.constexpr):
     else:
         sign = packed
     bits = (mag & 0x0E000E00) | (sign & 0x80008000)
-    low = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    high = (bits >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return low, high
+    return f16_halves(bits)
 
 
 @jit
