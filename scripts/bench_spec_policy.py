@@ -133,7 +133,9 @@ def sweep(engine, args, levels: list[int], modes: list[str], rate: float, comm: 
                         path.write_text("".join(json.dumps(r) + "\n" for r in pol.trace))
                         pol.trace = None
                     runs[name][-1]["learnt"] = {
-                        "steps": pol.steps, "switch_steps": dict(pol.switch_steps), "scale": dict(pol.scale),
+                        "steps": pol.steps, "switch_steps": dict(pol.switch_steps),
+                        # measured / tabled step time (a mode not measured: what it borrows)
+                        "scale": {m: pol.scale_of(m) for m in pol.scale},
                         "mixed_share": pol.mixed_share,
                         "mixed_extra_ms": {m: t * 1e3 for m, t in pol.mixed_extra.items()},
                         # prompt tokens per emitted token; per kind (fixed ms, us a token)
