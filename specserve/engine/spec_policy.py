@@ -104,6 +104,7 @@ class AdaptivePolicy(GoodputModel):
         # chain1 ran 1.10x plain)
         self.family_run = dict.fromkeys(self.families, -1)
         self.mode_run: dict[str, int] = {}  # step each mode last ran (observed)
+        self.tried: set[str] = set()  # modes given a trial dwell (see _trial)
         self.last_scores: dict[str, float] = {}
         self.scored_at, self.scored_ids = -1, []  # the step (and requests) last scored
         self._prev: str | None = None  # the last observed step's mode ("off" for off)
@@ -212,6 +213,23 @@ class AdaptivePolicy(GoodputModel):
                 best = scores[mode], mode
         return None if best is None else best[1]
 
+    def _trial(self, scores: dict[str, float], key: str) -> str | None:
+        """A speculative mode worth a dwell of its own: one whose
+        pure steps were never measured (its step time is the start-up table's times a
+        borrowed ratio), scoring within `probe_margin` of the current mode, given one trial
+        in the policy's life, and only where the modes measured so far ran off their table
+        by ratios more than `probe_margin` apart (else the borrowed ratio is a fair guess: on
+        the 8B shape every ratio is 1.0-1.05). A probe's one step is a switch, which teaches the switch cost,
+        not the mode's step time: a mode whose table overstates it (the bundled pair at C=1
+        on an H100: chain 3 ran 0.6 ms a step against its table's 0.8, the tree 0.8 against
+        0.9) would never run, while the tree it trailed ran at 0.80x of it."""
+        seen = [self.scale[m] for m in self.scaled]
+        if len(seen) < 2 or max(seen) < (1.0 + self.probe_margin) * min(seen):
+            return None  # the table's error the same for every mode seen: a fair guess
+        fresh = [m for m in self.modes if m != key and m not in self.scaled
+                 and m not in self.tried and scores[m] >= (1.0 - self.probe_margin) * scores[key]]
+        return max(fresh, key=scores.get) if fresh else None
+
     def choose(self, decoding: list[str], others: int = 0, behind: int = 0) -> str | None:
         mode = self._choose(decoding, others, behind)
         if self.trace is not None:
@@ -281,6 +299,10 @@ class AdaptivePolicy(GoodputModel):
         if best != key and settled and self._pays(key, best, scores, b):
             self.since_switch, self.switch_batch = 0, b
             self.current = None if best == "off" else best
+        elif self.since_switch >= self.dwell and (trial := self._trial(scores, key)):
+            self.tried.add(trial)
+            self.since_switch, self.switch_batch = 0, b
+            self.current = trial
         return self.current
 
     def observe(self, mode: str | None, accepted: dict[str, int], seconds: float | None,
