@@ -271,6 +271,22 @@ def _simulate(policy, rate: float, steps: int, switch_cost: dict[str, float],
     return tokens / seconds
 
 
+def _static_rates(rate: float, cost: dict, batch: list[str], costs: dict,
+                  seed: int = 0) -> dict[str, float]:
+    """_simulate's tokens per second of off and of each MIX mode held for 2000 steps."""
+    class Fixed:
+        def __init__(self, mode: str | None) -> None:
+            self.mode = mode
+
+        def choose(self, _b):
+            return self.mode
+
+        def observe(self, *_a, **_k):
+            pass
+    return {mode or "off": _simulate(Fixed(mode), rate, 2000, cost, batch, costs, seed=seed)
+            for mode in [None, *MIX]}
+
+
 MIX = {"chain3": (1, 3), "chain1": (1, 1), "chain2": (1, 2), "tree": (4, 3)}
 # the H100 start-up table of the 8B shape at batch 1 and 32 (ms)
 MIX_COSTS = {"off": {1: 6.68, 32: 6.90}, "chain3": {1: 8.26, 32: 9.41},
@@ -286,15 +302,7 @@ def test_policy_goodput_in_a_model_engine_with_costly_switches(rate: float, batc
     of before, which rescaled its table with the switch steps, missed in 2 of these 5)."""
     rids = [f"r{i}" for i in range(batch)]
     cost = {"on": 6.0, "off": 1.0, "mode": 1.0}
-    static = {}
-    for mode in [None, *MIX]:
-        class Fixed:
-            def choose(self, _b, mode=mode):
-                return mode
-
-            def observe(self, *_a, **_k):
-                pass
-        static[mode or "off"] = _simulate(Fixed(), rate, 2000, cost, rids, MIX_COSTS)
+    static = _static_rates(rate, cost, rids, MIX_COSTS)
     policy = AdaptivePolicy(MIX, {m: {b: t / 1e3 for b, t in r.items()}
                                   for m, r in MIX_COSTS.items()})
     ms_costs = {m: {b: t / 1e3 for b, t in r.items()} for m, r in MIX_COSTS.items()}
@@ -372,15 +380,7 @@ def test_a_mode_its_table_overstates_gets_a_trial(seed: int) -> None:
     every seed (without the trials: 0.68-0.70 at three of these four)."""
     real = {m: {b: t * PAIR_RATIO[m] / 1e3 for b, t in r.items()} for m, r in PAIR_TABLE.items()}
     cost = {"on": 2.0, "off": 1.0, "mode": 1.0}
-    static = {}
-    for mode in [None, *MIX]:
-        class Fixed:
-            def choose(self, _b, mode=mode):
-                return mode
-
-            def observe(self, *_a, **_k):
-                pass
-        static[mode or "off"] = _simulate(Fixed(), 0.6, 2000, cost, ["r0"], real, seed=seed)
+    static = _static_rates(0.6, cost, ["r0"], real, seed)
     assert max(static, key=static.get) == "chain3"
     policy = AdaptivePolicy(MIX, {m: {b: t / 1e3 for b, t in r.items()}
                                   for m, r in PAIR_TABLE.items()})
