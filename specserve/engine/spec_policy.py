@@ -214,12 +214,12 @@ class AdaptivePolicy(GoodputModel):
         return None if best is None else best[1]
 
     def _trial(self, scores: dict[str, float], key: str) -> str | None:
-        """A speculative mode worth a dwell of its own: one whose
-        pure steps were never measured (its step time is the start-up table's times a
-        borrowed ratio), scoring within `probe_margin` of the current mode, given one trial
-        in the policy's life, and only where the modes measured so far ran off their table
-        by ratios more than `probe_margin` apart (else the borrowed ratio is a fair guess: on
-        the 8B shape every ratio is 1.0-1.05). A probe's one step is a switch, which teaches the switch cost,
+        """A speculative mode worth a dwell of its own: one whose pure steps were never
+        measured (its step time is the start-up table's times a borrowed ratio), scoring
+        within `probe_margin` of the current mode, given one trial in the policy's life, and
+        only where the modes measured so far ran off their table by ratios more than
+        `probe_margin` apart (else the borrowed ratio is a fair guess: on the 8B shape every
+        ratio is 1.0-1.05). A probe's one step is a switch, which teaches the switch cost,
         not the mode's step time: a mode whose table overstates it (the bundled pair at C=1
         on an H100: chain 3 ran 0.6 ms a step against its table's 0.8, the tree 0.8 against
         0.9) would never run, while the tree it trailed ran at 0.80x of it."""
