@@ -73,8 +73,9 @@ class GoodputModel:
         looks 2-3x cheaper than it is."""
         if key in self.scaled or not self.scaled:
             return self.scale[key]
-        kin = [m for m in self.scaled if m != "off"] if key != "off" else []
-        pool = kin or sorted(self.scaled)
+        seen = [m for m in self.scale if m in self.scaled]  # table order: a set's varies
+        kin = [m for m in seen if m != "off"] if key != "off" else []
+        pool = kin or seen
         return sum(self.scale[m] for m in pool) / len(pool)
 
     def learn_scale(self, key: str, ratio: float) -> None:
