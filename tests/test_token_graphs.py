@@ -147,15 +147,19 @@ def test_speculative_chunks_through_token_buckets(tmp_path, accept: str, off: bo
             runner = llm.engine.runner
             runner.token_graphs = eager_token_graphs(runner, max_tokens=64, max_rows=8)
             runner.token_graphs.add_variant("features", llm.engine.drafter._features_forward)
+            assert llm.engine.drafter.proposer.graph_extends(64, 8, capture=False)
         states = _states_after_each_step(llm)
         outs = [o.token_ids for o in llm.generate(prompts, params)]
         runs[graphed] = outs, states, llm.engine.drafter.counters
+    extends = llm.engine.drafter.proposer.extend_graphs
     (outs, states, c), (outs2, states2, c2) = runs[False], runs[True]
     assert outs2 == outs and c2.accepted_per_pos == c.accepted_per_pos
     if off:
         assert c.num_catch_ups > 3 and c2.num_catch_up_tokens == c.num_catch_up_tokens
     assert c2.num_chunks_in_verify == c.num_chunks_in_verify > 5
     assert llm.engine.runner.token_graphs.replays["features"] > c.num_chunks_in_verify
+    # the drafter's extends over chunks (and catch-ups) went through its own buckets
+    assert extends.replays > 10 + (c.num_catch_ups if off else 0), extends.replays
     assert states.keys() == states2.keys() and len(states) > 50
     for key, row in states.items():
         torch.testing.assert_close(states2[key], row, rtol=1e-5, atol=1e-5)
@@ -189,7 +193,8 @@ def test_captured_token_graphs_equal_eager(dtype: str) -> None:
 def test_captured_token_graphs_with_speculation(tmp_path) -> None:
     """EAGLE-3 chain on CUDA (fp32, tiny pair): captured plain and feature variants (prompt
     chunks feeding the drafter, chunks in the verify forward: "always"; chunks in a forward
-    of their own beside the captured cycle: "auto") give plain decoding's tokens."""
+    of their own beside the captured cycle: "auto") and the drafter's captured extends give
+    plain decoding's tokens."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     from test_spec_fold import _workload
@@ -212,7 +217,9 @@ def test_captured_token_graphs_with_speculation(tmp_path) -> None:
             got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
             replays = dict(llm.engine.runner.token_graphs.replays)
             chunks = llm.engine.drafter.counters.num_chunks_in_verify
+            extends = llm.engine.drafter.proposer.extend_graphs.replays
         assert got == ref, along
+        assert extends > 3, extends  # the prompts' chunks fed the drafter through its graphs
         if along == "always":
             assert chunks > 3 and replays["features"] > chunks, (replays, chunks)
         else:  # the cycles replay their graphs: the chunks went through token graphs alone

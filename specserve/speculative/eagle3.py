@@ -27,6 +27,7 @@ from specserve.layers.rotary import ensure_rope_capacity
 from specserve.models.capture import default_aux_layer_ids, find_embedding_and_head
 from specserve.models.eagle3 import Eagle3Head, load_eagle3_head
 from specserve.speculative.cycle import kv_slots
+from specserve.speculative.extend_graphs import ExtendGraphs
 from specserve.speculative.features import bind_draft_layers
 from specserve.speculative.proposer import DraftShape
 from specserve.speculative.tree import DraftTree, TreeAccumulator
@@ -82,6 +83,7 @@ def resolve_aux_layer_ids(head_cfg: ModelConfig, convention: str,
 class Eagle3Proposer:
     needs_target_features = True
     keeps_state = True
+    extend_graphs: ExtendGraphs | None = None  # `extend` through CUDA graphs (graph_extends)
 
     def __init__(self, spec: SpecConfig, runner) -> None:  # runner: ModelRunner
         self.runner = runner
@@ -193,6 +195,16 @@ class Eagle3Proposer:
         return y.gather(1, last).squeeze(1)
 
     # -- outside the cycle ---------------------------------------------------------------------
+    def graph_extends(self, max_tokens: int, max_rows: int, capture: bool = True) -> bool:
+        """Capture `extend` per token bucket up to max_tokens over max_rows rows
+        (speculative/extend_graphs.py); False where the head's attention does not take them."""
+        if not ExtendGraphs.fits(self.head):
+            return False
+        width = len(self.aux_layer_ids) * self.runner.model_config.hidden_size
+        self.extend_graphs = ExtendGraphs(self._head, self.runner, self.head, width, max_tokens,
+                                          max_rows, capture)
+        return True
+
     def extend(self, starts: list[int], page_tables: list[list[int]],
                next_tokens: list[list[int]], feats: torch.Tensor | None) -> torch.Tensor:
         """Draft KV over positions [start, start + m) of each row with pairs (feature f_i,
@@ -200,10 +212,13 @@ class Eagle3Proposer:
         assert feats is not None
         runner = self.runner
         q_lens = [len(t) for t in next_tokens]
+        ends = runner.tensor(q_lens).cumsum(0) - 1
+        if self.extend_graphs is not None:
+            y = self.extend_graphs.run(starts, page_tables, next_tokens, feats)
+            if y is not None:
+                return y.index_select(0, ends)
         md = build_attention_metadata(q_lens, [a + q for a, q in zip(starts, q_lens)],
                                       page_tables, runner.page_size, runner.device)
         ids = runner.tensor([t for row in next_tokens for t in row])
         positions = runner.tensor([a + i for a, q in zip(starts, q_lens) for i in range(q)])
-        y = self._head(ids, positions, feats, md)
-        ends = runner.tensor(q_lens).cumsum(0) - 1
-        return y.index_select(0, ends)
+        return self._head(ids, positions, feats, md).index_select(0, ends)

@@ -14,9 +14,8 @@ Each step, per row (StepInput.speculate says which rows may speculate this step)
   - a step in which no row may speculate is the runner's plain step (decode graphs and decode
     overlap, no draft forward); the tokens it runs past each request's covered prefix are
     recorded (host ints), and before that request speculates again the proposer is caught
-    up over them: one target forward that writes no KV (its KV is already there) gives the
-    features, then `Proposer.extend`. The catch-up costs a prefill of the tokens made while
-    off, paid once, and nothing while off.
+    up over them: a target forward writing no KV (it is there) gives the features, then
+    `Proposer.extend` (both through token graphs where captured): one prefill of them.
 Prefix caching: a row marked `from_cache` starts at the end of a cached prefix whose draft KV
 is in the pages already (cached with the target's, under keys that cover it): the proposer
 covers [0, start) at once and the row's chunk feeds it (or is caught up) like any other; its
@@ -28,8 +27,8 @@ Several drafters: the worker may hold a primary proposer plus extra model-free o
 every other proposer B that keeps state, like a plain step: B records the tokens whose target
 KV became valid (root and accepted drafts, positions P .. P + m - 1) and catches up before it
 next speculates. The pages' draft KV is valid up to the minimum over the proposers.
-The only device-to-host copy of a speculative step is the emitted tokens with each row's chain
-run (plus the sampled tokens of prefill chunks, when a step has any).
+A speculative step's only device-to-host copy: the emitted tokens with each row's chain run
+(and prefill chunks' sampled tokens).
 """
 
 from __future__ import annotations
@@ -48,6 +47,7 @@ from specserve.speculative.catch_up import catch_up
 from specserve.speculative.cycle import SpecCycle
 from specserve.speculative.cycle_runner import CycleRunner
 from specserve.speculative.draft_state import DraftState
+from specserve.speculative.extend_graphs import graph_extends
 from specserve.speculative.features import FeatureView
 from specserve.speculative.mixed import ChunksInVerify, takes_trees
 from specserve.speculative.plain_rows import target_rows
@@ -98,8 +98,7 @@ class SpecWorker:
                  extra: dict[str, Proposer] | None = None) -> None:
         """proposer: the primary drafter (spec.algorithm); extra: method -> a drafter of the
         modes spec.modes prefixes with it (needing no target features)."""
-        self.spec = spec
-        self.runner = runner  # ModelRunner
+        self.spec, self.runner = spec, runner  # runner: ModelRunner
         self.proposer = proposer
         self.method = spec.algorithm
         self.proposers: dict[str, Proposer] = {self.method: proposer, **(extra or {})}
@@ -127,6 +126,7 @@ class SpecWorker:
                           for m, p in readers.items()}
             if getattr(runner, "token_graphs", None) is not None:  # chunks that feed them
                 runner.token_graphs.add_variant("features", self._features_forward)
+                graph_extends(runner, [d.proposer for d in self.stateful], self.catch_up_tokens)
         self.modes: dict[str, DraftMode] = {}
         t0, mem0 = time.perf_counter(), _device_memory(runner.device)
         for method, p in self.proposers.items():
@@ -143,8 +143,9 @@ class SpecWorker:
             log.info("speculative graphs: %d for modes %s in %.1f s, %.0f MiB of device memory",
                      self.num_graphs, ", ".join(self.modes), time.perf_counter() - t0,
                      (_device_memory(runner.device) - mem0) / 2**20)
-        if warms(runner):  # catch-ups' eager extends compile now, not inside a step
-            warm_drafters(runner, {d.method: d.proposer for d in self.stateful})
+        if warms(runner):  # eager extends (no graphs) compile now, not inside a step
+            warm_drafters(runner, {d.method: d.proposer for d in self.stateful
+                                   if getattr(d.proposer, "extend_graphs", None) is None})
         default = next(iter(self.modes.values()))  # the configured shape
         self.default_mode = default.shape.name
         self.shape, self.cycle, self.cycles = default.shape, default.cycle, default.cycles

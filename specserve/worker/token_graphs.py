@@ -105,9 +105,10 @@ class TokenGraphs:
                                          torch.Tensor],
                  max_tokens: int, max_rows: int, max_pages: int, max_positions: int,
                  group: int, num_kv_heads: int, page_size: int, spare_page: int,
-                 device: torch.device, capture: bool = True) -> None:
+                 device: torch.device, capture: bool = True, name: str = "plain") -> None:
         """forward(ids [T], positions [T], md) -> hidden [T, H]: the runner's forward (its
-        context set). capture False: no graphs; `run` calls forward over the padded buffers."""
+        context set), the first variant, `name`. capture False: no graphs; `run` calls
+        forward over the padded buffers."""
         self.page_size, self.max_positions = page_size, max_positions
         self.buckets = token_buckets(max_tokens)
         self.batches: dict[int, TokenBatch] = {}
@@ -143,7 +144,7 @@ class TokenGraphs:
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[str, int], tuple[torch.Tensor, ...]] = {}
         self.replays: dict[str, int] = {}  # steps run through the buckets, per variant
-        self.add_variant("plain", forward)
+        self.add_variant(name, forward)
 
     def add_variant(self, name: str, fn: Callable[..., object]) -> None:
         """Another function of the buckets' inputs, fn(ids, positions, md) -> a tensor or a
