@@ -215,7 +215,8 @@ def test_suffix_indexes_the_tokens_of_a_cached_prefix(workload) -> None:
 
 def test_cost_table_times_the_suffix_host_trees(monkeypatch: pytest.MonkeyPatch) -> None:
     """The adaptive policy's start-up table charges suffix modes the host tree building every
-    step does (here slowed to 30 ms a call): each suffix entry >= 30 ms, plain well below;
+    step does (here slowed to 100 ms a call, well above a plain step even on a loaded CI
+    box, where one took 31 ms): each suffix entry >= 100 ms, plain below;
     the profiled rows had a history behind them (full trees were built) and leave no
     per-request state or output-cache entry."""
     import time
@@ -226,7 +227,7 @@ def test_cost_table_times_the_suffix_host_trees(monkeypatch: pytest.MonkeyPatch)
     host_states = SuffixProposer.host_states
 
     def slow(self, shape, rows):
-        time.sleep(0.03)
+        time.sleep(0.1)
         out = host_states(self, shape, rows)
         built.append(int((out[:, : shape.num_draft_tokens - 1] != 0).sum()))
         return out
@@ -240,8 +241,8 @@ def test_cost_table_times_the_suffix_host_trees(monkeypatch: pytest.MonkeyPatch)
     table = engine.spec_cost_table
     assert set(table) == {"off", "tree2x3x6", "chain2"}
     for mode in ("tree2x3x6", "chain2"):
-        assert all(t >= 0.03 for t in table[mode].values()), table
-    assert all(t < 0.03 for t in table["off"].values()), table
+        assert all(t >= 0.1 for t in table[mode].values()), table
+    assert all(t < 0.1 for t in table["off"].values()), table
     assert built and min(built) > 0, "no tree drafted from the profiled histories"
     proposer = engine.drafter.proposer
     assert not proposer.requests and not proposer.base and not proposer.output_start
