@@ -263,7 +263,7 @@ class _StatefulRepeat(RepeatProposer):
         super().__init__(runner)
         self.device = runner.device
 
-    def extend(self, starts, page_tables, next_tokens, feats) -> torch.Tensor:
+    def extend(self, starts, page_tables, next_tokens, feats, last=None) -> torch.Tensor:
         return torch.zeros(len(starts), 0, dtype=self.state_dtype, device=self.device)
 
 

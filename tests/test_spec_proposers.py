@@ -86,6 +86,7 @@ class RepeatProposer:
         page_tables: list[list[int]],
         next_tokens: list[list[int]],
         feats: torch.Tensor | None,
+        last: torch.Tensor | None = None,
     ) -> torch.Tensor:
         raise AssertionError("a proposer without state is never fed")
 

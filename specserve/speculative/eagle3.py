@@ -206,19 +206,23 @@ class Eagle3Proposer:
         return True
 
     def extend(self, starts: list[int], page_tables: list[list[int]],
-               next_tokens: list[list[int]], feats: torch.Tensor | None) -> torch.Tensor:
+               next_tokens: list[list[int]], feats: torch.Tensor | None,
+               last: torch.Tensor | None = None) -> torch.Tensor:
         """Draft KV over positions [start, start + m) of each row with pairs (feature f_i,
-        token t_{i+1}); returns the head's output at each row's last position [bs, H]."""
+        token t_{i+1}); returns the head's output at each row's last position [bs, H].
+        last [bs] (device): each row's final t_{i+1}, over the host's."""
         assert feats is not None
         runner = self.runner
         q_lens = [len(t) for t in next_tokens]
         ends = runner.tensor(q_lens).cumsum(0) - 1
         if self.extend_graphs is not None:
-            y = self.extend_graphs.run(starts, page_tables, next_tokens, feats)
+            y = self.extend_graphs.run(starts, page_tables, next_tokens, feats, last)
             if y is not None:
                 return y.index_select(0, ends)
         md = build_attention_metadata(q_lens, [a + q for a, q in zip(starts, q_lens)],
                                       page_tables, runner.page_size, runner.device)
         ids = runner.tensor([t for row in next_tokens for t in row])
+        if last is not None:
+            ids = ids.index_copy(0, ends, last)
         positions = runner.tensor([a + i for a, q in zip(starts, q_lens) for i in range(q)])
         return self._head(ids, positions, feats, md).index_select(0, ends)

@@ -65,7 +65,8 @@ class ExtendGraphs:
         return self.graphs.replays[VARIANT]
 
     def run(self, starts: list[int], page_tables: list[list[int]],
-            next_tokens: list[list[int]], feats: torch.Tensor | None) -> torch.Tensor | None:
+            next_tokens: list[list[int]], feats: torch.Tensor | None,
+            last: torch.Tensor | None = None) -> torch.Tensor | None:
         """The head's output [t, H] over Proposer.extend's arguments (t tokens: a view of the
         graph's buffer, valid until the next replay), or None where no bucket holds them."""
         q_lens = np.array([len(t) for t in next_tokens], dtype=np.int64)
@@ -79,7 +80,9 @@ class ExtendGraphs:
         first = np.asarray(starts, dtype=np.int64)
         positions = np.repeat(first - np.cumsum(q_lens) + q_lens, q_lens) + np.arange(t)
         table = page_array(page_tables, self.runner.spare_page)
-        return self.graphs.run(ids, positions, q_lens, first + q_lens, table, VARIANT)[0]
+        at = None if last is None else (self.runner.tensor(np.cumsum(q_lens) - 1), last)
+        return self.graphs.run(ids, positions, q_lens, first + q_lens, table, VARIANT,
+                               ids_at=at)[0]
 
 
 def graph_extends(runner, proposers: list, max_tokens: int) -> None:  # noqa: ANN001

@@ -108,8 +108,9 @@ class TokenHistory:
         self.device = runner.device
 
     def write_host(self, starts: list[int], page_tables: list[list[int]],
-                   next_tokens: list[list[int]]) -> None:
-        """Positions starts[r] .. starts[r] + len(next_tokens[r]) - 1 of row r get its tokens."""
+                   next_tokens: list[list[int]], last: torch.Tensor | None = None) -> None:
+        """Positions starts[r] .. starts[r] + len(next_tokens[r]) - 1 of row r get its tokens
+        (last [rows], on the device: each row's final token, over the host's)."""
         ps = self.page_size
         slots = [
             pages[p // ps] * ps + p % ps
@@ -117,9 +118,12 @@ class TokenHistory:
             for p in range(a, a + len(toks))
         ]
         if slots:
-            values = [t for toks in next_tokens for t in toks]
-            self.tokens[torch.tensor(slots, device=self.device)] = torch.tensor(
-                values, dtype=torch.long, device=self.device)
+            values = torch.tensor([t for toks in next_tokens for t in toks], dtype=torch.long,
+                                  device=self.device)
+            if last is not None:
+                ends = torch.tensor([len(t) for t in next_tokens], device=self.device).cumsum(0)
+                values.index_copy_(0, ends - 1, last)
+            self.tokens[torch.tensor(slots, device=self.device)] = values
 
     def write_emitted(self, result: VerifyResult, window: torch.Tensor,
                       valid: torch.Tensor) -> None:
@@ -194,8 +198,9 @@ class NgramProposer:
         return torch.zeros(root_pos.shape[0], 0, dtype=self.state_dtype, device=root_pos.device)
 
     def extend(self, starts: list[int], page_tables: list[list[int]],
-               next_tokens: list[list[int]], feats: torch.Tensor | None) -> torch.Tensor:
-        self.history.write_host(starts, page_tables, next_tokens)
+               next_tokens: list[list[int]], feats: torch.Tensor | None,
+               last: torch.Tensor | None = None) -> torch.Tensor:
+        self.history.write_host(starts, page_tables, next_tokens, last)
         return torch.zeros(len(starts), 0, dtype=self.state_dtype, device=self.history.device)
 
     def release(self, request_id: str) -> None:

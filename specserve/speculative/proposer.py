@@ -136,12 +136,14 @@ class Proposer(Protocol):
         page_tables: list[list[int]],
         next_tokens: list[list[int]],
         feats: torch.Tensor | None,
+        last: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Fold positions [starts[r], starts[r] + m_r) into each row's state, with
         next_tokens[r] the m_r tokens that follow them (t_{i+1} for position i), page_tables
         the rows' pages and feats [sum m_r, F] the target's features at those positions
-        (None unless needs_target_features). Returns each row's new state [bs, state_dim]
-        (after its last position)."""
+        (None unless needs_target_features); last [bs] (device, optional): each row's final
+        next token, which replaces the host's (a token sampled this step, not read yet).
+        Returns each row's new state [bs, state_dim] (after its last position)."""
         ...
 
     def release(self, request_id: str) -> None:

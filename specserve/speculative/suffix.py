@@ -136,5 +136,6 @@ class SuffixProposer:
                            device=root_pos.device)
 
     def extend(self, starts: list[int], page_tables: list[list[int]],
-               next_tokens: list[list[int]], feats: torch.Tensor | None) -> torch.Tensor:
+               next_tokens: list[list[int]], feats: torch.Tensor | None,
+               last: torch.Tensor | None = None) -> torch.Tensor:
         raise AssertionError("a proposer without state is never fed")

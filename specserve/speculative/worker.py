@@ -320,7 +320,7 @@ class SpecWorker:
         rows = step.select(decodes) if decodes else None
         # the cycle's verify forward takes the prefill chunks along (speculative/mixed.py),
         # unless this step's cycle was launched ahead already (its verify is on the device)
-        chunks = None
+        chunks = finish = None  # finish: the plain rows' outputs, read after the cycle's launch
         # a chain's nodes and the chunks in one causal attention (in exact mode too: a causal
         # extend's rows equal decodes of their tokens); a tree's under SplitMetadata
         causal = mode.shape.topk == 1
@@ -331,7 +331,7 @@ class SpecWorker:
                                     self.views.get(mode.method), causal)
             self.counters.num_chunks_in_verify += 1
         elif others:
-            self._target_rows(step.select(others), others, tokens, logprobs, prompt_lps)
+            finish = target_rows(self, step.select(others), others, tokens, logprobs, prompt_lps)
         if rows is not None:
             self._catch_up(mode.draft, rows)
             draft = mode.draft
@@ -343,8 +343,8 @@ class SpecWorker:
                 forward=chunks
             )
             if chunks is not None:
-                self._target_rows(chunks.chunks, others, tokens, logprobs, prompt_lps,
-                                  ran=(chunks.batch, chunks.hidden, chunks.feats))
+                target_rows(self, chunks.chunks, others, tokens, logprobs, prompt_lps,
+                            ran=(chunks.batch, chunks.hidden, chunks.feats))()
             proposed = mode.shape.num_draft_tokens - 1
             roots = rows.token_ids.tolist()  # one token per decode row
             for j, (i, rid) in enumerate(zip(decodes, rows.request_ids)):
@@ -360,6 +360,8 @@ class SpecWorker:
                 self._count(mode.method, m - 1, proposed)
         else:
             mode.cycles.discard_launched()
+        if finish is not None:
+            finish()
         self._observe(step, tokens)
         return StepOutput(tokens, computed, drafted, self._draft_computed(step), logprobs,
                           prompt_lps, runs if mode.shape.topk > 1 and rows is not None else None)
@@ -372,11 +374,6 @@ class SpecWorker:
         feats = self.capture.pop()
         self.capture.disable()
         return hidden, feats
-
-    def _target_rows(self, rows: StepInput, index: list[int], tokens: list[list[int]],
-                     logprobs: list | None, prompt_lps: list | None,
-                     ran: tuple | None = None) -> None:
-        target_rows(self, rows, index, tokens, logprobs, prompt_lps, ran)
 
     def _catch_up(self, d: DraftState, rows: StepInput) -> None:
         """Bring drafter d of rows whose state went stale (plain steps, other drafters'

@@ -195,9 +195,11 @@ class TokenGraphs:
 
     def load(self, t: int, ids: np.ndarray, positions: np.ndarray, q_lens: np.ndarray,
              seq_lens: np.ndarray, table: np.ndarray, tail_ids: torch.Tensor | None = None,
-             write_kv: bool = True) -> None:
+             write_kv: bool = True,
+             ids_at: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Bucket t's buffers <- the step's padded inputs (host to device, no sync);
-        tail_ids: the last len(tail_ids) token ids, on the device (ids holds placeholders)."""
+        tail_ids: the last len(tail_ids) token ids, on the device (ids holds placeholders);
+        ids_at: (indices, ids) on the device, written over those token indices likewise."""
         arrays = self.batches[t].arrays(ids, positions, q_lens, seq_lens, table, self.page_size,
                                         write_kv)
         if self._copied is not None:
@@ -218,10 +220,13 @@ class TokenGraphs:
         if tail_ids is not None:
             n, end = tail_ids.numel(), len(ids)
             self.buf["tok"][0, end - n : end].copy_(tail_ids.reshape(-1))
+        if ids_at is not None:
+            self.buf["tok"][0].index_copy_(0, *ids_at)
 
     def run(self, ids: np.ndarray, positions: np.ndarray, q_lens: np.ndarray,
             seq_lens: np.ndarray, table: np.ndarray, variant: str = "plain",
-            tail_ids: torch.Tensor | None = None, write_kv: bool = True
+            tail_ids: torch.Tensor | None = None, write_kv: bool = True,
+            ids_at: tuple[torch.Tensor, torch.Tensor] | None = None
             ) -> tuple[torch.Tensor, ...] | None:
         """The variant's outputs over the step's t tokens (each [t, ...], views of the graph's
         output buffers, valid until the next replay) through its bucket's graph, or None
@@ -230,7 +235,7 @@ class TokenGraphs:
         t = self.bucket(len(ids), len(q_lens))
         if t is None:
             return None
-        self.load(t, ids, positions, q_lens, seq_lens, table, tail_ids, write_kv)
+        self.load(t, ids, positions, q_lens, seq_lens, table, tail_ids, write_kv, ids_at)
         self.replays[variant] += 1
         graph = self.graphs.get((variant, t))
         if graph is None:
