@@ -257,3 +257,22 @@ def test_chunks_ride_along_unless_both_forwards_replay_graphs(tmp_path) -> None:
         assert not worker.chunks_ride_along(mode(False), None, chunks)
     finally:
         llm.close()
+
+
+def test_extend_graphs_cover_the_budget_or_the_eager_extends_warm(tmp_path) -> None:
+    """A drafter whose extend graphs hold the scheduler's budget skips the eager warm-up of its
+    extends; graphs smaller than the budget (--cuda-graph-max-tokens below it) leave the
+    eager path for the rest, so it warms."""
+    from test_spec_fold import _llm
+    from tiny_eagle import make_tiny_pair
+
+    from specserve.speculative.extend_graphs import covers
+
+    llm = _llm(make_tiny_pair(tmp_path), "cpu", 64)
+    try:
+        proposer = llm.engine.drafter.proposer
+        assert proposer.extend_graphs is None and not covers(proposer, 1)  # CPU: none
+        assert proposer.graph_extends(64, 8, capture=False)
+        assert covers(proposer, 64) and not covers(proposer, 65)
+    finally:
+        llm.close()

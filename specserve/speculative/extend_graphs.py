@@ -93,3 +93,10 @@ def graph_extends(runner, proposers: list, max_tokens: int) -> None:  # noqa: AN
     for p in proposers:
         if hasattr(p, "graph_extends"):
             p.graph_extends(tokens, runner.config.scheduler.max_num_seqs)
+
+
+def covers(proposer, max_tokens: int) -> bool:  # noqa: ANN001
+    """Whether the proposer's extend graphs hold every extend of up to max_tokens tokens (the
+    scheduler's budget: prefill chunks and catch-up pieces); else some run eagerly."""
+    graphs = getattr(proposer, "extend_graphs", None)
+    return graphs is not None and graphs.graphs.buckets[-1] >= max_tokens

@@ -47,7 +47,7 @@ from specserve.speculative.catch_up import catch_up
 from specserve.speculative.cycle import SpecCycle
 from specserve.speculative.cycle_runner import CycleRunner
 from specserve.speculative.draft_state import DraftState
-from specserve.speculative.extend_graphs import graph_extends
+from specserve.speculative.extend_graphs import covers, graph_extends
 from specserve.speculative.features import FeatureView
 from specserve.speculative.mixed import ChunksInVerify, takes_trees
 from specserve.speculative.plain_rows import target_rows
@@ -143,9 +143,9 @@ class SpecWorker:
             log.info("speculative graphs: %d for modes %s in %.1f s, %.0f MiB of device memory",
                      self.num_graphs, ", ".join(self.modes), time.perf_counter() - t0,
                      (_device_memory(runner.device) - mem0) / 2**20)
-        if warms(runner):  # eager extends (no graphs) compile now, not inside a step
+        if warms(runner):  # eager extends (past any graphs) compile now, not inside a step
             warm_drafters(runner, {d.method: d.proposer for d in self.stateful
-                                   if getattr(d.proposer, "extend_graphs", None) is None})
+                                   if not covers(d.proposer, self.catch_up_tokens)})
         default = next(iter(self.modes.values()))  # the configured shape
         self.default_mode = default.shape.name
         self.shape, self.cycle, self.cycles = default.shape, default.cycle, default.cycles
