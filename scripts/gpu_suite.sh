@@ -399,7 +399,8 @@ if has policy; then
   # the start-up cost table (its measuring time is in the log) and the GPU spec-policy tests.
   # POLICY_PARTS picks parts (default all but reference) to fit a time limit: on an H100
   # (2026-12-06) the policy tests ~2 min, 0.65 ~8 min (two rounds); pcie: give it a call of
-  # its own; reference (~6 min) trains the reference pair, then sweeps it.
+  # its own; pair ~6 min (three rounds); reference (~6 min) trains the reference pair, then
+  # sweeps it.
   pparts=",${POLICY_PARTS:-tests,0.65,0.3,pcie,pair},"
   # the same table in the model engine (CPU, ~1 min; scripts/simulate_spec_policy.py), its
   # chunk costs those the sweep's adaptive policy learnt: the policy's own losses vs the GPU's
@@ -455,10 +456,12 @@ if has policy; then
   fi
   # real acceptance: the bundled pair on its code prompts
   if [ -d "$pair" ] && ppart pair; then
-    timeout 300 python scripts/bench_spec_policy.py --model "$pair" --load-format auto \
+    # three interleaved rounds: the pair is host-bound, and one round's configurations moved
+    # by up to 30% with the host (2026-12-07: plain 1428 tok/s, forced off 1852 at C=1)
+    timeout 420 python scripts/bench_spec_policy.py --model "$pair" --load-format auto \
       --draft-model "$head" --concurrency 1,16,64 --modes chain3,chain1,chain2,tree4x3x8 \
       --accept-rate 0 --prompts code --prompt-len 128 --output-len 96 --min-requests 8 \
-      --output-len-spread 0.5 --repeats 1 --trace \
+      --output-len-spread 0.5 --repeats 3 --trace \
       --out "$out/policy-pair" --log --exp-dir experiments \
       --label "tiny-code eagle3 policy sweep (real acceptance)" > "$out/policy-pair.log" 2>&1
     echo "policy bundled pair rc=$?"; grep -v "^ " "$out/policy-pair.log" | grep -v INFO | tail -8
