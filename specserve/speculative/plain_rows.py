@@ -51,6 +51,7 @@ def target_rows(worker, rows: StepInput, index: list[int], tokens: list[list[int
         for j, entries in enumerate(prompt_logprobs(runner, rows, hidden) or []):
             prompt_lps[index[j]] = entries
     out = lp = None
+    lp_ks: list[int] = []  # each sampled row's log-probs asked (-1: none)
     if sample_index:
         logits = runner.compute_logits(hidden[sample_rows])
         sub = rows.select(sample_index)
