@@ -266,12 +266,15 @@ def test_extend_graphs_cover_the_budget_or_the_eager_extends_warm(tmp_path) -> N
     from test_spec_fold import _llm
     from tiny_eagle import make_tiny_pair
 
-    from specserve.speculative.extend_graphs import covers
+    from specserve.speculative.extend_graphs import covers, graph_extends
 
     llm = _llm(make_tiny_pair(tmp_path), "cpu", 64)
     try:
-        proposer = llm.engine.drafter.proposer
+        runner, proposer = llm.engine.runner, llm.engine.drafter.proposer
         assert proposer.extend_graphs is None and not covers(proposer, 1)  # CPU: none
+        runner.token_graphs = eager_token_graphs(runner, max_tokens=48, max_rows=8)
+        graph_extends(runner, [proposer], 64, capture=False)  # capped at the target's 48
+        assert covers(proposer, 48) and not covers(proposer, 49)
         assert proposer.graph_extends(64, 8, capture=False)
         assert covers(proposer, 64) and not covers(proposer, 65)
     finally:

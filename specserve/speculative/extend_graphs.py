@@ -16,6 +16,8 @@ bucket holds (more tokens or rows than the largest) runs eagerly.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -26,6 +28,7 @@ from specserve.layers.attention_metadata import AttentionMetadata
 from specserve.worker.token_graphs import TokenGraphs, page_array
 
 VARIANT = "draft extend"
+log = logging.getLogger(__name__)
 
 
 class ExtendGraphs:
@@ -85,14 +88,18 @@ class ExtendGraphs:
                                ids_at=at)[0]
 
 
-def graph_extends(runner, proposers: list, max_tokens: int) -> None:  # noqa: ANN001
+def graph_extends(runner, proposers: list, max_tokens: int,  # noqa: ANN001
+                  capture: bool = True) -> None:
     """Capture the extends of the proposers that offer it (`graph_extends`), over steps of up
     to max_tokens (the catch-ups' pieces; prefill chunks: the scheduler's budget) and as
-    many rows as the runner's token graphs."""
+    many rows as the runner's token graphs (capture False: their eager form, CPU tests)."""
     tokens = min(runner.token_graphs.buckets[-1], max_tokens)
+    rows = runner.config.scheduler.max_num_seqs
     for p in proposers:
-        if hasattr(p, "graph_extends"):
-            p.graph_extends(tokens, runner.config.scheduler.max_num_seqs)
+        t0 = time.perf_counter()
+        if hasattr(p, "graph_extends") and p.graph_extends(tokens, rows, capture):
+            log.info("drafter extend graphs: %d token buckets up to %d tokens in %.1f s",
+                     len(p.extend_graphs.graphs.buckets), tokens, time.perf_counter() - t0)
 
 
 def covers(proposer, max_tokens: int) -> bool:  # noqa: ANN001
