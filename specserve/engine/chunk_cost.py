@@ -94,6 +94,12 @@ class ChunkCost:
             for i, v in enumerate(point):
                 acc[i] = acc[i] * self.decay + v
 
+    def forget_chunks(self, kind: str) -> None:
+        """Drop the mean chunk the kind's (and its group's) steps measured: it stood for another
+        load; until its steps carry chunks again, mean_chunk reads the recent steps'."""
+        self.chunks.pop(kind, None)
+        self.group_chunks.pop(self.group(kind), None)
+
     def ratio(self, kind: str) -> float:
         """Measured over prior extra of the kind's group (decayed; one pseudo-step at 1)."""
         w, wr = self.ratios.get(self.group(kind), (0.0, 0.0))

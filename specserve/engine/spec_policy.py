@@ -105,6 +105,7 @@ class AdaptivePolicy(GoodputModel):
         self.family_run = dict.fromkeys(self.families, -1)
         self.mode_run: dict[str, int] = {}  # step each mode last ran (observed)
         self.tried: set[str] = set()  # modes given a trial dwell (see _trial)
+        self.off_tried = -10**9  # step of the last trial dwell off (see _off_trial)
         self.last_scores: dict[str, float] = {}
         self.scored_at, self.scored_ids = -1, []  # the step (and requests) last scored
         self._prev: str | None = None  # the last observed step's mode ("off" for off)
@@ -230,6 +231,26 @@ class AdaptivePolicy(GoodputModel):
                  and m not in self.tried and scores[m] >= (1.0 - self.probe_margin) * scores[key]]
         return max(fresh, key=scores.get) if fresh else None
 
+    def _off_trial(self, scores: dict[str, float], key: str, b: int) -> bool:
+        """A dwell off where off's score rests on mixed steps of another load: off not run
+        within `horizon` steps, its share of mixed steps read at 0.6 or more (b rows), its
+        score within half of `probe_margin` of the current mode, at most once every 4
+        horizons. Plain steps' prompts arrive in waves (rows finish together) and, after a
+        decode launched ahead, wait a step and join the next: their chunks grow with the
+        load, and a mean chunk measured at a light load prices nearly every plain step as
+        mixed at a heavy one (the bundled pair's model engine at C = 128: off read a share
+        of 1.0 and scored 0.93x the tree, where 0.28 of its steps were mixed, 4 prompts a
+        chunk, and it ran 1.33x the tree; the policy stayed on the tree: 0.73-0.74 of the
+        best at two of four seeds, 0.99-1.0 with the trial). One dwell measures its chunks at
+        this load; a share under 0.6 is one a plain step can have, so no trial there."""
+        if key == "off" or self.ran_lately("off") or not self.chunk_cost.mean_tokens:
+            return False
+        if self.steps - self.off_tried < 4 * self.horizon:
+            return False
+        if self.share_of("off", float(b), self.prompt_per_output()) < 0.6:
+            return False
+        return scores["off"] >= (1.0 - self.probe_margin / 2) * scores[key]
+
     def choose(self, decoding: list[str], others: int = 0, behind: int = 0) -> str | None:
         mode = self._choose(decoding, others, behind)
         if self.trace is not None:
@@ -303,6 +324,11 @@ class AdaptivePolicy(GoodputModel):
             self.tried.add(trial)
             self.since_switch, self.switch_batch = 0, b
             self.current = trial
+        elif self.since_switch >= self.dwell and self._off_trial(scores, key, b):
+            self.off_tried = self.steps
+            self.chunk_cost.forget_chunks("off")  # the dwell's own steps measure them anew
+            self.since_switch, self.switch_batch = 0, b
+            self.current = None
         return self.current
 
     def observe(self, mode: str | None, accepted: dict[str, int], seconds: float | None,
@@ -324,8 +350,8 @@ class AdaptivePolicy(GoodputModel):
             return
         key = "off" if mode is None else mode
         prev, self._prev = self._prev, key
+        self.mode_run[key] = self.steps
         if mode is not None:
-            self.mode_run[mode] = self.steps
             method, topk, steps = self.modes[mode]
             # a tree's chain runs keep its chains' acceptance fresh: no probe needed for it
             for fam in {(method, topk), (method, 1 if chain_runs else topk)} & self.families:
